@@ -1,0 +1,136 @@
+"""Long-prompt generation on the embedded SmolLM2 (or any model models.load takes).
+
+    python examples/generate.py                      # a ~1K-token built-in document + question
+    python examples/generate.py --prompt-file doc.txt --max-tokens 200
+    cat doc.txt | python examples/generate.py --prompt-file -
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import models  # noqa: E402  (loads OpenBLAS before mlx)
+import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import stream_generate  # noqa: E402
+from mlx_lm.sample_utils import make_sampler  # noqa: E402
+
+from kvfn.blas import loaded_openblas  # noqa: E402
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", help="a .gguf file or mlx-lm folder (default: embedded SmolLM2)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from a file ('-' for stdin)")
+    p.add_argument("--context-tokens", type=positive_int, default=1000,
+                   help="size of the built-in document when no prompt is given (default 1000)")
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--max-tokens", type=positive_int, default=100)
+    p.add_argument("--temp", type=non_negative_float, default=0.0)
+    p.add_argument("--top-p", type=probability, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=probability, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-step-size", type=positive_int, default=512)
+    p.add_argument("--quiet", action="store_true", help="print only the report, not the text")
+    args = p.parse_args(argv)
+    if args.top_k < 0:
+        p.error(f"argument --top-k: must be >= 0, got {args.top_k}")
+    return args
+
+
+def builtin_document(tokenizer, n_tokens: int) -> str:
+    """English reference text from the standard library, cut to about n_tokens tokens."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in ("for", "while", "if", "try", "with", "compound"))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    while len(ids) < n_tokens:
+        ids = ids + ids
+    return tokenizer.decode(ids[:n_tokens])
+
+
+def read_prompt(args, tokenizer) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file == "-":
+        return sys.stdin.read()
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise SystemExit(f"error: --prompt-file {args.prompt_file!r}: no such file")
+        return path.read_text()
+    doc = builtin_document(tokenizer, args.context_tokens)
+    return f"{doc}\n\nIn two sentences, what does the text above explain?"
+
+
+def encode(tokenizer, text: str, raw: bool) -> list[int]:
+    if raw or not tokenizer.has_chat_template:
+        return tokenizer.encode(text)
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+def progress(done: int, total: int) -> None:
+    print(f"\rprefill {done}/{total} tokens", end="", file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    mx.random.seed(args.seed)
+    try:
+        model, tokenizer = models.load(args.model)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: --model: {e}")
+    tokens = encode(tokenizer, read_prompt(args, tokenizer), args.no_chat_template)
+    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+    mx.reset_peak_memory()
+    text, last = "", None
+    for last in stream_generate(
+        model, tokenizer, tokens, max_tokens=args.max_tokens, sampler=sampler,
+        prefill_step_size=args.prefill_step_size, prompt_progress_callback=progress,
+    ):
+        if not args.quiet:
+            if not text:
+                print(file=sys.stderr)
+            print(last.text, end="", flush=True)
+        text += last.text
+    report = {
+        "prompt_tokens": last.prompt_tokens,
+        "prefill_tokens_per_s": round(last.prompt_tps, 1),
+        "generated_tokens": last.generation_tokens,
+        "decode_tokens_per_s": round(last.generation_tps, 1),
+        "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3),
+        "blas": loaded_openblas() or "bundled",
+    }
+    print("\n" + "\n".join(f"{k}: {v}" for k, v in report.items()))
+    report["text"] = text
+    return report
+
+
+if __name__ == "__main__":
+    main()

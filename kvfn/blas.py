@@ -1,0 +1,60 @@
+"""Put OpenBLAS in front of the reference BLAS that the Linux mlx-cpu wheel bundles.
+
+The wheel links the netlib reference BLAS (matmuls ~30-50x slower than OpenBLAS on x86-64).
+Loading OpenBLAS with RTLD_GLOBAL before ``mlx.core`` is imported makes the dynamic linker
+resolve ``sgemm_`` and friends to it. This module must not import mlx.
+"""
+
+import ctypes
+import os
+import sys
+
+CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+)
+DISABLE_VAR = "KVFN_OPENBLAS"
+
+_loaded: str | None = None
+
+
+def openblas_path() -> str | None:
+    """The OpenBLAS library that would be loaded, or None (not Linux, none installed, disabled)."""
+    if not sys.platform.startswith("linux") or os.environ.get(DISABLE_VAR, "1") == "0":
+        return None
+    explicit = os.environ.get(DISABLE_VAR)
+    if explicit and explicit != "1":
+        if not os.path.exists(explicit):
+            raise FileNotFoundError(f"{DISABLE_VAR}={explicit!r}: no such library")
+        return explicit
+    return next((p for p in CANDIDATES if os.path.exists(p)), None)
+
+
+def use_openblas() -> str | None:
+    """Load OpenBLAS globally if it helps and is possible; returns the path loaded or None.
+
+    Set ``KVFN_OPENBLAS=0`` to keep the bundled BLAS, or to a path to pick a library.
+    Too late once ``mlx.core`` is imported: then nothing is loaded and None is returned.
+    """
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    path = openblas_path()
+    if path is None or "mlx.core" in sys.modules:
+        return None
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    _loaded = path
+    return path
+
+
+def loaded_openblas() -> str | None:
+    """The OpenBLAS library mapped into this process (by kvfn, LD_PRELOAD or otherwise), if any."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "openblas" in line}
+    except OSError:
+        return _loaded
+    return min(paths) if paths else None

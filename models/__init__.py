@@ -1,0 +1,10 @@
+"""Model loading for kvfn: the embedded SmolLM2, llama-family GGUF files, mlx-lm folders."""
+
+from kvfn.blas import use_openblas
+
+use_openblas()  # before mlx.core is imported anywhere below
+
+from .gguf import GGUFError, read_header  # noqa: E402
+from .load import embedded_model_path, load, load_gguf  # noqa: E402
+
+__all__ = ["GGUFError", "embedded_model_path", "load", "load_gguf", "read_header"]

@@ -1,0 +1,44 @@
+import pytest
+
+from examples import generate
+
+
+def test_example_runs_end_to_end(capsys):
+    report = generate.main(["--context-tokens", "120", "--max-tokens", "5", "--quiet"])
+    assert report["prompt_tokens"] > 120
+    assert report["generated_tokens"] == 5 and report["text"]
+    assert report["prefill_tokens_per_s"] > 0 and report["decode_tokens_per_s"] > 0
+    assert report["peak_memory_gb"] > 0
+    out = capsys.readouterr()
+    assert "prompt_tokens:" in out.out and "prefill" in out.err
+
+
+def test_example_reads_prompt_from_stdin(monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?"))
+    report = generate.main(["--prompt-file", "-", "--max-tokens", "8", "--quiet"])
+    assert "Paris" in report["text"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-tokens", "0"], "--max-tokens: must be a positive integer, got 0"),
+        (["--temp", "-1"], "--temp: must be >= 0, got -1.0"),
+        (["--top-p", "1.5"], "--top-p: must be in [0, 1], got 1.5"),
+        (["--top-k", "-3"], "--top-k: must be >= 0, got -3"),
+        (["--prompt", "x", "--prompt-file", "y"], "not allowed with argument"),
+    ],
+)
+def test_example_rejects_bad_flags(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        generate.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_example_rejects_missing_files(tmp_path):
+    with pytest.raises(SystemExit, match="--prompt-file .*no such file"):
+        generate.main(["--prompt-file", str(tmp_path / "nope.txt")])
+    with pytest.raises(SystemExit, match="--model: no such model file"):
+        generate.main(["--model", str(tmp_path / "nope.gguf"), "--prompt", "hi"])
