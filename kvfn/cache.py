@@ -216,3 +216,36 @@ def flatten(state: State) -> tuple[dict, tuple]:
 def unflatten(arrays: dict, static: tuple) -> State:
     (window,) = static
     return State(**arrays, window=window)
+
+
+@typechecked
+def restrict(state: State, keep_indices: mx.array) -> State:
+    """Mask, without moving anything, every slot not in ``keep_indices`` (B, n_kv_heads, k): the
+    state attends exactly as ``evict(state, keep_indices)`` would (the exactness oracle)."""
+    _check(state)
+    chex.assert_shape(keep_indices, (*state.keys.shape[:2], None))
+    slots = mx.arange(state.capacity, dtype=mx.int32)
+    kept = mx.any(keep_indices[..., :, None] == slots, axis=-2)
+    return state.replace(positions=mx.where(kept, state.positions, EMPTY))
+
+
+@typechecked
+def stack(states: list[State]) -> State:
+    """One batch from per-sequence states of the same layer (e.g. prompts of different lengths
+    compacted alone). Shorter ones get EMPTY slots, so all write their next row at one slot."""
+    if not states:
+        raise ValueError("stack needs at least one state")
+    windows = {s.window for s in states}
+    if len(windows) > 1:
+        raise ValueError(f"cannot stack layers with different windows {sorted(windows, key=str)}")
+    capacity = max(s.capacity for s in states)
+    rows = mx.max(mx.stack([s.rows for s in states]))
+    padded = [reserve(s, capacity) for s in states]
+    return State(
+        keys=mx.concatenate([s.keys for s in padded]),
+        values=mx.concatenate([s.values for s in padded]),
+        positions=mx.concatenate([s.positions for s in padded]),
+        offset=mx.concatenate([s.offset for s in padded]),
+        rows=rows,
+        window=states[0].window,
+    )

@@ -209,6 +209,7 @@ class FunctionalModel:
 
             return step
 
+        tokens = tokens.astype(mx.int32)  # argmax gives uint32: one dtype, one trace
         logits, new = self._compiled_step(("decode", static), build)(tokens, list(flat))
         return logits, tuple(map(kv.unflatten, new, static))
 
@@ -228,6 +229,7 @@ class FunctionalModel:
 
             return step
 
+        tokens = tokens.astype(mx.int32)
         out = self._compiled_step(key, build)(tokens, list(flat), list(scores or []))
         new_states = tuple(map(kv.unflatten, out[1], static))
         return (out[0], new_states, tuple(out[2])) if scoring else (out[0], new_states)

@@ -1,0 +1,157 @@
+"""Laws of the pure state functions, checked with hypothesis on small random states."""
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfn import cache as kv
+
+SETTINGS = settings(max_examples=40, deadline=None)
+
+
+def full_state(B, H, N, D=4, capacity=None, seed=0):
+    mx.random.seed(seed)
+    k, v = mx.random.normal((B, H, N, D)), mx.random.normal((B, H, N, D))
+    s = kv.update(kv.init(B, H, D, capacity or N), k, v)
+    return s
+
+
+def logically_equal(a: kv.State, b: kv.State) -> bool:
+    """Same rows attended in the same way: positions, offset and the valid keys/values."""
+    if a.window != b.window or a.capacity != b.capacity:
+        return False
+    pa, pb = np.array(a.positions), np.array(b.positions)
+    valid = pa != kv.EMPTY
+    return (
+        np.array_equal(pa, pb)
+        and np.array_equal(np.array(a.offset), np.array(b.offset))
+        and np.array_equal(np.array(a.keys)[valid], np.array(b.keys)[valid])
+        and np.array_equal(np.array(a.values)[valid], np.array(b.values)[valid])
+    )
+
+
+def random_keep(rng, B, H, N, k):
+    return mx.array(np.sort(np.stack([[rng.choice(N, k, replace=False) for _ in range(H)] for _ in range(B)]), -1))
+
+
+dims = st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(1, 12), st.integers(1, 5))
+
+
+@SETTINGS
+@given(dims)
+def test_trim_undoes_update(d):
+    B, H, N, n = d
+    s = full_state(B, H, N, capacity=N + n)
+    k = mx.random.normal((B, H, n, 4))
+    assert logically_equal(kv.trim(kv.update(s, k, k), n), s)
+    assert kv.trim(kv.update(s, k, k), n).rows.item() == s.rows.item()
+
+
+@SETTINGS
+@given(dims)
+def test_evict_with_every_index_is_identity(d):
+    B, H, N, _ = d
+    s = full_state(B, H, N)
+    every = mx.broadcast_to(mx.arange(N), (B, H, N))
+    assert logically_equal(kv.evict(s, every), s)
+
+
+@SETTINGS
+@given(dims, st.integers(0, 2**16), st.one_of(st.none(), st.integers(1, 6)))
+def test_mask_is_causal_over_kept_true_positions(d, seed, window):
+    B, H, N, n = d
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, N + 1))
+    s = dataclasses.replace(full_state(B, H, N, capacity=N + n), window=window)
+    s = kv.evict(s, random_keep(rng, B, H, N, k))
+    s = kv.update(kv.reserve(s, k + n), *(2 * [mx.zeros((B, H, n, 4))]))
+    got = np.array(kv.mask(s, n))
+    pos = np.array(s.positions)
+    q = np.array(s.offset)[:, None] - n + np.arange(n)
+    for b in range(B):
+        for h in range(H):
+            for i in range(n):
+                for j in range(s.capacity):
+                    ok = pos[b, h, j] != kv.EMPTY and pos[b, h, j] <= q[b, i]
+                    ok = ok and (window is None or pos[b, h, j] > q[b, i] - window)
+                    assert got[b, h, i, j] == ok
+
+
+@SETTINGS
+@given(dims, st.integers(0, 2**16))
+def test_prefix_trim_commutes_with_eviction(d, seed):
+    """Keeping positions < L of a compacted state = compacting what a prefix trim left."""
+    B, H, N, _ = d
+    rng = np.random.default_rng(seed)
+    length = int(rng.integers(0, N + 1))
+    s = full_state(B, H, N)
+    keep = random_keep(rng, B, H, N, int(rng.integers(1, N + 1)))
+    a = kv.prefix_trim(kv.evict(s, keep), length)
+    b = kv.evict(kv.prefix_trim(s, length), keep)
+    assert logically_equal(a, b)
+    assert np.all(np.array(a.offset) == min(length, N))
+    kept = np.array(a.positions)
+    assert np.all((kept == kv.EMPTY) | (kept < length))
+
+
+def test_trim_of_generated_rows_restores_the_compacted_state():
+    s = full_state(1, 2, 10)
+    compacted = kv.reserve(kv.evict(s, mx.array([[[0, 3, 8, 9], [1, 2, 8, 9]]])), 7)
+    grown = compacted
+    for _ in range(3):
+        grown = kv.update(grown, mx.ones((1, 2, 1, 4)), mx.ones((1, 2, 1, 4)))
+    assert np.array(grown.positions)[0, 0, :7].tolist() == [0, 3, 8, 9, 10, 11, 12]
+    assert logically_equal(kv.trim(grown, 3), compacted)
+    # past the generated rows, only the retained rows with those positions go
+    trimmed = kv.trim(grown, 5)
+    assert np.array(trimmed.positions)[0, :, :4].tolist() == [[0, 3, 2**31 - 1, 2**31 - 1], [1, 2, 2**31 - 1, 2**31 - 1]]
+    assert trimmed.offset.item() == 8 and trimmed.rows.item() == 2
+
+
+def test_restrict_masks_exactly_the_evicted_slots():
+    s = full_state(1, 2, 6)
+    keep = mx.array([[[0, 4], [2, 5]]])
+    r = kv.restrict(s, keep)
+    assert np.array(r.positions).tolist() == [[[0, kv.EMPTY, kv.EMPTY, kv.EMPTY, 4, kv.EMPTY],
+                                               [kv.EMPTY, kv.EMPTY, 2, kv.EMPTY, kv.EMPTY, 5]]]  # fmt: skip
+
+
+def test_functions_do_not_mutate_their_input():
+    s = full_state(1, 2, 5, capacity=8)
+    snapshot = {f: np.array(getattr(s, f)) for f in kv.ARRAY_FIELDS}
+    k = mx.ones((1, 2, 2, 4))
+    for out in (kv.update(s, k, k), kv.trim(s, 2), kv.prefix_trim(s, 1), kv.reserve(s, 9),
+                kv.evict(s, mx.array([[[0, 1], [2, 3]]])), kv.restrict(s, mx.array([[[0], [1]]]))):  # fmt: skip
+        assert out is not s
+    kv.mask(s, 2)
+    for f, before in snapshot.items():
+        assert np.array_equal(np.array(getattr(s, f)), before), f
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.rows = mx.array(0)
+
+
+def test_stack_pads_shorter_sequences_with_empty_slots():
+    a, b = full_state(1, 2, 3, capacity=5), full_state(1, 2, 6, capacity=8, seed=1)
+    s = kv.stack([a, b])
+    assert s.keys.shape == (2, 2, 8, 4) and s.rows.item() == 6
+    assert np.array(s.offset).tolist() == [3, 6]
+    assert np.array(s.positions)[0, 0].tolist() == [0, 1, 2] + [kv.EMPTY] * 5
+
+
+def test_flatten_round_trip_and_bad_input():
+    s = dataclasses.replace(full_state(1, 1, 3), window=4)
+    arrays, static = kv.flatten(s)
+    assert all(isinstance(v, mx.array) for v in arrays.values())
+    assert logically_equal(kv.unflatten(arrays, static), s)
+    with pytest.raises(ValueError, match="capacity must be >= 0, got -1"):
+        kv.init(1, 1, 4, -1)
+    with pytest.raises(ValueError, match="trim needs n >= 0, got -2"):
+        kv.trim(s, -2)
+    with pytest.raises(ValueError, match="reserve cannot shrink capacity 3 to 1"):
+        kv.reserve(s, 1)
+    with pytest.raises(AssertionError):
+        kv.update(s, mx.ones((1, 2, 1, 4)), mx.ones((1, 2, 1, 4)))  # wrong head count
