@@ -1,0 +1,107 @@
+"""A compacted state in mlx-lm's own generate, speculative decoding, and prompt-cache files."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step, stream_generate
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache, make_prompt_cache, save_prompt_cache
+
+from kvfn import cache as kv
+from kvfn.interop import CompactedKVCache, from_mlx_cache, load_prompt_cache, to_mlx_cache
+from models.compact import compact_prompt_cache
+from models.wrapper import FunctionalModel
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def compacted(smollm2):
+    model, tokenizer = smollm2
+    fm = FunctionalModel(model)
+    text = "Paris is the capital of France. " * 10 + "Berlin is the capital of Germany. " * 10
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text + "What is the capital of France?"}], add_generation_prompt=True
+    )
+    states, _ = compact_prompt_cache(fm, ids, budget=64, window=16, max_new_tokens=STEPS)
+    token, ours = mx.array([[ids[-1]]]), []
+    decoded = states
+    for _ in range(STEPS):
+        logits, decoded = fm.decode(token, decoded)
+        token = mx.argmax(logits, -1)[:, None]
+        ours.append(token.item())
+    return fm, ids, states, ours
+
+
+def mlx_lm_tokens(model, last, caches, **kw):
+    steps = generate_step(mx.array([last]), model, prompt_cache=caches, max_tokens=STEPS, **kw)
+    return [int(t) for t, _ in steps]
+
+
+def test_mlx_lm_generate_from_a_compacted_cache(smollm2, compacted):
+    model, _ = smollm2
+    _, ids, states, ours = compacted
+    caches = to_mlx_cache(states)
+    assert caches[0].offset == len(ids) - 1 and caches[0].size() == 64
+    assert mlx_lm_tokens(model, ids[-1], caches) == ours
+    assert caches[0].offset >= len(ids) - 1 + STEPS  # generate_step runs one step ahead
+
+
+def test_prompt_cache_file_round_trip(smollm2, compacted, tmp_path):
+    model, _ = smollm2
+    _, ids, states, ours = compacted
+    path = str(tmp_path / "prompt.safetensors")
+    save_prompt_cache(path, to_mlx_cache(states), metadata={"kvfn": "snapkv"})
+    loaded, meta = load_prompt_cache(path, return_metadata=True)
+    assert meta["kvfn"] == "snapkv"
+    assert all(type(c) is CompactedKVCache for c in loaded)
+    assert loaded[5].offset == len(ids) - 1 and loaded[5].size() == 64
+    assert np.array_equal(np.array(loaded[5].positions), np.array(states[5].positions)[:, :, :64])
+    back = from_mlx_cache(loaded, capacity=64 + STEPS + 1)
+    assert np.array_equal(np.array(back[7].positions), np.array(states[7].positions))
+    assert mlx_lm_tokens(model, ids[-1], loaded) == ours
+
+
+def test_speculative_decoding_gives_the_same_greedy_tokens(smollm2, compacted):
+    model, tokenizer = smollm2
+    _, ids, states, ours = compacted
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                           vocab_size=model.args.vocab_size)  # fmt: skip
+    mx.random.seed(0)
+    draft = llama.Model(args)  # a poor draft: most proposals are rejected and rolled back
+    draft_cache = make_prompt_cache(draft)
+    draft(mx.array([ids[:-1]]), cache=draft_cache)
+    caches = to_mlx_cache(states) + draft_cache
+    out = [
+        r.token
+        for r in stream_generate(model, tokenizer, mx.array([ids[-1]]), max_tokens=STEPS,
+                                 draft_model=draft, prompt_cache=caches, num_draft_tokens=3)  # fmt: skip
+    ]
+    eos = tokenizer.eos_token_id
+    assert out == (ours[: ours.index(eos) + 1] if eos in ours else ours)  # stops at EOS
+    assert len(out) >= 6
+
+
+def test_trim_removes_only_a_contiguous_tail():
+    s = kv.from_full(mx.ones((1, 1, 6, 2)), mx.ones((1, 1, 6, 2)))
+    s = kv.evict(s, mx.array([[[0, 1, 4, 5]]]))
+    (c,) = to_mlx_cache([s])
+    c.update_and_fetch(mx.ones((1, 1, 2, 2)), mx.ones((1, 1, 2, 2)))
+    assert c.contiguous_tail() == 4 and c.offset == 8
+    assert c.trim(1) == 1 and c.offset == 7 and c.size() == 5
+    assert c.trim(10) == 3 and c.offset == 4 and c.size() == 2  # rows 0, 1 stay: 2, 3 were evicted
+
+
+def test_interop_rejects_what_mlx_lm_cannot_hold():
+    s = kv.from_full(mx.ones((2, 1, 3, 2)), mx.ones((2, 1, 3, 2)))
+    with pytest.raises(ValueError, match="batch size 1, got 2"):
+        to_mlx_cache([s])
+    holes = kv.restrict(kv.from_full(mx.ones((1, 2, 3, 2)), mx.ones((1, 2, 3, 2))), mx.array([[[0, 2], [1, 2]]]))
+    with pytest.raises(ValueError, match="empty rows among its first 3"):
+        to_mlx_cache([holes])
+    with pytest.raises(TypeError, match="cannot convert a str"):
+        from_mlx_cache(["not a cache"])
+    plain = KVCache()
+    plain.update_and_fetch(mx.ones((1, 1, 3, 2)), mx.ones((1, 1, 3, 2)))
+    assert from_mlx_cache([plain])[0].offset.item() == 3
