@@ -18,6 +18,9 @@ from mlx_lm.generate import stream_generate  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 from kvfn.blas import loaded_openblas  # noqa: E402
+from kvfn.interop import to_mlx_cache  # noqa: E402
+from models.compact import compact_prompt_cache  # noqa: E402
+from models.wrapper import FunctionalModel  # noqa: E402
 
 
 def positive_int(text: str) -> int:
@@ -41,6 +44,13 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", help="a .gguf file or mlx-lm folder (default: embedded SmolLM2)")
@@ -58,9 +68,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-step-size", type=positive_int, default=512)
     p.add_argument("--quiet", action="store_true", help="print only the report, not the text")
+    kv = p.add_argument_group("KV-cache eviction (off unless --kv-eviction snapkv)")
+    kv.add_argument("--kv-eviction", choices=("none", "snapkv"), default="none")
+    kv.add_argument("--kv-budget", type=positive_int, default=512, help="rows kept per layer and head")
+    kv.add_argument("--kv-window", type=positive_int, default=32, help="observation window (recent rows)")
+    kv.add_argument("--kv-sink-tokens", type=non_negative_int, default=4)
+    kv.add_argument("--kv-min-tokens", type=non_negative_int, default=0,
+                    help="prompts this short are never compacted")
     args = p.parse_args(argv)
     if args.top_k < 0:
         p.error(f"argument --top-k: must be >= 0, got {args.top_k}")
+    if args.kv_eviction == "snapkv" and args.kv_budget < args.kv_sink_tokens + args.kv_window:
+        p.error(f"argument --kv-budget: {args.kv_budget} is below --kv-sink-tokens + --kv-window "
+                f"= {args.kv_sink_tokens} + {args.kv_window}")
     return args
 
 
@@ -99,6 +119,24 @@ def progress(done: int, total: int) -> None:
     print(f"\rprefill {done}/{total} tokens", end="", file=sys.stderr, flush=True)
 
 
+def compact(model, tokens: list[int], args) -> tuple:
+    """SnapKV-compact all but the last prompt token; mlx-lm then decodes from the last one."""
+    start = time.perf_counter()
+    states, result = compact_prompt_cache(
+        FunctionalModel(model), tokens, budget=args.kv_budget, window=args.kv_window,
+        sink_tokens=args.kv_sink_tokens, min_tokens=args.kv_min_tokens,
+        max_new_tokens=args.max_tokens, prefill_step_size=args.prefill_step_size,
+        progress=progress,
+    )
+    seconds = time.perf_counter() - start
+    report = {
+        "prefill_tokens_per_s": round((len(tokens) - 1) / seconds, 1),
+        "kv_rows_kept": f"{result.total_rows_after} / {result.total_rows_before}",
+        "kv_bytes": f"{result.total_bytes_before / 1e6:.1f} MB -> {result.total_bytes_after / 1e6:.1f} MB",
+    }
+    return mx.array(tokens[-1:]), {"prompt_cache": to_mlx_cache(states)}, report
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     mx.random.seed(args.seed)
@@ -109,10 +147,13 @@ def main(argv=None) -> dict:
     tokens = encode(tokenizer, read_prompt(args, tokenizer), args.no_chat_template)
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     mx.reset_peak_memory()
-    text, last = "", None
+    text, last, eviction = "", None, {}
+    prompt, extra = tokens, {}
+    if args.kv_eviction == "snapkv":
+        prompt, extra, eviction = compact(model, tokens, args)
     for last in stream_generate(
-        model, tokenizer, tokens, max_tokens=args.max_tokens, sampler=sampler,
-        prefill_step_size=args.prefill_step_size, prompt_progress_callback=progress,
+        model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=sampler,
+        prefill_step_size=args.prefill_step_size, prompt_progress_callback=progress, **extra,
     ):
         if not args.quiet:
             if not text:
@@ -120,12 +161,13 @@ def main(argv=None) -> dict:
             print(last.text, end="", flush=True)
         text += last.text
     report = {
-        "prompt_tokens": last.prompt_tokens,
-        "prefill_tokens_per_s": round(last.prompt_tps, 1),
+        "prompt_tokens": len(tokens),
+        "prefill_tokens_per_s": eviction.pop("prefill_tokens_per_s", round(last.prompt_tps, 1)),
         "generated_tokens": last.generation_tokens,
         "decode_tokens_per_s": round(last.generation_tps, 1),
         "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3),
         "blas": loaded_openblas() or "bundled",
+        **eviction,
     }
     print("\n" + "\n".join(f"{k}: {v}" for k, v in report.items()))
     report["text"] = text

@@ -1,6 +1,6 @@
 """compact_prompt_cache: scored chunked prefill, SnapKV selection and eviction."""
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 from typeguard import typechecked
@@ -25,6 +25,7 @@ def prefill(
     prefill_step_size: int = 512,
     score_window: int = 0,
     dtype: mx.Dtype = mx.float32,
+    progress: Optional[Callable[[int, int], None]] = None,
 ) -> tuple:
     """Prefill ``tokens`` (B, n) in compiled chunks into fresh states of ``capacity`` rows.
 
@@ -48,6 +49,8 @@ def prefill(
         else:
             _, states = fmodel.prefill(tokens[:, start:stop], states)
         mx.eval(states, scores)
+        if progress is not None:
+            progress(stop, n)
     return (states, tuple(scores)) if score_window else states
 
 
@@ -67,6 +70,7 @@ def compact_prompt_cache(
     max_new_tokens: int = 256,
     prefill_step_size: int = 512,
     dtype: mx.Dtype = mx.float32,
+    progress: Optional[Callable[[int, int], None]] = None,
 ) -> tuple[tuple, EvictionResult]:
     """Prefill all but the last prompt token with scoring, keep a SnapKV budget of rows in every
     full-attention layer, and reserve room for ``max_new_tokens``. The caller decodes from the
@@ -82,7 +86,8 @@ def compact_prompt_cache(
     P = context.shape[1]
     scored = not cfg.keeps_whole(P)
     out = prefill(fmodel, context, capacity=P, prefill_step_size=prefill_step_size,
-                  score_window=min(window, P) if scored else 0, dtype=dtype)  # fmt: skip
+                  score_window=min(window, P) if scored else 0, dtype=dtype,
+                  progress=progress)  # fmt: skip
     states, scores = out if scored else (out, None)
     keep = [
         None

@@ -42,3 +42,18 @@ def test_example_rejects_missing_files(tmp_path):
         generate.main(["--prompt-file", str(tmp_path / "nope.txt")])
     with pytest.raises(SystemExit, match="--model: no such model file"):
         generate.main(["--model", str(tmp_path / "nope.gguf"), "--prompt", "hi"])
+
+
+def test_example_compacts_with_snapkv(capsys):
+    report = generate.main(["--context-tokens", "300", "--max-tokens", "4", "--quiet",
+                            "--kv-eviction", "snapkv", "--kv-budget", "64", "--kv-window", "8"])  # fmt: skip
+    rows_after, rows_before = map(int, report["kv_rows_kept"].split(" / "))
+    assert rows_after == 30 * 64 and rows_before == 30 * (report["prompt_tokens"] - 1)  # per layer
+    assert report["generated_tokens"] == 4
+    assert "kv_bytes:" in capsys.readouterr().out
+
+
+def test_example_rejects_a_budget_below_sinks_and_window(capsys):
+    with pytest.raises(SystemExit):
+        generate.parse_args(["--kv-eviction", "snapkv", "--kv-budget", "10", "--kv-window", "8"])
+    assert "--kv-budget: 10 is below --kv-sink-tokens + --kv-window = 4 + 8" in capsys.readouterr().err
