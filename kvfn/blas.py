@@ -54,7 +54,7 @@ def loaded_openblas() -> str | None:
     """The OpenBLAS library mapped into this process (by kvfn, LD_PRELOAD or otherwise), if any."""
     try:
         with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "openblas" in line}
+            paths = {line.split()[-1] for line in f if "openblas" in line and "scipy_" not in line}
     except OSError:
         return _loaded
     return min(paths) if paths else None

@@ -249,3 +249,11 @@ def stack(states: list[State]) -> State:
         rows=rows,
         window=states[0].window,
     )
+
+
+def arrays(states) -> list:
+    """Every array of a state or a sequence of states, e.g. for ``mx.eval`` (which does not
+    look inside dataclasses: ``mx.eval(states)`` would evaluate nothing)."""
+    if isinstance(states, State):
+        return list(flatten(states)[0].values())
+    return [a for s in states for a in arrays(s)]

@@ -48,7 +48,7 @@ def prefill(
             )
         else:
             _, states = fmodel.prefill(tokens[:, start:stop], states)
-        mx.eval(states, scores)
+        mx.eval(kv.arrays(states), scores)
         if progress is not None:
             progress(stop, n)
     return (states, tuple(scores)) if score_window else states
@@ -101,5 +101,5 @@ def compact_prompt_cache(
     ]
     states, result = evict_prompt_cache(states, keep)
     states = tuple(kv.reserve(s, s.capacity + max_new_tokens + 1) for s in states)
-    mx.eval(states)
+    mx.eval(kv.arrays(states))
     return states, result

@@ -155,3 +155,9 @@ def test_flatten_round_trip_and_bad_input():
         kv.reserve(s, 1)
     with pytest.raises(AssertionError):
         kv.update(s, mx.ones((1, 2, 1, 4)), mx.ones((1, 2, 1, 4)))  # wrong head count
+
+
+def test_arrays_lists_every_array_for_eval():
+    s = full_state(1, 2, 3)
+    assert len(kv.arrays(s)) == 5 and len(kv.arrays((s, s))) == 10
+    assert all(isinstance(a, mx.array) for a in kv.arrays([s]))

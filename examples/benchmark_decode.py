@@ -1,0 +1,143 @@
+"""Decode-step and scored-prefill benchmark: kvfn vs mlx-lm, side by side in one process.
+
+    python examples/benchmark_decode.py --lengths 512 1024 2048 --budgets 128 256
+
+Per prompt length L and budget R, the median time of one decode step:
+  compacted  kvfn compiled step on a SnapKV-compacted state (R rows kept of L)
+  plain-R    kvfn compiled step on a plain state holding R rows
+  mlx-R      mlx-lm's own eager step over a KVCache of R rows
+  full       kvfn compiled step on the full L-row state;  mlx-full: mlx-lm over L rows
+and, per L, prefill time and peak memory with and without window scoring.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import models  # noqa: E402  (OpenBLAS before mlx)
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from kvfn import cache as kv  # noqa: E402
+from models.compact import compact_prompt_cache, prefill  # noqa: E402
+from models.wrapper import FunctionalModel  # noqa: E402
+
+
+def time_steps(step, steps: int, warmup: int = 3) -> float:
+    """Median seconds of ``step()`` (which must evaluate its own outputs)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def kvfn_decoder(fm, states):
+    box = {"states": states, "token": mx.array([[1]], mx.int32)}
+
+    def step():
+        logits, box["states"] = fm.decode(box["token"], box["states"])
+        mx.eval(logits, kv.arrays(box["states"]))
+
+    return step
+
+
+def mlx_lm_decoder(model, tokens):
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([tokens]), cache=cache))
+    token = mx.array([[1]])
+
+    def step():
+        mx.eval(model(token, cache=cache)[:, -1])
+
+    return step
+
+
+def timed(fn):
+    mx.reset_peak_memory()
+    t = time.perf_counter()
+    out = fn()
+    mx.eval(kv.arrays(out[0] if isinstance(out[0], tuple) else out))
+    return out, time.perf_counter() - t, mx.get_peak_memory()
+
+
+def run(args) -> dict:
+    model, _ = models.load(args.model)
+    fm = FunctionalModel(model)
+    rows, prefills = [], []
+    for L in args.lengths:
+        tokens = mx.random.randint(0, model.args.vocab_size, (L,), key=mx.random.key(L)).tolist()
+        ctx = mx.array([tokens[:-1]])
+        cap = L + args.steps + 8
+        prefill(fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size)  # compile once
+        prefill(fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size, score_window=32)
+        plain, t_plain, m_plain = timed(lambda: prefill(fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size))
+        _, t_scored, m_scored = timed(lambda: prefill(fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size, score_window=32))
+        prefills.append(dict(L=L, plain_s=t_plain, scored_s=t_scored, ratio=t_scored / t_plain,
+                             plain_peak_mb=m_plain / 1e6, scored_peak_mb=m_scored / 1e6))
+        full = kvfn_decoder(fm, plain)
+        t_full = time_steps(full, args.steps)
+        t_mlx_full = time_steps(mlx_lm_decoder(model, tokens[:-1]), args.steps)
+        for R in args.budgets:
+            if R >= L:
+                continue
+            compacted, _ = compact_prompt_cache(fm, tokens, budget=R, window=32,
+                                                max_new_tokens=args.steps + 8,
+                                                prefill_step_size=args.prefill_step_size)
+            small = prefill(fm, mx.array([tokens[:R]]), capacity=R + args.steps + 8)
+            t_c = time_steps(kvfn_decoder(fm, compacted), args.steps)
+            t_p = time_steps(kvfn_decoder(fm, small), args.steps)
+            t_m = time_steps(mlx_lm_decoder(model, tokens[:R]), args.steps)
+            rows.append(dict(L=L, R=R, compacted_ms=t_c * 1e3, plain_R_ms=t_p * 1e3, mlx_R_ms=t_m * 1e3,
+                             full_ms=t_full * 1e3, mlx_full_ms=t_mlx_full * 1e3,
+                             compacted_vs_plain=t_c / t_p, compacted_vs_mlx_R=t_c / t_m,
+                             full_vs_compacted=t_full / t_c))
+    return {"device": str(mx.default_device()), "decode": rows, "prefill": prefills}
+
+
+def table(result: dict) -> str:
+    out = ["| L | R | compacted ms | plain-R ms | mlx-R ms | full ms | mlx-full ms | compacted/plain-R | compacted/mlx-R | full/compacted |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["decode"]:
+        out.append(f"| {r['L']} | {r['R']} | {r['compacted_ms']:.2f} | {r['plain_R_ms']:.2f} | {r['mlx_R_ms']:.2f} | "
+                   f"{r['full_ms']:.2f} | {r['mlx_full_ms']:.2f} | {r['compacted_vs_plain']:.3f} | "
+                   f"{r['compacted_vs_mlx_R']:.3f} | {r['full_vs_compacted']:.3f} |")
+    out += ["", "| L | prefill s | scored prefill s | ratio | peak MB | scored peak MB |", "|---|---|---|---|---|---|"]
+    for p in result["prefill"]:
+        out.append(f"| {p['L']} | {p['plain_s']:.2f} | {p['scored_s']:.2f} | {p['ratio']:.3f} | "
+                   f"{p['plain_peak_mb']:.0f} | {p['scored_peak_mb']:.0f} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", help="a .gguf file or mlx-lm folder (default: embedded SmolLM2)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
+    p.add_argument("--budgets", type=int, nargs="+", default=[128, 256])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--json", help="also write the figures here")
+    args = p.parse_args(argv)
+    for name in ("lengths", "budgets"):
+        bad = [v for v in getattr(args, name) if v < 40]
+        if bad:
+            p.error(f"argument --{name}: values must be >= 40 (window 32 + sinks), got {bad}")
+    if args.steps < 1:
+        p.error(f"argument --steps: must be >= 1, got {args.steps}")
+    result = run(args)
+    print(table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
