@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import models  # noqa: E402  (OpenBLAS before mlx)
+import models  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
@@ -79,41 +79,80 @@ def run(args) -> dict:
         cap = L + args.steps + 8
         prefill(fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size)  # compile once
         prefill(fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size, score_window=32)
-        plain, t_plain, m_plain = timed(lambda: prefill(fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size))
-        _, t_scored, m_scored = timed(lambda: prefill(fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size, score_window=32))
-        prefills.append(dict(L=L, plain_s=t_plain, scored_s=t_scored, ratio=t_scored / t_plain,
-                             plain_peak_mb=m_plain / 1e6, scored_peak_mb=m_scored / 1e6))
+        plain, t_plain, m_plain = timed(
+            lambda: prefill(fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size)
+        )
+        _, t_scored, m_scored = timed(
+            lambda: prefill(
+                fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size, score_window=32
+            )
+        )
+        prefills.append(
+            dict(
+                L=L,
+                plain_s=t_plain,
+                scored_s=t_scored,
+                ratio=t_scored / t_plain,
+                plain_peak_mb=m_plain / 1e6,
+                scored_peak_mb=m_scored / 1e6,
+            )
+        )
         full = kvfn_decoder(fm, plain)
         t_full = time_steps(full, args.steps)
         t_mlx_full = time_steps(mlx_lm_decoder(model, tokens[:-1]), args.steps)
         for R in args.budgets:
             if R >= L:
                 continue
-            compacted, _ = compact_prompt_cache(fm, tokens, budget=R, window=32,
-                                                max_new_tokens=args.steps + 8,
-                                                prefill_step_size=args.prefill_step_size)
+            compacted, _ = compact_prompt_cache(
+                fm,
+                tokens,
+                budget=R,
+                window=32,
+                max_new_tokens=args.steps + 8,
+                prefill_step_size=args.prefill_step_size,
+            )
             small = prefill(fm, mx.array([tokens[:R]]), capacity=R + args.steps + 8)
             t_c = time_steps(kvfn_decoder(fm, compacted), args.steps)
             t_p = time_steps(kvfn_decoder(fm, small), args.steps)
             t_m = time_steps(mlx_lm_decoder(model, tokens[:R]), args.steps)
-            rows.append(dict(L=L, R=R, compacted_ms=t_c * 1e3, plain_R_ms=t_p * 1e3, mlx_R_ms=t_m * 1e3,
-                             full_ms=t_full * 1e3, mlx_full_ms=t_mlx_full * 1e3,
-                             compacted_vs_plain=t_c / t_p, compacted_vs_mlx_R=t_c / t_m,
-                             full_vs_compacted=t_full / t_c))
+            rows.append(
+                dict(
+                    L=L,
+                    R=R,
+                    compacted_ms=t_c * 1e3,
+                    plain_R_ms=t_p * 1e3,
+                    mlx_R_ms=t_m * 1e3,
+                    full_ms=t_full * 1e3,
+                    mlx_full_ms=t_mlx_full * 1e3,
+                    compacted_vs_plain=t_c / t_p,
+                    compacted_vs_mlx_R=t_c / t_m,
+                    full_vs_compacted=t_full / t_c,
+                )
+            )
     return {"device": str(mx.default_device()), "decode": rows, "prefill": prefills}
 
 
 def table(result: dict) -> str:
-    out = ["| L | R | compacted ms | plain-R ms | mlx-R ms | full ms | mlx-full ms | compacted/plain-R | compacted/mlx-R | full/compacted |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| L | R | compacted ms | plain-R ms | mlx-R ms | full ms | mlx-full ms | compacted/plain-R | compacted/mlx-R | full/compacted |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["decode"]:
-        out.append(f"| {r['L']} | {r['R']} | {r['compacted_ms']:.2f} | {r['plain_R_ms']:.2f} | {r['mlx_R_ms']:.2f} | "
-                   f"{r['full_ms']:.2f} | {r['mlx_full_ms']:.2f} | {r['compacted_vs_plain']:.3f} | "
-                   f"{r['compacted_vs_mlx_R']:.3f} | {r['full_vs_compacted']:.3f} |")
-    out += ["", "| L | prefill s | scored prefill s | ratio | peak MB | scored peak MB |", "|---|---|---|---|---|---|"]
+        out.append(
+            f"| {r['L']} | {r['R']} | {r['compacted_ms']:.2f} | {r['plain_R_ms']:.2f} | {r['mlx_R_ms']:.2f} | "
+            f"{r['full_ms']:.2f} | {r['mlx_full_ms']:.2f} | {r['compacted_vs_plain']:.3f} | "
+            f"{r['compacted_vs_mlx_R']:.3f} | {r['full_vs_compacted']:.3f} |"
+        )
+    out += [
+        "",
+        "| L | prefill s | scored prefill s | ratio | peak MB | scored peak MB |",
+        "|---|---|---|---|---|---|",
+    ]
     for p in result["prefill"]:
-        out.append(f"| {p['L']} | {p['plain_s']:.2f} | {p['scored_s']:.2f} | {p['ratio']:.3f} | "
-                   f"{p['plain_peak_mb']:.0f} | {p['scored_peak_mb']:.0f} |")
+        out.append(
+            f"| {p['L']} | {p['plain_s']:.2f} | {p['scored_s']:.2f} | {p['ratio']:.3f} | "
+            f"{p['plain_peak_mb']:.0f} | {p['scored_peak_mb']:.0f} |"
+        )
     return "\n".join(out)
 
 

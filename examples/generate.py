@@ -1,8 +1,8 @@
 """Long-prompt generation on the embedded SmolLM2 (or any model models.load takes).
 
-    python examples/generate.py                      # a ~1K-token built-in document + question
-    python examples/generate.py --prompt-file doc.txt --max-tokens 200
-    cat doc.txt | python examples/generate.py --prompt-file -
+python examples/generate.py                      # a ~1K-token built-in document + question
+python examples/generate.py --prompt-file doc.txt --max-tokens 200
+cat doc.txt | python examples/generate.py --prompt-file -
 """
 
 import argparse
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import models  # noqa: E402  (loads OpenBLAS before mlx)
+import models  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import stream_generate  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
@@ -57,8 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from a file ('-' for stdin)")
-    p.add_argument("--context-tokens", type=positive_int, default=1000,
-                   help="size of the built-in document when no prompt is given (default 1000)")
+    p.add_argument(
+        "--context-tokens",
+        type=positive_int,
+        default=1000,
+        help="size of the built-in document when no prompt is given (default 1000)",
+    )
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--max-tokens", type=positive_int, default=100)
     p.add_argument("--temp", type=non_negative_float, default=0.0)
@@ -70,17 +74,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="print only the report, not the text")
     kv = p.add_argument_group("KV-cache eviction (off unless --kv-eviction snapkv)")
     kv.add_argument("--kv-eviction", choices=("none", "snapkv"), default="none")
-    kv.add_argument("--kv-budget", type=positive_int, default=512, help="rows kept per layer and head")
-    kv.add_argument("--kv-window", type=positive_int, default=32, help="observation window (recent rows)")
+    kv.add_argument(
+        "--kv-budget", type=positive_int, default=512, help="rows kept per layer and head"
+    )
+    kv.add_argument(
+        "--kv-window", type=positive_int, default=32, help="observation window (recent rows)"
+    )
     kv.add_argument("--kv-sink-tokens", type=non_negative_int, default=4)
-    kv.add_argument("--kv-min-tokens", type=non_negative_int, default=0,
-                    help="prompts this short are never compacted")
+    kv.add_argument(
+        "--kv-min-tokens",
+        type=non_negative_int,
+        default=0,
+        help="prompts this short are never compacted",
+    )
     args = p.parse_args(argv)
     if args.top_k < 0:
         p.error(f"argument --top-k: must be >= 0, got {args.top_k}")
     if args.kv_eviction == "snapkv" and args.kv_budget < args.kv_sink_tokens + args.kv_window:
-        p.error(f"argument --kv-budget: {args.kv_budget} is below --kv-sink-tokens + --kv-window "
-                f"= {args.kv_sink_tokens} + {args.kv_window}")
+        p.error(
+            f"argument --kv-budget: {args.kv_budget} is below --kv-sink-tokens + --kv-window "
+            f"= {args.kv_sink_tokens} + {args.kv_window}"
+        )
     return args
 
 
@@ -112,7 +126,9 @@ def read_prompt(args, tokenizer) -> str:
 def encode(tokenizer, text: str, raw: bool) -> list[int]:
     if raw or not tokenizer.has_chat_template:
         return tokenizer.encode(text)
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
 
 
 def progress(done: int, total: int) -> None:
@@ -123,9 +139,14 @@ def compact(model, tokens: list[int], args) -> tuple:
     """SnapKV-compact all but the last prompt token; mlx-lm then decodes from the last one."""
     start = time.perf_counter()
     states, result = compact_prompt_cache(
-        FunctionalModel(model), tokens, budget=args.kv_budget, window=args.kv_window,
-        sink_tokens=args.kv_sink_tokens, min_tokens=args.kv_min_tokens,
-        max_new_tokens=args.max_tokens, prefill_step_size=args.prefill_step_size,
+        FunctionalModel(model),
+        tokens,
+        budget=args.kv_budget,
+        window=args.kv_window,
+        sink_tokens=args.kv_sink_tokens,
+        min_tokens=args.kv_min_tokens,
+        max_new_tokens=args.max_tokens,
+        prefill_step_size=args.prefill_step_size,
         progress=progress,
     )
     seconds = time.perf_counter() - start
@@ -152,8 +173,14 @@ def main(argv=None) -> dict:
     if args.kv_eviction == "snapkv":
         prompt, extra, eviction = compact(model, tokens, args)
     for last in stream_generate(
-        model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=sampler,
-        prefill_step_size=args.prefill_step_size, prompt_progress_callback=progress, **extra,
+        model,
+        tokenizer,
+        prompt,
+        max_tokens=args.max_tokens,
+        sampler=sampler,
+        prefill_step_size=args.prefill_step_size,
+        prompt_progress_callback=progress,
+        **extra,
     ):
         if not args.quiet:
             if not text:

@@ -59,7 +59,9 @@ def evict_prompt_cache(
             if idx is not None:
                 raise ValueError(f"layer {i} is a sliding-window layer: it takes no keep indices")
             keep = min(rows, s.window)
-            idx = mx.broadcast_to(mx.arange(rows - keep, rows, dtype=mx.int32), (*s.keys.shape[:2], keep))
+            idx = mx.broadcast_to(
+                mx.arange(rows - keep, rows, dtype=mx.int32), (*s.keys.shape[:2], keep)
+            )
         if idx is None:
             new.append(s)
         else:

@@ -60,7 +60,13 @@ class CompactedKVCache:
     @property
     def state(self):
         r = self.rows
-        return self.keys[:, :, :r], self.values[:, :, :r], self.positions[:, :, :r], self.offset, self.window
+        return (
+            self.keys[:, :, :r],
+            self.values[:, :, :r],
+            self.positions[:, :, :r],
+            self.offset,
+            self.window,
+        )
 
     @state.setter
     def state(self, v):
@@ -98,7 +104,9 @@ class CompactedKVCache:
 
     @property
     def nbytes(self) -> int:
-        per_row = (self.keys.nbytes + self.values.nbytes + self.positions.nbytes) // max(self.keys.shape[2], 1)
+        per_row = (self.keys.nbytes + self.values.nbytes + self.positions.nbytes) // max(
+            self.keys.shape[2], 1
+        )
         return per_row * self.rows
 
     # -- functional side ------------------------------------------------------------------------
@@ -149,7 +157,9 @@ def from_mlx_cache(caches: Sequence, capacity: Optional[int] = None) -> tuple:
             states.append(c.to_state(capacity))
         elif type(c) is mlx_cache.KVCache:
             keys, values = c.keys[:, :, : c.offset], c.values[:, :, : c.offset]
-            states.append(kv.reserve(kv.from_full(keys, values), max(capacity or c.offset, c.offset)))
+            states.append(
+                kv.reserve(kv.from_full(keys, values), max(capacity or c.offset, c.offset))
+            )
         else:
             raise TypeError(f"layer {i}: cannot convert a {type(c).__name__} to a kvfn state")
     return tuple(states)

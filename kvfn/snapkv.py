@@ -37,7 +37,9 @@ class SnapKVConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"SnapKV {name} must be a non-negative int, got {value!r}")
         if self.window < 1:
-            raise ValueError(f"SnapKV window must be >= 1 (the observation window), got {self.window}")
+            raise ValueError(
+                f"SnapKV window must be >= 1 (the observation window), got {self.window}"
+            )
         if self.budget < self.sink_tokens + self.window:
             raise ValueError(
                 f"SnapKV budget {self.budget} is below sink_tokens + window = "
@@ -48,7 +50,9 @@ class SnapKVConfig:
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"SnapKV pooling must be 'max' or 'avg', got {self.pooling!r}")
         if self.group_reduce not in ("mean", "max"):
-            raise ValueError(f"SnapKV group_reduce must be 'mean' or 'max', got {self.group_reduce!r}")
+            raise ValueError(
+                f"SnapKV group_reduce must be 'mean' or 'max', got {self.group_reduce!r}"
+            )
 
     def keeps_whole(self, prompt_length: int) -> bool:
         return prompt_length <= max(self.min_tokens, self.budget)

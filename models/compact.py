@@ -79,7 +79,9 @@ def compact_prompt_cache(
                        group_reduce)  # fmt: skip
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    tokens = prompt_tokens if isinstance(prompt_tokens, mx.array) else mx.array([list(prompt_tokens)])
+    tokens = (
+        prompt_tokens if isinstance(prompt_tokens, mx.array) else mx.array([list(prompt_tokens)])
+    )
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise ValueError(f"need a (batch, length >= 2) prompt, got shape {tuple(tokens.shape)}")
     context = tokens[:, :-1]

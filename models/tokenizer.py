@@ -1,9 +1,8 @@
 """Build an mlx-lm TokenizerWrapper from the tokenizer stored in GGUF metadata."""
 
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
-
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .gguf import GGUFError, GGUFHeader
 
@@ -35,7 +34,9 @@ def tokenizer_from_gguf(header: GGUFHeader) -> TokenizerWrapper:
     meta = header.metadata
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise GGUFError(f"tokenizer.ggml.model={kind!r} is not supported (only 'gpt2' byte-level BPE)")
+        raise GGUFError(
+            f"tokenizer.ggml.model={kind!r} is not supported (only 'gpt2' byte-level BPE)"
+        )
     tokens = meta["tokenizer.ggml.tokens"]
 
     def token(key):

@@ -101,12 +101,16 @@ def _attention_name(layer: nn.Module, index: int) -> str:
     for name in ATTENTION_NAMES:
         if isinstance(getattr(layer, name, None), nn.Module):
             return name
-    raise TypeError(f"kvfn found no attention module ({', '.join(ATTENTION_NAMES)}) in layer {index}")
+    raise TypeError(
+        f"kvfn found no attention module ({', '.join(ATTENTION_NAMES)}) in layer {index}"
+    )
 
 
 def layer_windows(model: nn.Module) -> tuple[Optional[int], ...]:
     """Per layer: None for full attention, the window for a sliding-window layer."""
-    caches = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    caches = (
+        model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    )
     windows = []
     for i, c in enumerate(caches):
         if type(c) is KVCache:

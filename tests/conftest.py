@@ -12,7 +12,9 @@ import pytest  # noqa: E402
 
 # OpenBLAS must be loaded before mlx; load kvfn/blas.py by path so that kvfn and models are
 # imported first by the tests, under typeguard's import hook.
-_spec = importlib.util.spec_from_file_location("_kvfn_blas", Path(__file__).parents[1] / "kvfn/blas.py")
+_spec = importlib.util.spec_from_file_location(
+    "_kvfn_blas", Path(__file__).parents[1] / "kvfn/blas.py"
+)
 _blas = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_blas)
 _blas.use_openblas()

@@ -35,7 +35,11 @@ def logically_equal(a: kv.State, b: kv.State) -> bool:
 
 
 def random_keep(rng, B, H, N, k):
-    return mx.array(np.sort(np.stack([[rng.choice(N, k, replace=False) for _ in range(H)] for _ in range(B)]), -1))
+    return mx.array(
+        np.sort(
+            np.stack([[rng.choice(N, k, replace=False) for _ in range(H)] for _ in range(B)]), -1
+        )
+    )
 
 
 dims = st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(1, 12), st.integers(1, 5))
@@ -108,7 +112,10 @@ def test_trim_of_generated_rows_restores_the_compacted_state():
     assert logically_equal(kv.trim(grown, 3), compacted)
     # past the generated rows, only the retained rows with those positions go
     trimmed = kv.trim(grown, 5)
-    assert np.array(trimmed.positions)[0, :, :4].tolist() == [[0, 3, 2**31 - 1, 2**31 - 1], [1, 2, 2**31 - 1, 2**31 - 1]]
+    assert np.array(trimmed.positions)[0, :, :4].tolist() == [
+        [0, 3, 2**31 - 1, 2**31 - 1],
+        [1, 2, 2**31 - 1, 2**31 - 1],
+    ]
     assert trimmed.offset.item() == 8 and trimmed.rows.item() == 2
 
 

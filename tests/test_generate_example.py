@@ -56,4 +56,6 @@ def test_example_compacts_with_snapkv(capsys):
 def test_example_rejects_a_budget_below_sinks_and_window(capsys):
     with pytest.raises(SystemExit):
         generate.parse_args(["--kv-eviction", "snapkv", "--kv-budget", "10", "--kv-window", "8"])
-    assert "--kv-budget: 10 is below --kv-sink-tokens + --kv-window = 4 + 8" in capsys.readouterr().err
+    assert (
+        "--kv-budget: 10 is below --kv-sink-tokens + --kv-window = 4 + 8" in capsys.readouterr().err
+    )

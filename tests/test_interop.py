@@ -21,7 +21,8 @@ def compacted(smollm2):
     fm = FunctionalModel(model)
     text = "Paris is the capital of France. " * 10 + "Berlin is the capital of Germany. " * 10
     ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text + "What is the capital of France?"}], add_generation_prompt=True
+        [{"role": "user", "content": text + "What is the capital of France?"}],
+        add_generation_prompt=True,
     )
     states, _ = compact_prompt_cache(fm, ids, budget=64, window=16, max_new_tokens=STEPS)
     token, ours = mx.array([[ids[-1]]]), []
@@ -97,7 +98,9 @@ def test_interop_rejects_what_mlx_lm_cannot_hold():
     s = kv.from_full(mx.ones((2, 1, 3, 2)), mx.ones((2, 1, 3, 2)))
     with pytest.raises(ValueError, match="batch size 1, got 2"):
         to_mlx_cache([s])
-    holes = kv.restrict(kv.from_full(mx.ones((1, 2, 3, 2)), mx.ones((1, 2, 3, 2))), mx.array([[[0, 2], [1, 2]]]))
+    holes = kv.restrict(
+        kv.from_full(mx.ones((1, 2, 3, 2)), mx.ones((1, 2, 3, 2))), mx.array([[[0, 2], [1, 2]]])
+    )
     with pytest.raises(ValueError, match="empty rows among its first 3"):
         to_mlx_cache([holes])
     with pytest.raises(TypeError, match="cannot convert a str"):

@@ -72,7 +72,9 @@ def test_non_gguf_file_is_a_clear_error(tmp_path):
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
-    path = write_gguf(tmp_path / "m.gguf", {"general.architecture": "mamba"}, {"token_embd.weight": 0})
+    path = write_gguf(
+        tmp_path / "m.gguf", {"general.architecture": "mamba"}, {"token_embd.weight": 0}
+    )
     with pytest.raises(GGUFError, match="architecture 'mamba' is not supported"):
         models.load(path)
 

@@ -22,7 +22,14 @@ def test_pooling_spreads_a_peak_to_its_neighbours():
     s[0, 0, 10] = 1.0
     s[0, 0, 20] = 0.9
     # max pooling (kernel 3) makes 9, 10, 11 the top three middle rows
-    assert keep(s, 6, n_kv_heads=1, window=2, sink_tokens=1, kernel_size=3)[0][0] == [0, 9, 10, 11, 28, 29]
+    assert keep(s, 6, n_kv_heads=1, window=2, sink_tokens=1, kernel_size=3)[0][0] == [
+        0,
+        9,
+        10,
+        11,
+        28,
+        29,
+    ]
     # avg pooling ranks the same peak first
     assert np.allclose(np.array(pool1d(mx.array([[0.0, 3.0, 0.0]]), 3, "avg")), [[1, 1, 1]])
 
@@ -38,7 +45,9 @@ def test_gqa_reduce_and_per_head_selection():
     s[0, 2, 6] = 5.0  # now mean prefers row 6 (5/2 > 3/2), max prefers row 6 too; drop it for max
     s[0, 3, 6] = -4.0
     assert keep(s, 4, n_kv_heads=2, window=2, sink_tokens=1, kernel_size=1)[0][1] == [0, 7, 10, 11]
-    assert keep(s, 4, n_kv_heads=2, window=2, sink_tokens=1, kernel_size=1, group_reduce="max")[0][1] == [0, 6, 10, 11]
+    assert keep(s, 4, n_kv_heads=2, window=2, sink_tokens=1, kernel_size=1, group_reduce="max")[0][
+        1
+    ] == [0, 6, 10, 11]
 
 
 def test_short_prompts_are_kept_whole():
@@ -51,12 +60,24 @@ def test_short_prompts_are_kept_whole():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(budget=5, window=4, sink_tokens=2), "budget 5 is below sink_tokens \\+ window = 2 \\+ 4"),
+        (
+            dict(budget=5, window=4, sink_tokens=2),
+            "budget 5 is below sink_tokens \\+ window = 2 \\+ 4",
+        ),
         (dict(budget=8, window=0), "window must be >= 1"),
-        (dict(budget=8, window=2, sink_tokens=-1), "sink_tokens must be a non-negative int, got -1"),
+        (
+            dict(budget=8, window=2, sink_tokens=-1),
+            "sink_tokens must be a non-negative int, got -1",
+        ),
         (dict(budget=8, window=2, kernel_size=4), "kernel_size must be odd and >= 1, got 4"),
-        (dict(budget=8, window=2, pooling="median"), "pooling must be 'max' or 'avg', got 'median'"),
-        (dict(budget=8, window=2, group_reduce="sum"), "group_reduce must be 'mean' or 'max', got 'sum'"),
+        (
+            dict(budget=8, window=2, pooling="median"),
+            "pooling must be 'max' or 'avg', got 'median'",
+        ),
+        (
+            dict(budget=8, window=2, group_reduce="sum"),
+            "group_reduce must be 'mean' or 'max', got 'sum'",
+        ),
     ],
 )
 def test_bad_values_are_clear_errors(kwargs, message):

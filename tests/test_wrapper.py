@@ -125,7 +125,9 @@ def test_compact_rejects_bad_values():
     fm = FunctionalModel(tiny_model("llama"))
     with pytest.raises(ValueError, match="budget 6 is below sink_tokens \\+ window = 4 \\+ 32"):
         compact_prompt_cache(fm, list(range(50)), budget=6)
-    with pytest.raises(ValueError, match="need a \\(batch, length >= 2\\) prompt, got shape \\(1, 1\\)"):
+    with pytest.raises(
+        ValueError, match="need a \\(batch, length >= 2\\) prompt, got shape \\(1, 1\\)"
+    ):
         compact_prompt_cache(fm, [5], budget=64)
     with pytest.raises(ValueError, match="max_new_tokens must be >= 0, got -1"):
         compact_prompt_cache(fm, list(range(50)), budget=64, max_new_tokens=-1)
@@ -153,5 +155,7 @@ def test_smollm2_budget_over_prompt_is_token_identical_to_mlx_lm(smollm2):
         logits, states = fm.decode(token, states)
         token = greedy(logits)
         ours.append(token.item())
-    reference = tokenizer.encode(generate(model, tokenizer, prompt, max_tokens=24), add_special_tokens=False)
+    reference = tokenizer.encode(
+        generate(model, tokenizer, prompt, max_tokens=24), add_special_tokens=False
+    )
     assert tokenizer.decode(ours) == tokenizer.decode(reference)

@@ -25,8 +25,6 @@ def tiny_model(family: str, seed: int = 0):
     mx.random.seed(seed)
     model = module.Model(args)
     # spread the random weights so attention is far from uniform
-    model.update(
-        {"model": {"embed_tokens": {"weight": mx.random.normal((97, 64)) * 2.0}}}
-    )
+    model.update({"model": {"embed_tokens": {"weight": mx.random.normal((97, 64)) * 2.0}}})
     mx.eval(model.parameters())
     return model
