@@ -114,6 +114,12 @@ def snapkv_keep_indices(
     """
     cfg = SnapKVConfig(budget, window, sink_tokens, min_tokens, kernel_size, pooling, per_head,
                        group_reduce)  # fmt: skip
+    return keep_indices(scores, cfg, n_kv_heads)
+
+
+def keep_indices(scores: mx.array, cfg: SnapKVConfig, n_kv_heads: int) -> mx.array:
+    """``snapkv_keep_indices`` with its knobs in a validated ``SnapKVConfig``."""
+    budget, window, sink_tokens = cfg.budget, cfg.window, cfg.sink_tokens
     chex.assert_rank(scores, 3)
     B, n_heads, P = scores.shape
     if n_heads % n_kv_heads:
@@ -121,10 +127,10 @@ def snapkv_keep_indices(
     if cfg.keeps_whole(P):
         return mx.broadcast_to(mx.arange(P, dtype=mx.int32), (B, n_kv_heads, P))
     grouped = scores.astype(mx.float32).reshape(B, n_kv_heads, n_heads // n_kv_heads, P)
-    s = mx.mean(grouped, axis=2) if group_reduce == "mean" else mx.max(grouped, axis=2)
-    if not per_head:
+    s = mx.mean(grouped, axis=2) if cfg.group_reduce == "mean" else mx.max(grouped, axis=2)
+    if not cfg.per_head:
         s = mx.mean(s, axis=1, keepdims=True)
-    s = pool1d(s, kernel_size, pooling)
+    s = pool1d(s, cfg.kernel_size, cfg.pooling)
     middle = mx.arange(P)
     s = mx.where((middle >= sink_tokens) & (middle < P - window), s, -mx.inf)
     n_middle = budget - sink_tokens - window

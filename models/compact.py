@@ -7,7 +7,7 @@ from typeguard import typechecked
 
 from kvfn import cache as kv
 from kvfn.evict import EvictionResult, evict_prompt_cache
-from kvfn.snapkv import SnapKVConfig, snapkv_keep_indices
+from kvfn.snapkv import SnapKVConfig, keep_indices
 
 from .wrapper import FunctionalModel, ScoreWindow
 
@@ -92,13 +92,7 @@ def compact_prompt_cache(
                   progress=progress)  # fmt: skip
     states, scores = out if scored else (out, None)
     keep = [
-        None
-        if w is not None or not scored
-        else snapkv_keep_indices(
-            scores[i], budget, n_kv_heads=fmodel.n_kv_heads[i], window=window,
-            sink_tokens=sink_tokens, min_tokens=min_tokens, kernel_size=kernel_size,
-            pooling=pooling, per_head=per_head, group_reduce=group_reduce,
-        )  # fmt: skip
+        None if w is not None or not scored else keep_indices(scores[i], cfg, fmodel.n_kv_heads[i])
         for i, w in enumerate(fmodel.windows)
     ]
     states, result = evict_prompt_cache(states, keep)
