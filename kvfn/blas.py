@@ -16,19 +16,19 @@ CANDIDATES = (
     "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
     "/usr/lib64/libopenblas.so.0",
 )
-DISABLE_VAR = "KVFN_OPENBLAS"
+ENV_VAR = "KVFN_OPENBLAS"
 
 _loaded: str | None = None
 
 
 def openblas_path() -> str | None:
     """The OpenBLAS library that would be loaded, or None (not Linux, none installed, disabled)."""
-    if not sys.platform.startswith("linux") or os.environ.get(DISABLE_VAR, "1") == "0":
+    if not sys.platform.startswith("linux") or os.environ.get(ENV_VAR, "1") == "0":
         return None
-    explicit = os.environ.get(DISABLE_VAR)
+    explicit = os.environ.get(ENV_VAR)
     if explicit and explicit != "1":
         if not os.path.exists(explicit):
-            raise FileNotFoundError(f"{DISABLE_VAR}={explicit!r}: no such library")
+            raise FileNotFoundError(f"{ENV_VAR}={explicit!r}: no such library")
         return explicit
     return next((p for p in CANDIDATES if os.path.exists(p)), None)
 

@@ -39,7 +39,9 @@ def prefill(
     if capacity < n:
         raise ValueError(f"capacity {capacity} cannot hold the {n} prompt tokens")
     states = fmodel.init_states(B, capacity, dtype)
-    scores = [mx.zeros((B, h, capacity), mx.float32) for h in fmodel.n_heads]
+    scores = (
+        [mx.zeros((B, h, capacity), mx.float32) for h in fmodel.n_heads] if score_window else []
+    )
     for start, stop in chunks(n, prefill_step_size):
         w0 = max(n - score_window, start) if score_window else stop
         if w0 < stop:

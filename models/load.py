@@ -60,7 +60,7 @@ def _mlx_name(gguf_name: str) -> str:
     raise GGUFError(f"unexpected tensor {gguf_name!r} in a llama GGUF")
 
 
-def _llama_args(meta: dict) -> llama.ModelArgs:
+def _llama_args(meta: dict, tied_embeddings: bool) -> llama.ModelArgs:
     def get(key, default=None):
         value = meta.get(f"llama.{key}", default)
         if value is None:
@@ -82,7 +82,7 @@ def _llama_args(meta: dict) -> llama.ModelArgs:
         max_position_embeddings=get("context_length", None) or None,
         rope_theta=get("rope.freq_base", 10000.0),
         rope_traditional=True,  # llama.cpp permutes Q/K rows for its interleaved RoPE
-        tie_word_embeddings="output.weight" not in meta.get("_tensors", ()),
+        tie_word_embeddings=tied_embeddings,
     )
 
 
@@ -117,8 +117,7 @@ def load_gguf(path: str | Path, *, dequantize: bool | None = None, dtype=mx.floa
     _check_supported(header, path)
     raw = mx.load(str(path))
     weights = {_mlx_name(k): v for k, v in raw.items()}
-    meta = dict(header.metadata, _tensors=set(header.tensor_types))
-    model = llama.Model(_llama_args(meta))
+    model = llama.Model(_llama_args(header.metadata, "output.weight" not in header.tensor_types))
     dequantize = default_dequantize() if dequantize is None else dequantize
     prefixes = {k.rpartition(".")[0] for k in weights if k.endswith(".scales")}
     if dequantize:

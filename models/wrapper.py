@@ -133,7 +133,7 @@ class FunctionalModel:
         attn = [getattr(l, n) for l, n in zip(self.layers, self._attn_names)]
         self.n_heads = [a.n_heads for a in attn]
         self.n_kv_heads = [a.n_kv_heads for a in attn]
-        self.scales = [float(getattr(a, "scale", 0.0)) for a in attn]
+        self.scales = [float(a.scale) if hasattr(a, "scale") else None for a in attn]
         self.head_dims = [a.head_dim if hasattr(a, "head_dim") else None for a in attn]
         self._lock = threading.Lock()
         self._compiled: dict = {}
@@ -179,13 +179,14 @@ class FunctionalModel:
         if len(states) != len(self.layers):
             raise ValueError(f"{len(states)} states for a model of {len(self.layers)} layers")
         scoring = window is not None
-        adapters = [
-            _LayerAdapter(s, h, scores[i] if scoring else None, window if scoring else None, sc)
-            for i, (s, h, sc) in enumerate(zip(states, self.n_heads, self.scales))
-        ]
-        for i in range(len(adapters)):
-            if scoring and self.windows[i] is not None:
-                adapters[i].window = None  # sliding-window layers are not evicted: no scores
+        if scoring and None in self.scales:
+            raise TypeError("kvfn scoring needs each attention module's softmax `scale`")
+        adapters = []
+        for i, state in enumerate(states):
+            # sliding-window layers are never evicted, so they are not scored
+            scored = scoring and self.windows[i] is None
+            adapters.append(_LayerAdapter(state, self.n_heads[i], scores[i] if scoring else None,
+                                          window if scored else None, self.scales[i]))  # fmt: skip
         with self._hooks(adapters, tap_queries=scoring):
             logits = self.model(tokens, cache=adapters)
         new_states = tuple(a.state for a in adapters)
@@ -203,37 +204,25 @@ class FunctionalModel:
     def decode(self, tokens: mx.array, states: tuple) -> tuple:
         """Compiled: logits of the last position (B, vocab) and new states. Traced once per
         state shape and static layout, so a decode loop over fixed capacities traces once."""
-        flat, static = zip(*(kv.flatten(s) for s in states))
-
-        def build():
-            def step(tokens, flat):
-                self.traces += 1
-                logits, new = self.forward(tokens, tuple(map(kv.unflatten, flat, static)))
-                return logits[:, -1], [kv.flatten(s)[0] for s in new]
-
-            return step
-
-        tokens = tokens.astype(mx.int32)  # argmax gives uint32: one dtype, one trace
-        logits, new = self._compiled_step(("decode", static), build)(tokens, list(flat))
-        return logits, tuple(map(kv.unflatten, new, static))
+        return self.prefill(tokens, states)
 
     def prefill(self, tokens: mx.array, states: tuple, scores=None, window=None) -> tuple:
-        """Compiled chunk of prefill: (logits of the last position, new states[, new scores])."""
+        """Compiled step over a chunk: (logits of the last position, new states[, new scores])."""
         flat, static = zip(*(kv.flatten(s) for s in states))
         scoring = window is not None
-        key = ("prefill", static, window)
 
         def build():
             def step(tokens, flat, scores):
                 self.traces += 1
                 states_in = tuple(map(kv.unflatten, flat, static))
-                out = self.forward(tokens, states_in, scores, window)
+                out = self.forward(tokens, states_in, scores if scoring else None, window)
                 result = [out[0][:, -1], [kv.flatten(s)[0] for s in out[1]]]
                 return result + ([list(out[2])] if scoring else [])
 
             return step
 
-        tokens = tokens.astype(mx.int32)
-        out = self._compiled_step(key, build)(tokens, list(flat), list(scores or []))
+        tokens = tokens.astype(mx.int32)  # argmax gives uint32: one dtype, one trace
+        step = self._compiled_step((static, window), build)
+        out = step(tokens, list(flat), list(scores) if scoring else [])
         new_states = tuple(map(kv.unflatten, out[1], static))
         return (out[0], new_states, tuple(out[2])) if scoring else (out[0], new_states)

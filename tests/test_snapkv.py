@@ -42,8 +42,7 @@ def test_gqa_reduce_and_per_head_selection():
     assert got == [[[0, 4, 10, 11], [0, 7, 10, 11]]]
     shared = keep(s, 4, n_kv_heads=2, window=2, sink_tokens=1, kernel_size=1, per_head=False)
     assert shared[0][0] == shared[0][1] == [0, 7, 10, 11]
-    s[0, 2, 6] = 5.0  # now mean prefers row 6 (5/2 > 3/2), max prefers row 6 too; drop it for max
-    s[0, 3, 6] = -4.0
+    s[0, 2, 6], s[0, 3, 6] = 5.0, -4.0  # row 6: mean (5-4)/2 < 3/2 keeps row 7; max 5 > 3 takes 6
     assert keep(s, 4, n_kv_heads=2, window=2, sink_tokens=1, kernel_size=1)[0][1] == [0, 7, 10, 11]
     assert keep(s, 4, n_kv_heads=2, window=2, sink_tokens=1, kernel_size=1, group_reduce="max")[0][
         1
