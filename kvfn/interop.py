@@ -18,36 +18,8 @@ from typeguard import typechecked
 from . import cache as kv
 
 
-class CompactedKVCache:
-    """A mutable mlx-lm cache over rows with recorded true positions (batch size 1).
-
-    Rows are dense: every stored row of every head is valid and the same count per head, so the
-    one mask an mlx-lm model builds from one layer is right for all layers.
-    """
-
-    step = 256
-
-    def __init__(self, keys, values, positions, offset: int, window: Optional[int] = None):
-        self.keys, self.values, self.positions = keys, values, positions
-        self.offset, self.window = int(offset), window
-        self.rows = keys.shape[2]
-
-    # -- mlx-lm protocol ----------------------------------------------------------------------
-    def update_and_fetch(self, keys, values):
-        n = keys.shape[2]
-        if self.rows + n > self.keys.shape[2]:
-            grow = ((n + self.step - 1) // self.step) * self.step
-            self.keys, self.values, self.positions = (
-                mx.concatenate([x[:, :, : self.rows], mx.zeros((*x.shape[:2], grow, *x.shape[3:]), x.dtype)], axis=2)
-                for x in (self.keys, self.values, self.positions)
-            )  # fmt: skip
-        r = self.rows
-        self.keys[:, :, r : r + n] = keys
-        self.values[:, :, r : r + n] = values
-        self.positions[:, :, r : r + n] = mx.arange(self.offset, self.offset + n, dtype=mx.int32)
-        self.offset += n
-        self.rows += n
-        return self.keys[:, :, : self.rows], self.values[:, :, : self.rows]
+class _TruePositions:
+    """What both compacted caches share: rows with recorded true positions, offset apart."""
 
     def make_mask(self, n, return_array=False, window_size=None):
         window_size = window_size or self.window
@@ -56,28 +28,6 @@ class CompactedKVCache:
         if not return_array and window_size is None:
             return "causal"  # aligned to the end of the stored rows: right for any row count
         return create_causal_mask(n, offset=self.rows, window_size=window_size)
-
-    @property
-    def state(self):
-        r = self.rows
-        return (
-            self.keys[:, :, :r],
-            self.values[:, :, :r],
-            self.positions[:, :, :r],
-            self.offset,
-            self.window,
-        )
-
-    @state.setter
-    def state(self, v):
-        keys, values, positions, offset, window = v
-        self.__init__(keys, values, positions.astype(mx.int32), int(offset), window)
-
-    @classmethod
-    def from_state(cls, state):
-        obj = cls.__new__(cls)
-        obj.state = state
-        return obj
 
     def is_trimmable(self) -> bool:
         return True
@@ -104,10 +54,85 @@ class CompactedKVCache:
 
     @property
     def nbytes(self) -> int:
-        per_row = (self.keys.nbytes + self.values.nbytes + self.positions.nbytes) // max(
-            self.keys.shape[2], 1
+        """Bytes of the stored rows: keys and values (``kv_nbytes``) and their positions."""
+        return self.kv_nbytes + self.positions.itemsize * self.positions[..., : self.rows].size
+
+    def _grow(self, arrays, n: int):
+        """Room for ``n`` more rows: new buffers (never written in place while shared)."""
+        if self.rows + n <= arrays[0].shape[2]:
+            return arrays
+        grow = ((n + self.step - 1) // self.step) * self.step
+        return [
+            mx.concatenate([x[:, :, : self.rows], mx.zeros((*x.shape[:2], grow, *x.shape[3:]), x.dtype)], axis=2)
+            for x in arrays
+        ]  # fmt: skip
+
+
+class CompactedKVCache(_TruePositions):
+    """A mutable mlx-lm cache over rows with recorded true positions (batch size 1).
+
+    Rows are dense: every stored row of every head is valid and the same count per head, so the
+    one mask an mlx-lm model builds from one layer is right for all layers.
+    """
+
+    step = 256
+
+    def __init__(self, keys, values, positions, offset: int, window: Optional[int] = None):
+        self.keys, self.values, self.positions = keys, values, positions
+        self.offset, self.window = int(offset), window
+        self.rows = keys.shape[2]
+
+    # -- mlx-lm protocol ----------------------------------------------------------------------
+    def update_and_fetch(self, keys, values):
+        n = keys.shape[2]
+        self.keys, self.values, self.positions = self._grow(
+            [self.keys, self.values, self.positions], n
         )
+        r = self.rows
+        self.keys[:, :, r : r + n] = keys
+        self.values[:, :, r : r + n] = values
+        self.positions[:, :, r : r + n] = mx.arange(self.offset, self.offset + n, dtype=mx.int32)
+        self.offset += n
+        self.rows += n
+        return self.keys[:, :, : self.rows], self.values[:, :, : self.rows]
+
+    @property
+    def state(self):
+        r = self.rows
+        return (
+            self.keys[:, :, :r],
+            self.values[:, :, :r],
+            self.positions[:, :, :r],
+            self.offset,
+            self.window,
+        )
+
+    @state.setter
+    def state(self, v):
+        keys, values, positions, offset, window = v
+        self.__init__(keys, values, positions.astype(mx.int32), int(offset), window)
+
+    @classmethod
+    def from_state(cls, state):
+        obj = cls.__new__(cls)
+        obj.state = state
+        return obj
+
+    @property
+    def kv_nbytes(self) -> int:
+        per_row = (self.keys.nbytes + self.values.nbytes) // max(self.keys.shape[2], 1)
         return per_row * self.rows
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedCompactedKVCache":
+        """The stored rows quantized with ``mx.quantize``, as mlx-lm's ``QuantizedKVCache`` does
+        (so mlx-lm's ``kv_bits`` also applies to a compacted cache)."""
+        r = self.rows
+        keys, values = (
+            mx.quantize(x[:, :, :r], group_size=group_size, bits=bits)
+            for x in (self.keys, self.values)
+        )
+        return QuantizedCompactedKVCache(keys, values, self.positions[:, :, :r], self.offset,
+                                         self.window, group_size, bits)  # fmt: skip
 
     # -- functional side ------------------------------------------------------------------------
     def to_state(self, capacity: Optional[int] = None) -> kv.State:
@@ -120,12 +145,67 @@ class CompactedKVCache:
         return kv.reserve(s, max(capacity or r, r))
 
 
-def register() -> None:
-    """Let mlx-lm's ``load_prompt_cache`` resolve ``CompactedKVCache`` by its class name.
+class QuantizedCompactedKVCache(_TruePositions):
+    """``CompactedKVCache`` with keys and values stored by ``mx.quantize`` (each a tuple of
+    packed weights, scales, biases), read by mlx-lm's quantized attention (it looks for
+    ``bits``). Memory per row: ``bits`` per element plus a scale and a bias per group."""
 
-    Adds the one name to ``mlx_lm.models.cache``; called by ``to_mlx_cache`` and
+    step = 256
+
+    def __init__(self, keys, values, positions, offset, window, group_size: int, bits: int):
+        self.keys, self.values, self.positions = tuple(keys), tuple(values), positions
+        self.offset, self.window = int(offset), window
+        self.group_size, self.bits = int(group_size), int(bits)
+        self.rows = positions.shape[2]
+
+    def update_and_fetch(self, keys, values):
+        n, r = keys.shape[2], self.rows
+        grown = self._grow([*self.keys, *self.values, self.positions], n)
+        self.keys, self.values, self.positions = tuple(grown[:3]), tuple(grown[3:6]), grown[6]
+        for stored, new in ((self.keys, keys), (self.values, values)):
+            for buf, part in zip(
+                stored, mx.quantize(new, group_size=self.group_size, bits=self.bits)
+            ):
+                buf[:, :, r : r + n] = part
+        self.positions[:, :, r : r + n] = mx.arange(self.offset, self.offset + n, dtype=mx.int32)
+        self.offset += n
+        self.rows += n
+        return self._stored()
+
+    def _stored(self):
+        r = self.rows
+        return tuple(x[:, :, :r] for x in self.keys), tuple(x[:, :, :r] for x in self.values)
+
+    @property
+    def state(self):
+        keys, values = self._stored()
+        return (keys, values, self.positions[:, :, : self.rows], self.offset, self.window,
+                self.group_size, self.bits)  # fmt: skip
+
+    @state.setter
+    def state(self, v):
+        keys, values, positions, offset, window, group_size, bits = v
+        self.__init__(keys, values, positions.astype(mx.int32), offset, window, group_size, bits)
+
+    @classmethod
+    def from_state(cls, state):
+        obj = cls.__new__(cls)
+        obj.state = state
+        return obj
+
+    @property
+    def kv_nbytes(self) -> int:
+        keys, values = self._stored()
+        return sum(x.nbytes for x in (*keys, *values))
+
+
+def register() -> None:
+    """Let mlx-lm's ``load_prompt_cache`` resolve kvfn's cache classes by their names.
+
+    Adds the two names to ``mlx_lm.models.cache``; called by ``to_mlx_cache`` and
     ``load_prompt_cache`` here, never on import."""
     mlx_cache.CompactedKVCache = CompactedKVCache
+    mlx_cache.QuantizedCompactedKVCache = QuantizedCompactedKVCache
 
 
 @typechecked

@@ -26,8 +26,10 @@ def prefill(
     score_window: int = 0,
     dtype: mx.Dtype = mx.float32,
     progress: Optional[Callable[[int, int], None]] = None,
+    states: Optional[tuple] = None,
 ) -> tuple:
-    """Prefill ``tokens`` (B, n) in compiled chunks into fresh states of ``capacity`` rows.
+    """Prefill ``tokens`` (B, n) in compiled chunks into fresh states of ``capacity`` rows, or
+    after what ``states`` already hold (then their capacity is used).
 
     With ``score_window`` w > 0, the attention of the last w tokens' queries over every key is
     summed into per-key scores, chunk by chunk (the window may span chunks): returns
@@ -36,9 +38,11 @@ def prefill(
     if prefill_step_size <= 0:
         raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
     B, n = tokens.shape
-    if capacity < n:
-        raise ValueError(f"capacity {capacity} cannot hold the {n} prompt tokens")
-    states = fmodel.init_states(B, capacity, dtype)
+    if states is None:
+        states = fmodel.init_states(B, capacity, dtype)
+    capacity, free = states[0].capacity, states[0].capacity - int(states[0].rows.item())
+    if free < n:
+        raise ValueError(f"capacity {capacity} cannot hold {n} more prompt tokens ({free} free)")
     scores = (
         [mx.zeros((B, h, capacity), mx.float32) for h in fmodel.n_heads] if score_window else []
     )

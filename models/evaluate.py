@@ -1,0 +1,239 @@
+"""Accuracy of eviction methods at equal KV memory, on RULER-style samples.
+
+Per sample, the context is prefilled once (compiled, chunked) into immutable states; every
+method and question starts from those states, so reuse is exact and free:
+
+* query-agnostic: the context's last ``window`` tokens are scored, the context is compacted once
+  per method, and every question is asked on that one compacted state;
+* query-aware: per question, the window is the question's end (scores over context + question),
+  and the prompt is compacted before the answer's first token.
+
+Answers are decoded greedily by the unmodified mlx-lm model over mlx-lm cache objects built from
+the states (``kvfn.interop``), so KV quantization is mlx-lm's own ``mx.quantize`` + quantized
+attention, and the full cache is exactly mlx-lm's computation.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from kvfn import cache as kv
+from kvfn import scoring
+from kvfn.evict import evict_prompt_cache
+from kvfn.interop import to_mlx_cache
+from kvfn.policies import random_keep_indices, recent_keep_indices
+from kvfn.snapkv import SnapKVConfig, keep_indices
+from kvfn.tasks import Question, Sample
+
+from .compact import prefill
+from .wrapper import FunctionalModel
+
+POLICIES = ("snapkv", "streaming", "random")
+MODES = ("aware", "agnostic")
+ANSWER_TOKENS = {  # enough for a right answer; a wrong one is cut short
+    "passkey": 12,
+    "niah_single": 12,
+    "niah_multikey": 12,
+    "niah_multivalue": 48,
+    "niah_multiquery": 48,
+    "variable_tracking": 32,
+    "common_words": 64,
+}
+
+
+@dataclass(frozen=True)
+class Method:
+    """An eviction ``policy`` (or None: keep every row) and/or mlx-lm KV quantization."""
+
+    policy: Optional[str] = None
+    kv_bits: Optional[int] = None
+
+    @property
+    def name(self) -> str:
+        parts = [self.policy or ("full" if self.kv_bits is None else "")]
+        parts += [f"kv{self.kv_bits}"] if self.kv_bits else []
+        return "+".join(p for p in parts if p)
+
+    @classmethod
+    def parse(cls, name: str) -> "Method":
+        """'full', 'snapkv', 'streaming', 'random', 'kv8', 'kv4', 'snapkv+kv4', ..."""
+        policy, bits = None, None
+        for part in name.split("+"):
+            if part in POLICIES and policy is None:
+                policy = part
+            elif part.startswith("kv") and part[2:] in ("2", "3", "4", "6", "8") and bits is None:
+                bits = int(part[2:])
+            elif part != "full" or len(name.split("+")) > 1:
+                raise ValueError(f"unknown method {name!r}: use full, kvB, or one of "
+                                 f"{', '.join(POLICIES)} optionally +kvB (B in 2,3,4,6,8)")  # fmt: skip
+        return cls(policy, bits)
+
+
+def quantized_row_fraction(head_dim: int, itemsize: int, bits: int, group_size: int = 64) -> float:
+    """Bytes of a quantized K/V row over the bytes of the row at ``itemsize``: packed values
+    plus one scale and one bias (at ``itemsize``) per group."""
+    return (head_dim * bits / 8 + 2 * itemsize * head_dim / group_size) / (head_dim * itemsize)
+
+
+def rows_for(method: Method, budget: Optional[int], head_dim: int, itemsize: int) -> Optional[int]:
+    """Rows an evicting method keeps so its KV bytes match ``budget`` full-precision rows."""
+    if method.policy is None or budget is None:
+        return None
+    if method.kv_bits is None:
+        return budget
+    return int(budget / quantized_row_fraction(head_dim, itemsize, method.kv_bits))
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A question's prompt as token ids: the shared context head, then the question tail."""
+
+    head: list[int]
+    tail: list[int]
+
+
+def prompt_tokens(tokenizer, sample: Sample, question: Question) -> Prompt:
+    """Chat template when the tokenizer has one (else plain text), answer prefix after it. The
+    head ends where the question starts, so every question shares the context's tokens."""
+    body = sample.instruction + sample.context
+    ask = "\n\n" + question.text
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": body + ask}], add_generation_prompt=True, tokenize=False
+        )
+        cut = text.rindex(ask)
+        head = tokenizer.encode(text[:cut], add_special_tokens=False)
+        tail_text = text[cut:] + question.answer_prefix
+    else:
+        head = tokenizer.encode(body)
+        tail_text = ask + "\n" + question.answer_prefix
+    return Prompt(head, tokenizer.encode(tail_text, add_special_tokens=False))
+
+
+def token_counter(tokenizer) -> Callable[[Sample], int]:
+    """``count_tokens`` for ``kvfn.tasks.generate``: a sample's longest prompt."""
+
+    def count(sample: Sample) -> int:
+        return max(
+            len(p.head) + len(p.tail)
+            for p in (prompt_tokens(tokenizer, sample, q) for q in sample.questions)
+        )
+
+    return count
+
+
+def greedy(model, prompt: list[int], caches: list, max_tokens: int, eos: set) -> list[int]:
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, prompt_cache=caches,
+                                  max_tokens=max_tokens):  # fmt: skip
+        token = int(token)
+        if token in eos:
+            break
+        out.append(token)
+    return out
+
+
+def kv_bytes(caches: Sequence, with_positions: bool) -> int:
+    total = 0
+    for c in caches:
+        total += c.nbytes if with_positions else c.kv_nbytes
+    return int(total)
+
+
+class Evaluator:
+    """Runs methods over samples for one model; ``run`` yields one record per answer."""
+
+    def __init__(self, model, tokenizer, *, window: int = 32, sink_tokens: int = 4,
+                 kernel_size: int = 7, pooling: str = "max", per_head: bool = True,
+                 group_reduce: str = "mean", prefill_step_size: int = 512,
+                 dtype: mx.Dtype = mx.float32, seed: int = 0):  # fmt: skip
+        self.model, self.tokenizer = model, tokenizer
+        self.fm = FunctionalModel(model)
+        self.window, self.sink_tokens, self.seed = window, sink_tokens, seed
+        self.snapkv = dict(window=window, sink_tokens=sink_tokens, kernel_size=kernel_size,
+                           pooling=pooling, per_head=per_head, group_reduce=group_reduce)  # fmt: skip
+        self.prefill_step_size, self.dtype = prefill_step_size, dtype
+        self.eos = set(tokenizer.eos_token_ids) | {tokenizer.eos_token_id}
+        self.head_dim = self.fm.init_states(1, 1, dtype)[0].keys.shape[-1]
+        self.itemsize = mx.zeros((), dtype).itemsize
+
+    # -- selection ------------------------------------------------------------------------------
+    def keep(self, policy: str, rows: int, scores, P: int, key: mx.array) -> list:
+        out, keys = [], mx.random.split(key, len(self.fm.windows))
+        for i, w in enumerate(self.fm.windows):
+            n_kv = self.fm.n_kv_heads[i]
+            if w is not None:
+                out.append(None)  # sliding-window layers are cut to their window, not scored
+            elif policy == "snapkv":
+                cfg = SnapKVConfig(rows, **self.snapkv)
+                out.append(keep_indices(scores[i][..., :P], cfg, n_kv))
+            elif policy == "streaming":
+                out.append(recent_keep_indices(P, rows, n_kv_heads=n_kv,
+                                               sink_tokens=self.sink_tokens))  # fmt: skip
+            else:
+                out.append(random_keep_indices(P, rows, n_kv_heads=n_kv, key=keys[i],
+                                               sink_tokens=self.sink_tokens, window=self.window))  # fmt: skip
+        return out
+
+    def caches(self, states, method: Method, rows: Optional[int], scores, key) -> tuple[list, int]:
+        """mlx-lm caches for ``method`` at ``rows`` kept rows, and their KV bytes."""
+        P = int(states[0].rows.item())
+        if method.policy is not None and rows is not None and rows < P:
+            states, _ = evict_prompt_cache(states, self.keep(method.policy, rows, scores, P, key))
+        caches = to_mlx_cache(states)
+        if method.kv_bits is not None:
+            caches = [c.to_quantized(group_size=64, bits=method.kv_bits) for c in caches]
+        evicted = method.policy is not None and rows is not None and rows < P
+        return caches, kv_bytes(caches, with_positions=evicted)
+
+    # -- one sample -------------------------------------------------------------------------------
+    def run(self, sample: Sample, methods: Sequence[Method], budgets: Sequence[int],
+            modes: Iterable[str] = MODES, max_new_tokens: Optional[int] = None) -> list[dict]:  # fmt: skip
+        prompts = [prompt_tokens(self.tokenizer, sample, q) for q in sample.questions]
+        head = prompts[0].head
+        if any(p.head != head for p in prompts):
+            raise RuntimeError("questions of one sample must share the context's tokens")
+        w = min(self.window, len(head) - 1)
+        capacity = len(head) + max(len(p.tail) for p in prompts)
+        start = prefill(self.fm, mx.array([head[:-w]]), capacity=capacity, dtype=self.dtype,
+                        prefill_step_size=self.prefill_step_size)  # fmt: skip
+        n_new = max_new_tokens or ANSWER_TOKENS.get(sample.task, 32)
+        key = mx.random.key(self.seed * 1_000_003 + sample.seed)
+        records = []
+
+        def record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer):
+            prediction = self.tokenizer.decode(answer)
+            records.append(dict(
+                task=sample.task, seed=sample.seed, target_tokens=sample.target_tokens,
+                prompt_tokens=len(head) + len(prompts[q].tail), mode=mode, method=method.name,
+                budget=budget, rows=min(rows, P) if rows is not None else P, kv_bytes=nbytes,
+                kv_fraction=nbytes / full_bytes, question=q, prediction=prediction,
+                score=scoring.match_all(prediction, sample.questions[q].answers),
+            ))  # fmt: skip
+
+        def answer_all(mode, states, scores, tails, P):
+            full_bytes = kv_bytes(to_mlx_cache(states), with_positions=False)
+            for method in methods:
+                for budget in [None] if method.policy is None else budgets:
+                    rows = rows_for(method, budget, self.head_dim, self.itemsize)
+                    for q, tail in tails:
+                        caches, nbytes = self.caches(states, method, rows, scores, key)
+                        answer = greedy(self.model, tail, caches, n_new, self.eos)
+                        record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer)
+
+        if "agnostic" in modes:
+            states, scores = prefill(self.fm, mx.array([head[-w:]]), capacity=capacity,
+                                     score_window=w, states=start, dtype=self.dtype)  # fmt: skip
+            tails = [(q, p.tail) for q, p in enumerate(prompts)]
+            answer_all("agnostic", states, scores, tails, len(head))
+        if "aware" in modes:
+            for q, p in enumerate(prompts):
+                ask = head[-w:] + p.tail[:-1]
+                states, scores = prefill(self.fm, mx.array([ask]), capacity=capacity,
+                                         score_window=self.window, states=start, dtype=self.dtype)  # fmt: skip
+                P = len(head) + len(p.tail) - 1
+                answer_all("aware", states, scores, [(q, p.tail[-1:])], P)
+        return records
+
