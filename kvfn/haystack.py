@@ -19,7 +19,7 @@ FILLER = (
     "There and back again.",
 )
 
-_VERSE = re.compile(r'^"\d\d:\d\d\d:\d\d\d (.*)",?$')
+_VERSE = re.compile(r'^(?:Bible = \[)?"\d\d:\d\d\d:\d\d\d (.*)",?$')
 
 
 def filler_sentences() -> tuple[str, ...]:
@@ -37,7 +37,7 @@ def _bible_path() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def book_sentences() -> tuple[str, ...]:
-    """31,101 verses in book order, without their chapter:verse references."""
+    """31,102 verses in book order, without their chapter:verse references."""
     verses = []
     with open(_bible_path(), encoding="utf-8") as f:
         for line in f:

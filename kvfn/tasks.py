@@ -54,7 +54,9 @@ PASSKEY_INSTRUCTION = (
     "Some important information is hidden in a long stretch of irrelevant text. "
     "Find it and memorize it: you will be asked about it afterwards.\n\n"
 )
-VT_INSTRUCTION = "Memorize and follow the chains of variable assignments hidden in the text below.\n\n"
+VT_INSTRUCTION = (
+    "Memorize and follow the chains of variable assignments hidden in the text below.\n\n"
+)
 CWE_INSTRUCTION = (
     "Below is a numbered list of words. Some words appear more often than others. "
     "Memorize the ones that appear most often.\n\n"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generate_step
 
 from kvfn import cache as kv
@@ -88,10 +89,26 @@ def rows_for(method: Method, budget: Optional[int], head_dim: int, itemsize: int
 
 @dataclass(frozen=True)
 class Prompt:
-    """A question's prompt as token ids: the shared context head, then the question tail."""
+    """A question's prompt as token ids: the shared context head, then the question tail; and
+    the head's token indices of each needle (empty when the tokenizer gives no offsets)."""
 
     head: list[int]
     tail: list[int]
+    needles: tuple[tuple[int, ...], ...] = ()
+
+
+def _needle_tokens(tokenizer, text: str, start: int, spans, special: bool) -> tuple:
+    """Token indices of ``text`` overlapping each character span (shifted by ``start``)."""
+    fast = getattr(tokenizer, "_tokenizer", None)
+    try:
+        offsets = fast(text, return_offsets_mapping=True, add_special_tokens=special)
+    except (TypeError, NotImplementedError):
+        return ()
+    pairs = offsets["offset_mapping"]
+    return tuple(
+        tuple(i for i, (a, b) in enumerate(pairs) if a < start + stop and b > start + begin)
+        for begin, stop in spans
+    )
 
 
 def prompt_tokens(tokenizer, sample: Sample, question: Question) -> Prompt:
@@ -99,17 +116,19 @@ def prompt_tokens(tokenizer, sample: Sample, question: Question) -> Prompt:
     head ends where the question starts, so every question shares the context's tokens."""
     body = sample.instruction + sample.context
     ask = "\n\n" + question.text
-    if getattr(tokenizer, "chat_template", None):
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    if templated:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": body + ask}], add_generation_prompt=True, tokenize=False
         )
         cut = text.rindex(ask)
-        head = tokenizer.encode(text[:cut], add_special_tokens=False)
-        tail_text = text[cut:] + question.answer_prefix
+        head_text, tail_text = text[:cut], text[cut:] + question.answer_prefix
     else:
-        head = tokenizer.encode(body)
-        tail_text = ask + "\n" + question.answer_prefix
-    return Prompt(head, tokenizer.encode(tail_text, add_special_tokens=False))
+        head_text, tail_text = body, ask + "\n" + question.answer_prefix
+    head = tokenizer.encode(head_text, add_special_tokens=not templated)
+    start = head_text.rindex(body) + len(sample.instruction)
+    needles = _needle_tokens(tokenizer, head_text, start, sample.needles, not templated)
+    return Prompt(head, tokenizer.encode(tail_text, add_special_tokens=False), needles)
 
 
 def token_counter(tokenizer) -> Callable[[Sample], int]:
@@ -133,6 +152,17 @@ def greedy(model, prompt: list[int], caches: list, max_tokens: int, eos: set) ->
             break
         out.append(token)
     return out
+
+
+def needle_fraction(keep: Sequence[Optional[mx.array]], tokens: Sequence[int]) -> float:
+    """Mean over scored layers and KV heads of the fraction of ``tokens`` among the kept rows."""
+    fractions = [
+        np.isin(tokens, np.array(idx)[0, h]).mean()
+        for idx in keep
+        if idx is not None
+        for h in range(idx.shape[1])
+    ]
+    return float(np.mean(fractions))
 
 
 def kv_bytes(caches: Sequence, with_positions: bool) -> int:
@@ -177,16 +207,21 @@ class Evaluator:
                                                sink_tokens=self.sink_tokens, window=self.window))  # fmt: skip
         return out
 
-    def caches(self, states, method: Method, rows: Optional[int], scores, key) -> tuple[list, int]:
-        """mlx-lm caches for ``method`` at ``rows`` kept rows, and their KV bytes."""
+    def caches(self, states, method: Method, rows: Optional[int], scores, key, needles=()):
+        """mlx-lm caches for ``method`` at ``rows`` kept rows, their KV bytes, and the fraction
+        of needle rows kept (over full-attention layers and KV heads; None without needles)."""
         P = int(states[0].rows.item())
-        if method.policy is not None and rows is not None and rows < P:
-            states, _ = evict_prompt_cache(states, self.keep(method.policy, rows, scores, P, key))
+        evicted = method.policy is not None and rows is not None and rows < P
+        kept = 1.0 if needles else None
+        if evicted:
+            keep = self.keep(method.policy, rows, scores, P, key)
+            states, _ = evict_prompt_cache(states, keep)
+            if needles:
+                kept = needle_fraction(keep, [t for n in needles for t in n])
         caches = to_mlx_cache(states)
         if method.kv_bits is not None:
             caches = [c.to_quantized(group_size=64, bits=method.kv_bits) for c in caches]
-        evicted = method.policy is not None and rows is not None and rows < P
-        return caches, kv_bytes(caches, with_positions=evicted)
+        return caches, kv_bytes(caches, with_positions=evicted), kept
 
     # -- one sample -------------------------------------------------------------------------------
     def run(self, sample: Sample, methods: Sequence[Method], budgets: Sequence[int],
@@ -203,13 +238,13 @@ class Evaluator:
         key = mx.random.key(self.seed * 1_000_003 + sample.seed)
         records = []
 
-        def record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer):
+        def record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept):
             prediction = self.tokenizer.decode(answer)
             records.append(dict(
                 task=sample.task, seed=sample.seed, target_tokens=sample.target_tokens,
                 prompt_tokens=len(head) + len(prompts[q].tail), mode=mode, method=method.name,
                 budget=budget, rows=min(rows, P) if rows is not None else P, kv_bytes=nbytes,
-                kv_fraction=nbytes / full_bytes, question=q, prediction=prediction,
+                kv_fraction=nbytes / full_bytes, needle_kept=kept, question=q, prediction=prediction,
                 score=scoring.match_all(prediction, sample.questions[q].answers),
             ))  # fmt: skip
 
@@ -219,9 +254,10 @@ class Evaluator:
                 for budget in [None] if method.policy is None else budgets:
                     rows = rows_for(method, budget, self.head_dim, self.itemsize)
                     for q, tail in tails:
-                        caches, nbytes = self.caches(states, method, rows, scores, key)
+                        caches, nbytes, kept = self.caches(states, method, rows, scores, key,
+                                                           prompts[q].needles)  # fmt: skip
                         answer = greedy(self.model, tail, caches, n_new, self.eos)
-                        record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer)
+                        record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept)
 
         if "agnostic" in modes:
             states, scores = prefill(self.fm, mx.array([head[-w:]]), capacity=capacity,
@@ -236,4 +272,3 @@ class Evaluator:
                 P = len(head) + len(p.tail) - 1
                 answer_all("aware", states, scores, [(q, p.tail[-1:])], P)
         return records
-

@@ -108,3 +108,51 @@ def test_interop_rejects_what_mlx_lm_cannot_hold():
     plain = KVCache()
     plain.update_and_fetch(mx.ones((1, 1, 3, 2)), mx.ones((1, 1, 3, 2)))
     assert from_mlx_cache([plain])[0].offset.item() == 3
+
+
+def test_quantized_compacted_cache_equals_mlx_lm_quantized_cache(smollm2):
+    model, tokenizer = smollm2
+    ids = tokenizer.encode("A short history of the lighthouse keepers of the northern coast. " * 6)
+    plain = make_prompt_cache(model)
+    model(mx.array([ids[:-1]]), cache=plain)
+    ours = [c.to_quantized(group_size=64, bits=4) for c in to_mlx_cache(from_mlx_cache(plain))]
+    theirs = [c.to_quantized(group_size=64, bits=4) for c in plain]
+    assert type(ours[0]).__name__ == "QuantizedCompactedKVCache" and ours[0].bits == 4
+    for a, b in zip(ours[3].state[0], theirs[3].state[0]):
+        assert np.array_equal(np.array(a), np.array(b)[:, :, : len(ids) - 1])
+    assert ours[0].kv_nbytes == sum(
+        x[:, :, : len(ids) - 1].nbytes for x in (*theirs[0].keys, *theirs[0].values)
+    )
+    token = mx.array([[ids[-1]]])
+    for _ in range(4):
+        la, lb = model(token, cache=ours)[:, -1], model(token, cache=theirs)[:, -1]
+        assert np.array_equal(np.array(la), np.array(lb))
+        token = mx.argmax(la, -1)[:, None]
+
+
+def test_mlx_lm_kv_bits_quantizes_a_compacted_cache(smollm2, compacted):
+    model, _ = smollm2
+    _, ids, states, _ = compacted
+    caches = to_mlx_cache(states)
+    by_flag = mlx_lm_tokens(model, ids[-1], caches, kv_bits=8, quantized_kv_start=0)
+    assert all(type(c).__name__ == "QuantizedCompactedKVCache" for c in caches)
+    grown = caches[0].offset - (len(ids) - 1)  # generate_step runs one step ahead
+    assert grown >= STEPS and caches[0].size() == 64 + grown
+    by_hand = mlx_lm_tokens(model, ids[-1], [c.to_quantized(bits=8) for c in to_mlx_cache(states)])
+    assert by_flag[1:] == by_hand[1:]  # mlx-lm quantizes after its first step
+
+
+def test_quantized_compacted_cache_file_round_trip_and_trim(smollm2, compacted, tmp_path):
+    model, _ = smollm2
+    _, ids, states, _ = compacted
+    q = [c.to_quantized(bits=4) for c in to_mlx_cache(states)]
+    path = str(tmp_path / "q.safetensors")
+    save_prompt_cache(path, q)
+    loaded = load_prompt_cache(path)
+    assert type(loaded[0]).__name__ == "QuantizedCompactedKVCache"
+    assert (loaded[0].bits, loaded[0].group_size, loaded[0].offset) == (4, 64, len(ids) - 1)
+    reference = [c.to_quantized(bits=4) for c in to_mlx_cache(states)]
+    assert mlx_lm_tokens(model, ids[-1], loaded) == mlx_lm_tokens(model, ids[-1], reference)
+    rows = loaded[0].size()  # 64 and the generated rows: a contiguous tail
+    assert loaded[0].trim(rows - 64) == rows - 64 and loaded[0].size() == 64
+    assert loaded[0].nbytes == loaded[0].kv_nbytes + 4 * 3 * 64  # int32 positions, 3 heads

@@ -159,3 +159,24 @@ def test_smollm2_budget_over_prompt_is_token_identical_to_mlx_lm(smollm2):
         generate(model, tokenizer, prompt, max_tokens=24), add_special_tokens=False
     )
     assert tokenizer.decode(ours) == tokenizer.decode(reference)
+
+
+def test_smollm2_prefill_scores_are_the_models_attention_rows(smollm2):
+    """Scores read inside the compiled prefill = the window rows of each layer's attention
+    matrix, recomputed here by hand from the layer's own projections (layers 0 and 1)."""
+    model, tokenizer = smollm2
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)
+    n, w = len(ids), 8
+    _, scores = prefill(FunctionalModel(model), mx.array([ids]), capacity=n, score_window=w,
+                        prefill_step_size=50)  # fmt: skip
+    h = model.model.embed_tokens(mx.array([ids]))
+    for i, layer in enumerate(model.model.layers[:2]):
+        a, x = layer.self_attn, layer.input_layernorm(h)
+        q = a.rope(a.q_proj(x).reshape(1, n, a.n_heads, -1).transpose(0, 2, 1, 3))
+        k = a.rope(a.k_proj(x).reshape(1, n, a.n_kv_heads, -1).transpose(0, 2, 1, 3))
+        k = mx.repeat(k, a.n_heads // a.n_kv_heads, axis=1)
+        logits = mx.where(mx.tril(mx.ones((n, n), mx.bool_)), (q * a.scale) @ k.swapaxes(-1, -2),
+                          -mx.inf)  # fmt: skip
+        rows = mx.softmax(logits, axis=-1)[:, :, -w:].sum(axis=2)
+        assert mx.abs(rows - scores[i]).max().item() < 1e-5
+        h = layer(h, mask="causal", cache=None)

@@ -1,0 +1,116 @@
+"""Accuracy vs KV memory of eviction methods on RULER-style tasks, both query modes.
+
+    python examples/evaluate.py --lengths 2048 4096 --budgets 256 512 1024 --samples 4 --out runs/eval
+
+Per sample the context is prefilled once; every method and question reuses that state. Methods:
+full; snapkv, streaming, random (evict to a budget of rows); kvB (mlx-lm KV quantization to B
+bits, every row kept); snapkv+kvB etc. (evict, then quantize, keeping as many rows as fit in the
+budget's bytes). Writes OUT.json (records + summary), OUT.md (tables) and OUT-MODE-LENGTH.png.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import models  # isort: skip  (puts OpenBLAS in front before mlx loads)
+import mlx.core as mx  # noqa: E402
+
+from kvfn import report, tasks  # noqa: E402
+from models.evaluate import MODES, Evaluator, Method, token_counter  # noqa: E402
+
+DEFAULT_METHODS = ["full", "snapkv", "streaming", "random", "kv8", "kv4", "snapkv+kv8",
+                   "snapkv+kv4"]  # fmt: skip
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", help="a .gguf file or mlx-lm folder (default: embedded SmolLM2)")
+    p.add_argument("--tasks", nargs="+", default=list(tasks.TASKS), metavar="TASK",
+                   help=f"from: {', '.join(tasks.TASKS)}")  # fmt: skip
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024], help="prompt tokens")
+    p.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512], help="KV rows")
+    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--samples", type=int, default=2, help="samples per task and length")
+    p.add_argument("--questions", type=int, default=4, help="questions per multi-key sample")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--window", type=int, default=32, help="SnapKV observation window")
+    p.add_argument("--sink-tokens", type=int, default=4)
+    p.add_argument("--kernel-size", type=int, default=7)
+    p.add_argument("--pooling", default="max", choices=["max", "avg"])
+    p.add_argument("--per-layer", action="store_true", help="SnapKV: one row set per layer")
+    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--out", default="eval", help="output path prefix (default: ./eval)")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    for t in args.tasks:
+        if t not in tasks.TASKS:
+            p.error(f"argument --tasks: unknown task {t!r} (choose from {', '.join(tasks.TASKS)})")
+    try:
+        args.methods = [Method.parse(m) for m in args.methods]
+    except ValueError as e:
+        p.error(f"argument --methods: {e}")
+    if min(args.lengths) < 128:
+        p.error(f"argument --lengths: must be >= 128 tokens, got {min(args.lengths)}")
+    if min(args.budgets) < args.window + args.sink_tokens:
+        p.error(f"argument --budgets: must be >= window + sink tokens = "
+                f"{args.window + args.sink_tokens}, got {min(args.budgets)}")  # fmt: skip
+    for name in ("samples", "questions"):
+        if getattr(args, name) < 1:
+            p.error(f"argument --{name}: must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def run(args) -> dict:
+    model, tokenizer = models.load(args.model)
+    ev = Evaluator(model, tokenizer, window=args.window, sink_tokens=args.sink_tokens,
+                   kernel_size=args.kernel_size, pooling=args.pooling,
+                   per_head=not args.per_layer, prefill_step_size=args.prefill_step_size,
+                   seed=args.seed)  # fmt: skip
+    count = token_counter(tokenizer)
+    records, t0 = [], time.perf_counter()
+    for length in args.lengths:
+        for task in args.tasks:
+            for i in range(args.samples):
+                sample = tasks.generate(task, seed=args.seed * 10_000 + i, target_tokens=length,
+                                        count_tokens=count, n_questions=args.questions)  # fmt: skip
+                out = ev.run(sample, args.methods, args.budgets, args.modes)
+                records += out
+                if not args.quiet:
+                    done = {m.name: [] for m in args.methods}
+                    for r in out:
+                        done[r["method"]].append(r["score"])
+                    line = " ".join(f"{k}={100 * sum(v) / len(v):.0f}" for k, v in done.items())
+                    print(f"[{time.perf_counter() - t0:7.1f}s] {length} {task} #{i}: {line}",
+                          flush=True)  # fmt: skip
+    summary = report.summarize(records)
+    config = {k: v for k, v in vars(args).items() if k != "methods"}
+    config.update(methods=[m.name for m in args.methods], device=str(mx.default_device()))
+    return dict(config=config, records=records, summary=summary)
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    try:
+        result = run(args)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps(result, indent=1))
+    tables = [report.markdown(result["summary"])]
+    tasks_run = [t for t in args.tasks]
+    tables += [report.markdown(result["summary"], task=t) for t in tasks_run]
+    Path(f"{out}.md").write_text("\n".join(tables))
+    pngs = report.plot(result["summary"], str(out))
+    print(tables[0])
+    print(f"wrote {out}.json, {out}.md, {', '.join(pngs)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

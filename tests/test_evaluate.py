@@ -1,0 +1,119 @@
+"""The evaluator on SmolLM2: prompts, equal-memory accounting, reuse, and the example script."""
+
+import json
+import re
+
+import mlx.core as mx
+import pytest
+
+from examples import evaluate as evaluate_example
+from kvfn import tasks
+from models.evaluate import (
+    Evaluator,
+    Method,
+    prompt_tokens,
+    quantized_row_fraction,
+    rows_for,
+    token_counter,
+)
+
+
+@pytest.fixture(scope="module")
+def sample(smollm2):
+    _, tokenizer = smollm2
+    return tasks.generate("niah_multikey", seed=0, target_tokens=300,
+                          count_tokens=token_counter(tokenizer), n_questions=2)  # fmt: skip
+
+
+def test_method_names_round_trip_and_bad_names_are_named():
+    for name in ["full", "snapkv", "streaming", "random", "kv8", "kv4", "snapkv+kv4"]:
+        assert Method.parse(name).name == name
+    assert Method.parse("snapkv+kv4") == Method("snapkv", 4)
+    for bad in ["snap", "kv5", "full+kv4", "snapkv+random"]:
+        with pytest.raises(ValueError, match=re.escape(f"unknown method '{bad}'")):
+            Method.parse(bad)
+
+
+def test_equal_memory_rows_for_quantized_eviction():
+    # 4 bits + a float16 scale and bias per 64 values: 36 of 128 bytes per 64-value row
+    assert quantized_row_fraction(64, 2, 4) == 36 / 128
+    assert rows_for(Method("snapkv", 4), 256, 64, 2) == int(256 * 128 / 36)
+    assert rows_for(Method("snapkv"), 256, 64, 2) == 256
+    assert rows_for(Method(None, 8), 256, 64, 2) is None
+
+
+def test_prompt_shares_the_context_and_finds_the_needles(smollm2, sample):
+    _, tokenizer = smollm2
+    a, b = (prompt_tokens(tokenizer, sample, q) for q in sample.questions)
+    assert a.head == b.head and a.tail != b.tail
+    assert len(a.head) + len(a.tail) <= 300
+    text = tokenizer.decode(a.head + a.tail)
+    assert sample.context in text and text.endswith(sample.questions[0].answer_prefix)
+    for needle, q in zip(a.needles, sample.questions):
+        assert q.answers[0] in tokenizer.decode([a.head[i] for i in needle])
+
+
+def test_evaluator_accounts_memory_and_keeps_whole_prompts_exact(smollm2, sample):
+    model, tokenizer = smollm2
+    ev = Evaluator(model, tokenizer, window=16)
+    methods = [Method.parse(m) for m in ["full", "snapkv", "random", "kv8", "snapkv+kv8"]]
+    records = ev.run(sample, methods, budgets=[40, 4096])
+    by = {(r["mode"], r["method"], r["budget"], r["question"]): r for r in records}
+    assert len(records) == 2 * 2 * (1 + 2 + 2 + 1 + 2)  # modes x questions x (method, budget)
+    for mode in ("aware", "agnostic"):
+        for q in (0, 1):
+            full = by[(mode, "full", None, q)]
+            assert full["kv_fraction"] == 1.0 and full["needle_kept"] == 1.0
+            # a budget over the prompt keeps every row: the same answer as the full cache
+            assert by[(mode, "snapkv", 4096, q)]["prediction"] == full["prediction"]
+            assert by[(mode, "random", 4096, q)]["prediction"] == full["prediction"]
+            small = by[(mode, "snapkv", 40, q)]
+            assert small["rows"] == 40
+            per_row = 1 + 4 / (2 * 64 * 4)  # float32 keys + values, and an int32 position per head
+            assert abs(small["kv_fraction"] - 40 * per_row / full["rows"]) < 1e-9
+            assert 0 <= small["needle_kept"] <= 1
+            kv8 = by[(mode, "kv8", None, q)]
+            assert abs(kv8["kv_fraction"] - quantized_row_fraction(64, 4, 8)) < 1e-9
+            both = by[(mode, "snapkv+kv8", 40, q)]
+            assert both["rows"] == int(40 / quantized_row_fraction(64, 4, 8))
+    # the agnostic full cache and the aware one compute the same thing in different chunks
+    assert (
+        by[("agnostic", "full", None, 0)]["prediction"]
+        == by[("aware", "full", None, 0)]["prediction"]
+    )
+
+
+def test_example_writes_json_tables_and_plots(tmp_path, capsys):
+    out = tmp_path / "smoke"
+    result = evaluate_example.main(["--lengths", "200", "--budgets", "48", "--tasks", "passkey",
+                                    "niah_single", "--samples", "1", "--methods", "full", "snapkv",
+                                    "streaming", "kv4", "--out", str(out), "--quiet"])  # fmt: skip
+    saved = json.loads((tmp_path / "smoke.json").read_text())
+    assert len(saved["records"]) == len(result["records"]) == 2 * 2 * 4
+    assert saved["config"]["methods"] == ["full", "snapkv", "streaming", "kv4"]
+    table = (tmp_path / "smoke.md").read_text()
+    assert "**average, query-agnostic**" in table and "**passkey, query-aware**" in table
+    for mode in ("aware", "agnostic"):
+        assert (tmp_path / f"smoke-{mode}-200.png").stat().st_size > 10_000
+    assert "| 200 | full |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tasks", "nope"], "--tasks: unknown task 'nope'"),
+        (["--methods", "snapkv+kv5"], "--methods: unknown method 'snapkv\\+kv5'"),
+        (["--budgets", "20"], "--budgets: must be >= window \\+ sink tokens = 36, got 20"),
+        (["--lengths", "50"], "--lengths: must be >= 128 tokens, got 50"),
+        (["--samples", "0"], "--samples: must be >= 1, got 0"),
+        (
+            ["--lengths", "130", "--tasks", "common_words"],
+            "error: a common_words sample does not fit in 130 tokens",
+        ),
+    ],
+)
+def test_example_flags_are_checked(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        evaluate_example.main(argv)
+    said = capsys.readouterr().err + str(exit_.value.code)  # argparse prints; SystemExit carries
+    assert message.replace("\\", "") in said
