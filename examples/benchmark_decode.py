@@ -6,8 +6,12 @@ Per prompt length L and budget R, the median time of one decode step:
   compacted  kvfn compiled step on a SnapKV-compacted state (R rows kept of L)
   plain-R    kvfn compiled step on a plain state holding R rows
   mlx-R      mlx-lm's own eager step over a KVCache of R rows
+  mlx-compacted  mlx-lm's eager step over the same compacted rows (kvfn.interop.CompactedKVCache)
   full       kvfn compiled step on the full L-row state;  mlx-full: mlx-lm over L rows
-and, per L, prefill time and peak memory with and without window scoring.
+with the KV bytes held, the peak memory while decoding, and the byte-count bound: the speedup
+over the full cache if a step cost only the bytes it reads, (weights + full KV bytes) /
+(weights + kept KV bytes). Per L, prefill time and peak memory with and without window scoring.
+With --plot, a PNG of decode step time vs L per budget, next to the bound.
 """
 
 import argparse
@@ -23,7 +27,10 @@ import models  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
+from mlx.utils import tree_flatten  # noqa: E402
+
 from kvfn import cache as kv  # noqa: E402
+from kvfn.interop import to_mlx_cache  # noqa: E402
 from models.compact import compact_prompt_cache, prefill  # noqa: E402
 from models.wrapper import FunctionalModel  # noqa: E402
 
@@ -33,6 +40,7 @@ def time_steps(step, steps: int, warmup: int = 3) -> float:
     for _ in range(warmup):
         step()
     times = []
+    mx.reset_peak_memory()
     for _ in range(steps):
         t = time.perf_counter()
         step()
@@ -61,6 +69,15 @@ def mlx_lm_decoder(model, tokens):
     return step
 
 
+def mlx_lm_cache_decoder(model, caches):
+    token = mx.array([[1]])
+
+    def step():
+        mx.eval(model(token, cache=caches)[:, -1])
+
+    return step
+
+
 def timed(fn):
     mx.reset_peak_memory()
     t = time.perf_counter()
@@ -72,6 +89,7 @@ def timed(fn):
 def run(args) -> dict:
     model, _ = models.load(args.model)
     fm = FunctionalModel(model)
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     rows, prefills = [], []
     for L in args.lengths:
         tokens = mx.random.randint(0, model.args.vocab_size, (L,), key=mx.random.key(L)).tolist()
@@ -97,8 +115,10 @@ def run(args) -> dict:
                 scored_peak_mb=m_scored / 1e6,
             )
         )
+        full_kv = sum(kv_bytes(s) for s in plain)
         full = kvfn_decoder(fm, plain)
         t_full = time_steps(full, args.steps)
+        peak_full = mx.get_peak_memory()
         t_mlx_full = time_steps(mlx_lm_decoder(model, tokens[:-1]), args.steps)
         for R in args.budgets:
             if R >= L:
@@ -112,7 +132,10 @@ def run(args) -> dict:
                 prefill_step_size=args.prefill_step_size,
             )
             small = prefill(fm, mx.array([tokens[:R]]), capacity=R + args.steps + 8)
+            kept_kv = sum(kv_bytes(s) for s in compacted)
             t_c = time_steps(kvfn_decoder(fm, compacted), args.steps)
+            peak_c = mx.get_peak_memory()
+            t_mc = time_steps(mlx_lm_cache_decoder(model, to_mlx_cache(compacted)), args.steps)
             t_p = time_steps(kvfn_decoder(fm, small), args.steps)
             t_m = time_steps(mlx_lm_decoder(model, tokens[:R]), args.steps)
             rows.append(
@@ -120,6 +143,7 @@ def run(args) -> dict:
                     L=L,
                     R=R,
                     compacted_ms=t_c * 1e3,
+                    mlx_compacted_ms=t_mc * 1e3,
                     plain_R_ms=t_p * 1e3,
                     mlx_R_ms=t_m * 1e3,
                     full_ms=t_full * 1e3,
@@ -127,21 +151,85 @@ def run(args) -> dict:
                     compacted_vs_plain=t_c / t_p,
                     compacted_vs_mlx_R=t_c / t_m,
                     full_vs_compacted=t_full / t_c,
+                    mlx_full_vs_compacted=t_mlx_full / t_c,
+                    mlx_full_vs_mlx_compacted=t_mlx_full / t_mc,
+                    compacted_tok_s=1 / t_c,
+                    full_tok_s=1 / t_full,
+                    kept_kv_mb=kept_kv / 1e6,
+                    full_kv_mb=full_kv / 1e6,
+                    weights_mb=weights / 1e6,
+                    byte_bound=(weights + full_kv) / (weights + kept_kv),
+                    compacted_peak_mb=peak_c / 1e6,
+                    full_peak_mb=peak_full / 1e6,
                 )
             )
     return {"device": str(mx.default_device()), "decode": rows, "prefill": prefills}
 
 
+def kv_bytes(state: kv.State) -> int:
+    """Bytes of a state's rows in use (keys, values and positions), not its spare capacity."""
+    return state.nbytes * int(state.rows.item()) // state.capacity
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["decode"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
+    lengths = sorted({r["L"] for r in rows})
+    full = {r["L"]: r["full_ms"] for r in rows}
+    mlx_full = {r["L"]: r["mlx_full_ms"] for r in rows}
+    ax.plot(lengths, [full[L] for L in lengths], "k-o", label="full (kvfn)")
+    ax.plot(lengths, [mlx_full[L] for L in lengths], "k--", label="full (mlx-lm)")
+    for R in sorted({r["R"] for r in rows}):
+        pts = [(r["L"], r["compacted_ms"], r["full_vs_compacted"], r["byte_bound"])
+               for r in rows if r["R"] == R]  # fmt: skip
+        L, ms, speedup, bound = zip(*pts)
+        line = ax.plot(L, ms, "-o", label=f"compacted R={R}")[0]
+        ax.plot(L, [r["mlx_compacted_ms"] for r in rows if r["R"] == R], "--",
+                color=line.get_color(), label=f"mlx-lm compacted R={R}")  # fmt: skip
+        bx.plot(L, speedup, "-o", color=line.get_color(), label=f"kvfn R={R}")
+        bx.plot(L, [r["mlx_full_vs_mlx_compacted"] for r in rows if r["R"] == R], "--",
+                color=line.get_color(), label=f"mlx-lm R={R}")  # fmt: skip
+        bx.plot(L, bound, ":", color=line.get_color(), label=f"byte bound R={R}")
+    ax.set(xscale="log", xlabel="prompt tokens L", ylabel="decode step, ms",
+           title=f"decode step ({result['device']})")  # fmt: skip
+    bx.set(xscale="log", xlabel="prompt tokens L", ylabel="full / compacted",
+           title="speedup over the full cache")  # fmt: skip
+    ax.legend(fontsize=7)
+    bx.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def table(result: dict) -> str:
     out = [
-        "| L | R | compacted ms | plain-R ms | mlx-R ms | full ms | mlx-full ms | compacted/plain-R | compacted/mlx-R | full/compacted |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| L | R | compacted ms | mlx-compacted ms | plain-R ms | mlx-R ms | full ms | mlx-full ms | compacted/plain-R | compacted/mlx-R | full/compacted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["decode"]:
         out.append(
-            f"| {r['L']} | {r['R']} | {r['compacted_ms']:.2f} | {r['plain_R_ms']:.2f} | {r['mlx_R_ms']:.2f} | "
+            f"| {r['L']} | {r['R']} | {r['compacted_ms']:.2f} | {r['mlx_compacted_ms']:.2f} | "
+            f"{r['plain_R_ms']:.2f} | {r['mlx_R_ms']:.2f} | "
             f"{r['full_ms']:.2f} | {r['mlx_full_ms']:.2f} | {r['compacted_vs_plain']:.3f} | "
             f"{r['compacted_vs_mlx_R']:.3f} | {r['full_vs_compacted']:.3f} |"
+        )
+    out += [
+        "",
+        "| L | R | compacted tok/s | full tok/s | kept KV MB | full KV MB | weights MB | full/compacted | mlx-full/mlx-compacted | byte bound | peak MB compacted | peak MB full |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["decode"]:
+        out.append(
+            f"| {r['L']} | {r['R']} | {r['compacted_tok_s']:.1f} | {r['full_tok_s']:.1f} | "
+            f"{r['kept_kv_mb']:.1f} | {r['full_kv_mb']:.1f} | {r['weights_mb']:.0f} | "
+            f"{r['full_vs_compacted']:.2f} | {r['mlx_full_vs_mlx_compacted']:.2f} | "
+            f"{r['byte_bound']:.2f} | "
+            f"{r['compacted_peak_mb']:.0f} | {r['full_peak_mb']:.0f} |"
         )
     out += [
         "",
@@ -164,6 +252,7 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument("--plot", help="also draw them into this PNG")
     args = p.parse_args(argv)
     for name in ("lengths", "budgets"):
         bad = [v for v in getattr(args, name) if v < 40]
@@ -175,6 +264,8 @@ def main(argv=None) -> dict:
     print(table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, args.plot)
     return result
 
 

@@ -5,7 +5,8 @@
 Per sample the context is prefilled once; every method and question reuses that state. Methods:
 full; snapkv, streaming, random (evict to a budget of rows); kvB (mlx-lm KV quantization to B
 bits, every row kept); snapkv+kvB etc. (evict, then quantize, keeping as many rows as fit in the
-budget's bytes). Writes OUT.json (records + summary), OUT.md (tables) and OUT-MODE-LENGTH.png.
+budget's bytes). Writes OUT.json (records + summary; rewritten after every sample), OUT.md
+(tables) and OUT-MODE-LENGTH.png. --merge a.json b.json makes them from earlier runs' records.
 """
 
 import argparse
@@ -45,6 +46,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--per-layer", action="store_true", help="SnapKV: one row set per layer")
     p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--out", default="eval", help="output path prefix (default: ./eval)")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="run nothing: tables and plots from the records of earlier runs")  # fmt: skip
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     for t in args.tasks:
@@ -65,6 +68,18 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
+def save(path: Path, config: dict, records: list) -> dict:
+    result = dict(config=config, records=records, summary=report.summarize(records))
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def config_of(args) -> dict:
+    config = {k: v for k, v in vars(args).items() if k != "methods"}
+    config.update(methods=[m.name for m in args.methods], device=str(mx.default_device()))
+    return config
+
+
 def run(args) -> dict:
     model, tokenizer = models.load(args.model)
     ev = Evaluator(model, tokenizer, window=args.window, sink_tokens=args.sink_tokens,
@@ -80,6 +95,7 @@ def run(args) -> dict:
                                         count_tokens=count, n_questions=args.questions)  # fmt: skip
                 out = ev.run(sample, args.methods, args.budgets, args.modes)
                 records += out
+                save(Path(f"{args.out}.json"), config_of(args), records)  # partial results
                 if not args.quiet:
                     done = {m.name: [] for m in args.methods}
                     for r in out:
@@ -87,24 +103,32 @@ def run(args) -> dict:
                     line = " ".join(f"{k}={100 * sum(v) / len(v):.0f}" for k, v in done.items())
                     print(f"[{time.perf_counter() - t0:7.1f}s] {length} {task} #{i}: {line}",
                           flush=True)  # fmt: skip
-    summary = report.summarize(records)
-    config = {k: v for k, v in vars(args).items() if k != "methods"}
-    config.update(methods=[m.name for m in args.methods], device=str(mx.default_device()))
-    return dict(config=config, records=records, summary=summary)
+    return save(Path(f"{args.out}.json"), config_of(args), records)
+
+
+def merge(args) -> dict:
+    runs = []
+    for path in args.merge:
+        try:
+            runs.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: --merge {path!r}: {e}")
+    records = [r for run_ in runs for r in run_["records"]]
+    args.tasks = sorted({r["task"] for r in records}, key=list(tasks.TASKS).index)
+    return save(Path(f"{args.out}.json"), dict(merged=args.merge, configs=[r["config"] for r in runs]),
+                records)  # fmt: skip
 
 
 def main(argv=None) -> dict:
     args = parse(argv)
-    try:
-        result = run(args)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(result, indent=1))
+    try:
+        result = merge(args) if args.merge else run(args)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}")
     tables = [report.markdown(result["summary"])]
-    tasks_run = [t for t in args.tasks]
-    tables += [report.markdown(result["summary"], task=t) for t in tasks_run]
+    tables += [report.markdown(result["summary"], task=t) for t in args.tasks]
     Path(f"{out}.md").write_text("\n".join(tables))
     pngs = report.plot(result["summary"], str(out))
     print(tables[0])

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 
 from kvfn import cache as kv
 from kvfn import scoring
@@ -143,6 +144,13 @@ def token_counter(tokenizer) -> Callable[[Sample], int]:
     return count
 
 
+def kv_dtype(model) -> mx.Dtype:
+    """The dtype an mlx-lm model writes into its KV cache (one token through a plain cache)."""
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    return next(c.keys.dtype for c in cache if getattr(c, "keys", None) is not None)
+
+
 def greedy(model, prompt: list[int], caches: list, max_tokens: int, eos: set) -> list[int]:
     out = []
     for token, _ in generate_step(mx.array(prompt), model, prompt_cache=caches,
@@ -178,16 +186,16 @@ class Evaluator:
     def __init__(self, model, tokenizer, *, window: int = 32, sink_tokens: int = 4,
                  kernel_size: int = 7, pooling: str = "max", per_head: bool = True,
                  group_reduce: str = "mean", prefill_step_size: int = 512,
-                 dtype: mx.Dtype = mx.float32, seed: int = 0):  # fmt: skip
+                 dtype: Optional[mx.Dtype] = None, seed: int = 0):  # fmt: skip
         self.model, self.tokenizer = model, tokenizer
         self.fm = FunctionalModel(model)
         self.window, self.sink_tokens, self.seed = window, sink_tokens, seed
         self.snapkv = dict(window=window, sink_tokens=sink_tokens, kernel_size=kernel_size,
                            pooling=pooling, per_head=per_head, group_reduce=group_reduce)  # fmt: skip
-        self.prefill_step_size, self.dtype = prefill_step_size, dtype
+        self.prefill_step_size, self.dtype = prefill_step_size, dtype or kv_dtype(model)
         self.eos = set(tokenizer.eos_token_ids) | {tokenizer.eos_token_id}
-        self.head_dim = self.fm.init_states(1, 1, dtype)[0].keys.shape[-1]
-        self.itemsize = mx.zeros((), dtype).itemsize
+        self.head_dim = self.fm.init_states(1, 1, self.dtype)[0].keys.shape[-1]
+        self.itemsize = mx.zeros((), self.dtype).itemsize
 
     # -- selection ------------------------------------------------------------------------------
     def keep(self, policy: str, rows: int, scores, P: int, key: mx.array) -> list:

@@ -96,6 +96,10 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
     for mode in ("aware", "agnostic"):
         assert (tmp_path / f"smoke-{mode}-200.png").stat().st_size > 10_000
     assert "| 200 | full |" in capsys.readouterr().out
+    merged = evaluate_example.main(["--merge", str(tmp_path / "smoke.json"), str(tmp_path / "smoke.json"),
+                                    "--out", str(tmp_path / "both")])  # fmt: skip
+    assert merged["records"] == saved["records"] * 2
+    assert (tmp_path / "both.md").read_text() == table  # the same answers twice: the same means
 
 
 @pytest.mark.parametrize(
