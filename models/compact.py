@@ -27,9 +27,12 @@ def prefill(
     dtype: mx.Dtype = mx.float32,
     progress: Optional[Callable[[int, int], None]] = None,
     states: Optional[tuple] = None,
+    compiled: bool = True,
 ) -> tuple:
     """Prefill ``tokens`` (B, n) in compiled chunks into fresh states of ``capacity`` rows, or
-    after what ``states`` already hold (then their capacity is used).
+    after what ``states`` already hold (then their capacity is used). ``compiled=False`` runs
+    the eager forward pass instead: worth it when shapes change from call to call (each new
+    shape is a new trace, and on CUDA a new kernel compilation).
 
     With ``score_window`` w > 0, the attention of the last w tokens' queries over every key is
     summed into per-key scores, chunk by chunk (the window may span chunks): returns
@@ -48,12 +51,13 @@ def prefill(
     )
     for start, stop in chunks(n, prefill_step_size):
         w0 = max(n - score_window, start) if score_window else stop
+        step = fmodel.prefill if compiled else fmodel.forward
         if w0 < stop:
-            _, states, scores = fmodel.prefill(
+            _, states, scores = step(
                 tokens[:, start:stop], states, scores, ScoreWindow(w0 - start, stop - start)
             )
         else:
-            _, states = fmodel.prefill(tokens[:, start:stop], states)
+            _, states = step(tokens[:, start:stop], states)
         mx.eval(kv.arrays(states), scores)
         if progress is not None:
             progress(stop, n)

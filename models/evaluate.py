@@ -1,6 +1,6 @@
 """Accuracy of eviction methods at equal KV memory, on RULER-style samples.
 
-Per sample, the context is prefilled once (compiled, chunked) into immutable states; every
+Per sample, the context is prefilled once (in chunks, eagerly) into immutable states; every
 method and question starts from those states, so reuse is exact and free:
 
 * query-agnostic: the context's last ``window`` tokens are scored, the context is compacted once
@@ -186,13 +186,15 @@ class Evaluator:
     def __init__(self, model, tokenizer, *, window: int = 32, sink_tokens: int = 4,
                  kernel_size: int = 7, pooling: str = "max", per_head: bool = True,
                  group_reduce: str = "mean", prefill_step_size: int = 512,
-                 dtype: Optional[mx.Dtype] = None, seed: int = 0):  # fmt: skip
+                 dtype: Optional[mx.Dtype] = None, seed: int = 0, compiled: bool = False):  # fmt: skip
         self.model, self.tokenizer = model, tokenizer
         self.fm = FunctionalModel(model)
         self.window, self.sink_tokens, self.seed = window, sink_tokens, seed
         self.snapkv = dict(window=window, sink_tokens=sink_tokens, kernel_size=kernel_size,
                            pooling=pooling, per_head=per_head, group_reduce=group_reduce)  # fmt: skip
         self.prefill_step_size, self.dtype = prefill_step_size, dtype or kv_dtype(model)
+        # every sample and question has its own shapes: compiled steps would retrace each time
+        self.compiled = compiled
         self.eos = set(tokenizer.eos_token_ids) | {tokenizer.eos_token_id}
         self.head_dim = self.fm.init_states(1, 1, self.dtype)[0].keys.shape[-1]
         self.itemsize = mx.zeros((), self.dtype).itemsize
@@ -241,7 +243,7 @@ class Evaluator:
         w = min(self.window, len(head) - 1)
         capacity = len(head) + max(len(p.tail) for p in prompts)
         start = prefill(self.fm, mx.array([head[:-w]]), capacity=capacity, dtype=self.dtype,
-                        prefill_step_size=self.prefill_step_size)  # fmt: skip
+                        prefill_step_size=self.prefill_step_size, compiled=self.compiled)  # fmt: skip
         n_new = max_new_tokens or ANSWER_TOKENS.get(sample.task, 32)
         key = mx.random.key(self.seed * 1_000_003 + sample.seed)
         records = []
@@ -269,14 +271,16 @@ class Evaluator:
 
         if "agnostic" in modes:
             states, scores = prefill(self.fm, mx.array([head[-w:]]), capacity=capacity,
-                                     score_window=w, states=start, dtype=self.dtype)  # fmt: skip
+                                     score_window=w, states=start, dtype=self.dtype,
+                                     compiled=self.compiled)  # fmt: skip
             tails = [(q, p.tail) for q, p in enumerate(prompts)]
             answer_all("agnostic", states, scores, tails, len(head))
         if "aware" in modes:
             for q, p in enumerate(prompts):
                 ask = head[-w:] + p.tail[:-1]
                 states, scores = prefill(self.fm, mx.array([ask]), capacity=capacity,
-                                         score_window=self.window, states=start, dtype=self.dtype)  # fmt: skip
+                                         score_window=self.window, states=start,
+                                         dtype=self.dtype, compiled=self.compiled)  # fmt: skip
                 P = len(head) + len(p.tail) - 1
                 answer_all("aware", states, scores, [(q, p.tail[-1:])], P)
         return records
