@@ -45,6 +45,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--pooling", default="max", choices=["max", "avg"])
     p.add_argument("--per-layer", action="store_true", help="SnapKV: one row set per layer")
     p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help="cast the model's floating-point weights (and so its KV cache)")  # fmt: skip
     p.add_argument("--out", default="eval", help="output path prefix (default: ./eval)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="run nothing: tables and plots from the records of earlier runs")  # fmt: skip
@@ -82,6 +84,8 @@ def config_of(args) -> dict:
 
 def run(args) -> dict:
     model, tokenizer = models.load(args.model)
+    if args.dtype:
+        model.set_dtype(getattr(mx, args.dtype))
     ev = Evaluator(model, tokenizer, window=args.window, sink_tokens=args.sink_tokens,
                    kernel_size=args.kernel_size, pooling=args.pooling,
                    per_head=not args.per_layer, prefill_step_size=args.prefill_step_size,

@@ -152,6 +152,12 @@ def kv_dtype(model) -> mx.Dtype:
 
 
 def greedy(model, prompt: list[int], caches: list, max_tokens: int, eos: set) -> list[int]:
+    if len(prompt) > 1 and any(hasattr(c, "bits") for c in caches):
+        # MLX's CUDA backend has no quantized attention for several queries at once: feed the
+        # prompt one token at a time (the same computation as a chunk, row by row)
+        for t in prompt[:-1]:
+            model(mx.array([[t]]), cache=caches)
+        prompt = prompt[-1:]
     out = []
     for token, _ in generate_step(mx.array(prompt), model, prompt_cache=caches,
                                   max_tokens=max_tokens):  # fmt: skip
