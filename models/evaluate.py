@@ -45,32 +45,64 @@ ANSWER_TOKENS = {  # enough for a right answer; a wrong one is cut short
 }
 
 
+# name suffix -> SnapKVConfig field, e.g. snapkv-k31-avg-layer. The window is the evaluator's:
+# it is the scored observation window of the shared prefill.
+SNAPKV_OPTIONS = {
+    "avg": ("pooling", "avg"),
+    "max": ("pooling", "max"),
+    "layer": ("per_head", False),
+    "gmax": ("group_reduce", "max"),
+}
+
+
 @dataclass(frozen=True)
 class Method:
-    """An eviction ``policy`` (or None: keep every row) and/or mlx-lm KV quantization."""
+    """An eviction ``policy`` (or None: keep every row) and/or mlx-lm KV quantization; SnapKV
+    options override the evaluator's defaults for this method only."""
 
     policy: Optional[str] = None
     kv_bits: Optional[int] = None
+    options: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
-        parts = [self.policy or ("full" if self.kv_bits is None else "")]
+        parts = ["-".join([self.policy, *self.options])] if self.policy else []
         parts += [f"kv{self.kv_bits}"] if self.kv_bits else []
-        return "+".join(p for p in parts if p)
+        return "+".join(parts) or "full"
+
+    def snapkv_overrides(self) -> dict:
+        out = {}
+        for opt in self.options:
+            field, value = SNAPKV_OPTIONS.get(opt) or ("kernel_size", int(opt[1:]))  # -k<N>
+            out[field] = value
+        return out
 
     @classmethod
     def parse(cls, name: str) -> "Method":
-        """'full', 'snapkv', 'streaming', 'random', 'kv8', 'kv4', 'snapkv+kv4', ..."""
-        policy, bits = None, None
-        for part in name.split("+"):
-            if part in POLICIES and policy is None:
-                policy = part
+        """'full', 'snapkv', 'streaming', 'random', 'kv8', 'kv4', 'snapkv+kv4'; SnapKV options
+        after dashes: -k<odd kernel size>, -avg/-max pooling, -layer (one row set per
+        layer), -gmax (GQA max-reduce), e.g. 'snapkv-k31-layer+kv8'."""
+        policy, bits, options = None, None, ()
+        error = ValueError(f"unknown method {name!r}: use full, kvB, or one of "
+                           f"{', '.join(POLICIES)} (snapkv with options -kN -avg -max "
+                           f"-layer -gmax) optionally +kvB (B in 2,3,4,6,8)")  # fmt: skip
+        parts = name.split("+")
+        for part in parts:
+            head, *opts = part.split("-")
+            if head in POLICIES and policy is None:
+                if opts and head != "snapkv":
+                    raise error
+                for opt in opts:
+                    kernel = opt[:1] == "k" and opt[1:].isdigit() and int(opt[1:]) % 2 == 1
+                    known = opt in SNAPKV_OPTIONS or kernel
+                    if not known:
+                        raise error
+                policy, options = head, tuple(opts)
             elif part.startswith("kv") and part[2:] in ("2", "3", "4", "6", "8") and bits is None:
                 bits = int(part[2:])
-            elif part != "full" or len(name.split("+")) > 1:
-                raise ValueError(f"unknown method {name!r}: use full, kvB, or one of "
-                                 f"{', '.join(POLICIES)} optionally +kvB (B in 2,3,4,6,8)")  # fmt: skip
-        return cls(policy, bits)
+            elif part != "full" or len(parts) > 1:
+                raise error
+        return cls(policy, bits, options)
 
 
 def quantized_row_fraction(head_dim: int, itemsize: int, bits: int, group_size: int = 64) -> float:
@@ -206,14 +238,15 @@ class Evaluator:
         self.itemsize = mx.zeros((), self.dtype).itemsize
 
     # -- selection ------------------------------------------------------------------------------
-    def keep(self, policy: str, rows: int, scores, P: int, key: mx.array) -> list:
+    def keep(self, method: "Method", rows: int, scores, P: int, key: mx.array) -> list:
+        policy, overrides = method.policy, method.snapkv_overrides()
         out, keys = [], mx.random.split(key, len(self.fm.windows))
         for i, w in enumerate(self.fm.windows):
             n_kv = self.fm.n_kv_heads[i]
             if w is not None:
                 out.append(None)  # sliding-window layers are cut to their window, not scored
             elif policy == "snapkv":
-                cfg = SnapKVConfig(rows, **self.snapkv)
+                cfg = SnapKVConfig(rows, **{**self.snapkv, **overrides})
                 out.append(keep_indices(scores[i][..., :P], cfg, n_kv))
             elif policy == "streaming":
                 out.append(recent_keep_indices(P, rows, n_kv_heads=n_kv,
@@ -230,7 +263,7 @@ class Evaluator:
         evicted = method.policy is not None and rows is not None and rows < P
         kept = 1.0 if needles else None
         if evicted:
-            keep = self.keep(method.policy, rows, scores, P, key)
+            keep = self.keep(method, rows, scores, P, key)
             states, _ = evict_prompt_cache(states, keep)
             if needles:
                 kept = needle_fraction(keep, [t for n in needles for t in n])

@@ -29,7 +29,11 @@ def test_method_names_round_trip_and_bad_names_are_named():
     for name in ["full", "snapkv", "streaming", "random", "kv8", "kv4", "snapkv+kv4"]:
         assert Method.parse(name).name == name
     assert Method.parse("snapkv+kv4") == Method("snapkv", 4)
-    for bad in ["snap", "kv5", "full+kv4", "snapkv+random"]:
+    m = Method.parse("snapkv-k31-avg-layer+kv8")
+    assert m.name == "snapkv-k31-avg-layer+kv8" and m.kv_bits == 8
+    assert m.snapkv_overrides() == dict(kernel_size=31, pooling="avg", per_head=False)
+    for bad in ["snap", "kv5", "full+kv4", "snapkv+random", "snapkv-k", "snapkv-k8", "snapkv-w9",
+                "streaming-layer"]:  # fmt: skip
         with pytest.raises(ValueError, match=re.escape(f"unknown method '{bad}'")):
             Method.parse(bad)
 
