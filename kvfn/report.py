@@ -83,6 +83,7 @@ def plot(summary: Sequence[dict], path_prefix: str) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
 
     written = []
     for mode, length in sorted({(r["mode"], r["target_tokens"]) for r in summary}):
@@ -103,6 +104,9 @@ def plot(summary: Sequence[dict], path_prefix: str) -> list[str]:
                 else:
                     ax.plot(x, y, marker="o", label=method)
             ax.set_xscale("log")
+            ax.xaxis.set_major_locator(FixedLocator([1, 3, 6, 12, 25, 50, 100]))
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_title(task, fontsize=10)
             ax.set_ylim(-5, 105)
             ax.set_xlabel("KV bytes, % of full cache")

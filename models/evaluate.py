@@ -256,21 +256,26 @@ class Evaluator:
                                                sink_tokens=self.sink_tokens, window=self.window))  # fmt: skip
         return out
 
-    def caches(self, states, method: Method, rows: Optional[int], scores, key, needles=()):
-        """mlx-lm caches for ``method`` at ``rows`` kept rows, their KV bytes, and the fraction
-        of needle rows kept (over full-attention layers and KV heads; None without needles)."""
+    def compact(self, states, method: Method, rows: Optional[int], scores, key, needles=()):
+        """States after ``method``'s eviction to ``rows`` rows (unchanged when it keeps them
+        all), whether it evicted, and the fraction of needle rows kept (over full-attention
+        layers and KV heads; None without needles)."""
         P = int(states[0].rows.item())
-        evicted = method.policy is not None and rows is not None and rows < P
-        kept = 1.0 if needles else None
-        if evicted:
-            keep = self.keep(method, rows, scores, P, key)
-            states, _ = evict_prompt_cache(states, keep)
-            if needles:
-                kept = needle_fraction(keep, [t for n in needles for t in n])
+        if method.policy is None or rows is None or rows >= P:
+            return states, False, 1.0 if needles else None
+        keep = self.keep(method, rows, scores, P, key)
+        states, _ = evict_prompt_cache(states, keep)
+        kept = needle_fraction(keep, [t for n in needles for t in n]) if needles else None
+        return states, True, kept
+
+    @staticmethod
+    def caches(states, method: Method, evicted: bool) -> tuple[list, int]:
+        """Fresh mlx-lm caches over ``states`` (quantized if the method says so), and their KV
+        bytes (with the positions that an evicted cache must keep)."""
         caches = to_mlx_cache(states)
         if method.kv_bits is not None:
             caches = [c.to_quantized(group_size=64, bits=method.kv_bits) for c in caches]
-        return caches, kv_bytes(caches, with_positions=evicted), kept
+        return caches, kv_bytes(caches, with_positions=evicted)
 
     # -- one sample -------------------------------------------------------------------------------
     def run(self, sample: Sample, methods: Sequence[Method], budgets: Sequence[int],
@@ -302,9 +307,11 @@ class Evaluator:
             for method in methods:
                 for budget in [None] if method.policy is None else budgets:
                     rows = rows_for(method, budget, self.head_dim, self.itemsize)
-                    for q, tail in tails:
-                        caches, nbytes, kept = self.caches(states, method, rows, scores, key,
-                                                           prompts[q].needles)  # fmt: skip
+                    needles = prompts[tails[0][0]].needles  # the context's: the same for all
+                    kept_states, evicted, kept = self.compact(states, method, rows, scores, key,
+                                                              needles)  # fmt: skip
+                    for q, tail in tails:  # every question on the one compacted state
+                        caches, nbytes = self.caches(kept_states, method, evicted)
                         answer = greedy(self.model, tail, caches, n_new, self.eos)
                         record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept)
 
