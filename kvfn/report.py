@@ -101,6 +101,8 @@ def plot(summary: Sequence[dict], path_prefix: str) -> list[str]:
                 x, y = zip(*pts)
                 if method == "full":
                     ax.axhline(y[0], color="black", linestyle="--", linewidth=1, label="full")
+                elif len(pts) == 1:  # keeps every row (KV quantization alone): one point
+                    ax.plot(x, y, marker="s", markersize=8, linestyle="", zorder=3, label=method)
                 else:
                     ax.plot(x, y, marker="o", label=method)
             ax.set_xscale("log")
