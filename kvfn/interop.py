@@ -29,6 +29,12 @@ class _TruePositions:
             return "causal"  # aligned to the end of the stored rows: right for any row count
         return create_causal_mask(n, offset=self.rows, window_size=window_size)
 
+    @classmethod
+    def from_state(cls, state):
+        obj = cls.__new__(cls)
+        obj.state = state
+        return obj
+
     def is_trimmable(self) -> bool:
         return True
 
@@ -112,12 +118,6 @@ class CompactedKVCache(_TruePositions):
         keys, values, positions, offset, window = v
         self.__init__(keys, values, positions.astype(mx.int32), int(offset), window)
 
-    @classmethod
-    def from_state(cls, state):
-        obj = cls.__new__(cls)
-        obj.state = state
-        return obj
-
     @property
     def kv_nbytes(self) -> int:
         per_row = (self.keys.nbytes + self.values.nbytes) // max(self.keys.shape[2], 1)
@@ -186,12 +186,6 @@ class QuantizedCompactedKVCache(_TruePositions):
     def state(self, v):
         keys, values, positions, offset, window, group_size, bits = v
         self.__init__(keys, values, positions.astype(mx.int32), offset, window, group_size, bits)
-
-    @classmethod
-    def from_state(cls, state):
-        obj = cls.__new__(cls)
-        obj.state = state
-        return obj
 
     @property
     def kv_nbytes(self) -> int:
