@@ -30,6 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from kvfn import cache as kv  # noqa: E402
+from kvfn.evict import stored_bytes  # noqa: E402
 from kvfn.interop import to_mlx_cache  # noqa: E402
 from models.compact import compact_prompt_cache, prefill  # noqa: E402
 from models.wrapper import FunctionalModel  # noqa: E402
@@ -115,7 +116,7 @@ def run(args) -> dict:
                 scored_peak_mb=m_scored / 1e6,
             )
         )
-        full_kv = sum(kv_bytes(s) for s in plain)
+        full_kv = sum(stored_bytes(s, int(s.rows.item())) for s in plain)
         full = kvfn_decoder(fm, plain)
         t_full = time_steps(full, args.steps)
         peak_full = mx.get_peak_memory()
@@ -132,7 +133,7 @@ def run(args) -> dict:
                 prefill_step_size=args.prefill_step_size,
             )
             small = prefill(fm, mx.array([tokens[:R]]), capacity=R + args.steps + 8)
-            kept_kv = sum(kv_bytes(s) for s in compacted)
+            kept_kv = sum(stored_bytes(s, int(s.rows.item())) for s in compacted)
             t_c = time_steps(kvfn_decoder(fm, compacted), args.steps)
             peak_c = mx.get_peak_memory()
             t_mc = time_steps(mlx_lm_cache_decoder(model, to_mlx_cache(compacted)), args.steps)
@@ -151,7 +152,6 @@ def run(args) -> dict:
                     compacted_vs_plain=t_c / t_p,
                     compacted_vs_mlx_R=t_c / t_m,
                     full_vs_compacted=t_full / t_c,
-                    mlx_full_vs_compacted=t_mlx_full / t_c,
                     mlx_full_vs_mlx_compacted=t_mlx_full / t_mc,
                     compacted_tok_s=1 / t_c,
                     full_tok_s=1 / t_full,
@@ -164,11 +164,6 @@ def run(args) -> dict:
                 )
             )
     return {"device": str(mx.default_device()), "decode": rows, "prefill": prefills}
-
-
-def kv_bytes(state: kv.State) -> int:
-    """Bytes of a state's rows in use (keys, values and positions), not its spare capacity."""
-    return state.nbytes * int(state.rows.item()) // state.capacity
 
 
 def plot(result: dict, path: str) -> None:

@@ -86,7 +86,7 @@ def _book(rng: random.Random) -> Callable[[int], list[str]]:
     return _cycled(book, rng.randrange(len(book)))
 
 
-def _filler(rng: random.Random) -> Callable[[int], list[str]]:
+def _filler() -> Callable[[int], list[str]]:
     return _cycled(haystack.filler_sentences(), 0)
 
 
@@ -109,7 +109,7 @@ def passkey(rng: random.Random, target_tokens: int, n_questions: int) -> _Spec:
         (Question("What is the pass key?", "The pass key is", (value,)),),
         (f"The pass key is {value}. Remember it. {value} is the pass key.",),
         (rng.random(),),
-        _filler(rng),
+        _filler(),
     )
 
 
@@ -179,7 +179,7 @@ def variable_tracking(rng: random.Random, target_tokens: int, n_questions: int) 
         )
     # each chain's assignments in order; the chains interleave
     depths = [d for _ in values for d in sorted(rng.random() for _ in range(hops + 1))]
-    return _Spec(VT_INSTRUCTION, tuple(questions), tuple(needles), tuple(depths), _filler(rng))
+    return _Spec(VT_INSTRUCTION, tuple(questions), tuple(needles), tuple(depths), _filler())
 
 
 def common_words(rng: random.Random, target_tokens: int, n_questions: int) -> _Spec:

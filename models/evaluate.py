@@ -240,7 +240,8 @@ class Evaluator:
     # -- selection ------------------------------------------------------------------------------
     def keep(self, method: "Method", rows: int, scores, P: int, key: mx.array) -> list:
         policy, overrides = method.policy, method.snapkv_overrides()
-        out, keys = [], mx.random.split(key, len(self.fm.windows))
+        out = []
+        keys = mx.random.split(key, len(self.fm.windows)) if policy == "random" else None
         for i, w in enumerate(self.fm.windows):
             n_kv = self.fm.n_kv_heads[i]
             if w is not None:
