@@ -23,17 +23,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import models  # isort: skip  (puts OpenBLAS in front before mlx loads)
+import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from mlx.utils import tree_flatten  # noqa: E402
 
+import kvfn_models  # noqa: E402
+from kvfn import FunctionalModel, compact_prompt_cache, prefill, scored_prefill  # noqa: E402
 from kvfn import cache as kv  # noqa: E402
 from kvfn.evict import stored_bytes  # noqa: E402
 from kvfn.interop import to_mlx_cache  # noqa: E402
-from models.compact import compact_prompt_cache, prefill  # noqa: E402
-from models.wrapper import FunctionalModel  # noqa: E402
 
 
 def time_steps(step, steps: int, warmup: int = 3) -> float:
@@ -88,7 +88,7 @@ def timed(fn):
 
 
 def run(args) -> dict:
-    model, _ = models.load(args.model)
+    model, _ = kvfn_models.load(args.model)
     fm = FunctionalModel(model)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     rows, prefills = [], []
@@ -97,13 +97,13 @@ def run(args) -> dict:
         ctx = mx.array([tokens[:-1]])
         cap = L + args.steps + 8
         prefill(fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size)  # compile once
-        prefill(fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size, score_window=32)
+        scored_prefill(fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size, window=32)
         plain, t_plain, m_plain = timed(
             lambda: prefill(fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size)
         )
         _, t_scored, m_scored = timed(
-            lambda: prefill(
-                fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size, score_window=32
+            lambda: scored_prefill(
+                fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size, window=32
             )
         )
         prefills.append(

@@ -3,9 +3,9 @@
     python examples/evaluate.py --lengths 2048 4096 --budgets 256 512 1024 --samples 4 --out runs/eval
 
 Per sample the context is prefilled once; every method and question reuses that state. Methods:
-full; snapkv, streaming, random (evict to a budget of rows); kvB (mlx-lm KV quantization to B
-bits, every row kept); snapkv+kvB etc. (evict, then quantize, keeping as many rows as fit in the
-budget's bytes). Writes OUT.json (records + summary; rewritten after every sample), OUT.md
+full; any policy name kvfn.parse_policy takes (snapkv, snapkv-k15-avg-layer, streaming, random,
+...: evict to a budget of rows); kvB (mlx-lm KV quantization to B bits, every row kept);
+POLICY+kvB (evict, then quantize, keeping as many rows as fit in the budget's bytes). Writes OUT.json (records + summary; rewritten after every sample), OUT.md
 (tables) and OUT-MODE-LENGTH.png. --merge a.json b.json makes them from earlier runs' records.
 """
 
@@ -17,11 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import models  # isort: skip  (puts OpenBLAS in front before mlx loads)
+import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 
-from kvfn import report, tasks  # noqa: E402
-from models.evaluate import MODES, Evaluator, Method, token_counter  # noqa: E402
+import kvfn_models  # noqa: E402
+from kvfn_eval import report, tasks  # noqa: E402
+from kvfn_eval.evaluator import MODES, Evaluator, Method, token_counter  # noqa: E402
 
 DEFAULT_METHODS = ["full", "snapkv", "streaming", "random", "kv8", "kv4", "snapkv+kv8",
                    "snapkv+kv4"]  # fmt: skip
@@ -41,9 +42,6 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=int, default=32, help="SnapKV observation window")
     p.add_argument("--sink-tokens", type=int, default=4)
-    p.add_argument("--kernel-size", type=int, default=7)
-    p.add_argument("--pooling", default="max", choices=["max", "avg"])
-    p.add_argument("--per-layer", action="store_true", help="SnapKV: one row set per layer")
     p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                    help="cast the model's floating-point weights (and so its KV cache)")  # fmt: skip
@@ -83,13 +81,11 @@ def config_of(args) -> dict:
 
 
 def run(args) -> dict:
-    model, tokenizer = models.load(args.model)
+    model, tokenizer = kvfn_models.load(args.model)
     if args.dtype:
         model.set_dtype(getattr(mx, args.dtype))
     ev = Evaluator(model, tokenizer, window=args.window, sink_tokens=args.sink_tokens,
-                   kernel_size=args.kernel_size, pooling=args.pooling,
-                   per_head=not args.per_layer, prefill_step_size=args.prefill_step_size,
-                   seed=args.seed)  # fmt: skip
+                   prefill_step_size=args.prefill_step_size, seed=args.seed)  # fmt: skip
     count = token_counter(tokenizer)
     records, t0 = [], time.perf_counter()
     for length in args.lengths:

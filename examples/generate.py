@@ -1,8 +1,9 @@
-"""Long-prompt generation on the embedded SmolLM2 (or any model models.load takes).
+"""Long-prompt generation with opt-in KV-cache eviction, on the embedded SmolLM2 (or any model
+kvfn_models.load takes).
 
-python examples/generate.py                      # a ~1K-token built-in document + question
-python examples/generate.py --prompt-file doc.txt --max-tokens 200
-cat doc.txt | python examples/generate.py --prompt-file -
+python examples/generate.py --kv-eviction snapkv --compare   # evicted beside the full cache
+python examples/generate.py --prompt-file doc.txt --kv-eviction streaming --kv-budget 256
+cat doc.txt | python examples/generate.py --prompt-file -     # no eviction: plain mlx-lm
 """
 
 import argparse
@@ -12,15 +13,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import models  # isort: skip  (puts OpenBLAS in front before mlx loads)
+import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import stream_generate  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
+import kvfn_models  # noqa: E402
 from kvfn.blas import loaded_openblas  # noqa: E402
-from kvfn.interop import to_mlx_cache  # noqa: E402
-from models.compact import compact_prompt_cache  # noqa: E402
-from models.wrapper import FunctionalModel  # noqa: E402
 
 
 def positive_int(text: str) -> int:
@@ -72,8 +71,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-step-size", type=positive_int, default=512)
     p.add_argument("--quiet", action="store_true", help="print only the report, not the text")
-    kv = p.add_argument_group("KV-cache eviction (off unless --kv-eviction snapkv)")
-    kv.add_argument("--kv-eviction", choices=("none", "snapkv"), default="none")
+    kv = p.add_argument_group("KV-cache eviction (off unless --kv-eviction names a policy)")
+    kv.add_argument(
+        "--kv-eviction",
+        default="none",
+        help="none, or a policy name: snapkv, snapkv-k15-avg-layer, streaming, random, ...",
+    )
+    kv.add_argument(
+        "--compare", action="store_true", help="also generate with the full cache, side by side"
+    )
     kv.add_argument(
         "--kv-budget", type=positive_int, default=512, help="rows kept per layer and head"
     )
@@ -90,11 +96,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.top_k < 0:
         p.error(f"argument --top-k: must be >= 0, got {args.top_k}")
-    if args.kv_eviction == "snapkv" and args.kv_budget < args.kv_sink_tokens + args.kv_window:
-        p.error(
-            f"argument --kv-budget: {args.kv_budget} is below --kv-sink-tokens + --kv-window "
-            f"= {args.kv_sink_tokens} + {args.kv_window}"
-        )
+    args.policy = None
+    if args.kv_eviction != "none":
+        if args.kv_budget < args.kv_sink_tokens + args.kv_window:
+            p.error(
+                f"argument --kv-budget: {args.kv_budget} is below --kv-sink-tokens + --kv-window "
+                f"= {args.kv_sink_tokens} + {args.kv_window}"
+            )
+        try:
+            args.policy = kvfn.parse_policy(
+                args.kv_eviction, budget=args.kv_budget, window=args.kv_window,
+                sink_tokens=args.kv_sink_tokens, min_tokens=args.kv_min_tokens,
+            )  # fmt: skip
+        except ValueError as e:
+            p.error(f"argument --kv-eviction: {e}")
+    elif args.compare:
+        p.error("argument --compare: needs --kv-eviction POLICY")
     return args
 
 
@@ -135,69 +152,79 @@ def progress(done: int, total: int) -> None:
     print(f"\rprefill {done}/{total} tokens", end="", file=sys.stderr, flush=True)
 
 
-def compact(model, tokens: list[int], args) -> tuple:
-    """SnapKV-compact all but the last prompt token; mlx-lm then decodes from the last one."""
+def compact(fm, tokens: list[int], args) -> tuple:
+    """Compact all but the last prompt token with the policy; mlx-lm decodes from the last one."""
     start = time.perf_counter()
-    states, result = compact_prompt_cache(
-        FunctionalModel(model),
-        tokens,
-        budget=args.kv_budget,
-        window=args.kv_window,
-        sink_tokens=args.kv_sink_tokens,
-        min_tokens=args.kv_min_tokens,
-        max_new_tokens=args.max_tokens,
-        prefill_step_size=args.prefill_step_size,
-        progress=progress,
-    )
+    states, result = kvfn.compact(fm, tokens, args.policy, max_new_tokens=args.max_tokens,
+                                  prefill_step_size=args.prefill_step_size, progress=progress)  # fmt: skip
+    caches = kvfn.to_mlx_cache(states)  # reads the rows: the compaction has run
     seconds = time.perf_counter() - start
     report = {
         "prefill_tokens_per_s": round((len(tokens) - 1) / seconds, 1),
         "kv_rows_kept": f"{result.total_rows_after} / {result.total_rows_before}",
         "kv_bytes": f"{result.total_bytes_before / 1e6:.1f} MB -> {result.total_bytes_after / 1e6:.1f} MB",
     }
-    return mx.array(tokens[-1:]), {"prompt_cache": to_mlx_cache(states)}, report
+    return mx.array(tokens[-1:]), {"prompt_cache": caches}, report
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def generate(model, tokenizer, tokens, args, sampler, fm=None) -> dict:
+    """One generation (evicting when ``fm`` is given); prints the text unless --quiet."""
     mx.random.seed(args.seed)
-    try:
-        model, tokenizer = models.load(args.model)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: --model: {e}")
-    tokens = encode(tokenizer, read_prompt(args, tokenizer), args.no_chat_template)
-    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     mx.reset_peak_memory()
-    text, last, eviction = "", None, {}
-    prompt, extra = tokens, {}
-    if args.kv_eviction == "snapkv":
-        prompt, extra, eviction = compact(model, tokens, args)
-    for last in stream_generate(
-        model,
-        tokenizer,
-        prompt,
-        max_tokens=args.max_tokens,
-        sampler=sampler,
-        prefill_step_size=args.prefill_step_size,
-        prompt_progress_callback=progress,
-        **extra,
-    ):
+    text, last, eviction, prompt, extra = "", None, {}, tokens, {}
+    if fm is not None:
+        prompt, extra, eviction = compact(fm, tokens, args)
+    for last in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
+                                sampler=sampler, prefill_step_size=args.prefill_step_size,
+                                prompt_progress_callback=progress, **extra):  # fmt: skip
         if not args.quiet:
             if not text:
                 print(file=sys.stderr)
             print(last.text, end="", flush=True)
         text += last.text
-    report = {
+    return {
         "prompt_tokens": len(tokens),
         "prefill_tokens_per_s": eviction.pop("prefill_tokens_per_s", round(last.prompt_tps, 1)),
         "generated_tokens": last.generation_tokens,
         "decode_tokens_per_s": round(last.generation_tps, 1),
         "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3),
-        "blas": loaded_openblas() or "bundled",
         **eviction,
+        "text": text,
     }
-    print("\n" + "\n".join(f"{k}: {v}" for k, v in report.items()))
-    report["text"] = text
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    try:
+        model, tokenizer = kvfn_models.load(args.model)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: --model: {e}")
+    tokens = encode(tokenizer, read_prompt(args, tokenizer), args.no_chat_template)
+    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+    fm = kvfn.FunctionalModel(model) if args.policy is not None else None
+    runs = {}
+    if args.compare:
+        if not args.quiet:
+            print("--- full cache ---", file=sys.stderr)
+        runs["full cache"] = generate(model, tokenizer, tokens, args, sampler)
+        if not args.quiet:
+            print(f"\n--- {args.kv_eviction} ---", file=sys.stderr)
+    report = generate(model, tokenizer, tokens, args, sampler, fm)
+    report["blas"] = loaded_openblas() or "bundled"
+    if args.compare:
+        full = runs["full cache"]
+        report["full_cache"] = {k: v for k, v in full.items()}
+        report["same_text_as_full_cache"] = full["text"] == report["text"]
+    print()
+    for k, v in report.items():
+        if k == "full_cache":
+            print("full cache: " + ", ".join(f"{a}={b}" for a, b in v.items() if a != "text"))
+            if args.quiet:
+                print(f"full cache text: {v['text']!r}")
+        elif k != "text":
+            print(f"{k}: {v}")
+    if args.quiet and args.compare:
+        print(f"{args.kv_eviction} text: {report['text']!r}")
     return report
 
 

@@ -1,7 +1,92 @@
-"""kvfn: functional, opt-in KV-cache eviction for MLX and mlx-lm models."""
+"""kvfn: functional, opt-in KV-cache eviction for MLX and mlx-lm models.
+
+    import kvfn
+    fm = kvfn.FunctionalModel(model)                     # any supported mlx-lm model
+    states, result = kvfn.compact(fm, prompt_ids, kvfn.SnapKV(budget=512))
+    logits, states = fm.decode(mx.array([[prompt_ids[-1]]]), states)
+"""
 
 from .blas import use_openblas
 
 use_openblas()  # before mlx.core is imported anywhere below
 
-__version__ = "0.1.0"
+from . import cache  # noqa: E402
+from .baselines import RandomRows, StreamingLLM  # noqa: E402
+from .cache import (  # noqa: E402
+    EMPTY,
+    PositionPreservingKVCache,
+    evict,
+    from_full,
+    init,
+    mask,
+    prefix_trim,
+    reserve,
+    restrict,
+    stack,
+    trim,
+    update,
+)
+from .compact import (  # noqa: E402
+    compact,
+    compact_prompt_cache,
+    compact_states,
+    prefill,
+    scored_prefill,
+)
+from .evict import EvictionResult, evict_prompt_cache  # noqa: E402
+from .interop import (  # noqa: E402
+    CompactedKVCache,
+    QuantizedCompactedKVCache,
+    from_mlx_cache,
+    load_prompt_cache,
+    to_mlx_cache,
+)
+from .policy import Policy, parse_policy, register_policy  # noqa: E402
+from .scores import window_attention_scores  # noqa: E402
+from .snapkv import SnapKV, snapkv_keep_indices  # noqa: E402
+from .wrapper import FunctionalModel, QuerySlice  # noqa: E402
+
+__version__ = "0.2.0"
+
+__all__ = [
+    # state and its pure functions
+    "PositionPreservingKVCache",
+    "EMPTY",
+    "cache",
+    "init",
+    "from_full",
+    "update",
+    "trim",
+    "prefix_trim",
+    "evict",
+    "restrict",
+    "mask",
+    "reserve",
+    "stack",
+    # policies
+    "Policy",
+    "SnapKV",
+    "StreamingLLM",
+    "RandomRows",
+    "parse_policy",
+    "register_policy",
+    "snapkv_keep_indices",
+    # the model wrapper, prefill and compaction
+    "FunctionalModel",
+    "QuerySlice",
+    "prefill",
+    "scored_prefill",
+    "window_attention_scores",
+    "compact",
+    "compact_states",
+    "compact_prompt_cache",
+    "evict_prompt_cache",
+    "EvictionResult",
+    # mlx-lm interop
+    "CompactedKVCache",
+    "QuantizedCompactedKVCache",
+    "to_mlx_cache",
+    "from_mlx_cache",
+    "load_prompt_cache",
+    "use_openblas",
+]

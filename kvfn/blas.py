@@ -8,6 +8,7 @@ resolve ``sgemm_`` and friends to it. This module must not import mlx.
 import ctypes
 import os
 import sys
+import warnings
 
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
@@ -19,6 +20,7 @@ CANDIDATES = (
 ENV_VAR = "KVFN_OPENBLAS"
 
 _loaded: str | None = None
+_warned = False
 
 
 def openblas_path() -> str | None:
@@ -39,11 +41,21 @@ def use_openblas() -> str | None:
     Set ``KVFN_OPENBLAS=0`` to keep the bundled BLAS, or to a path to pick a library.
     Too late once ``mlx.core`` is imported: then nothing is loaded and None is returned.
     """
-    global _loaded
+    global _loaded, _warned
     if _loaded is not None:
         return _loaded
     path = openblas_path()
-    if path is None or "mlx.core" in sys.modules:
+    if path is None:
+        return None
+    if "mlx.core" in sys.modules:
+        if not _warned and loaded_openblas() is None:
+            _warned = True
+            warnings.warn(
+                "mlx.core was imported before kvfn, so MLX's CPU matmuls use the slow reference "
+                f"BLAS (~30x slower): import kvfn first, or run with LD_PRELOAD={path}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return None
     ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     _loaded = path

@@ -7,8 +7,10 @@ A plain full cache is the same state with positions equal to row indices.
 
 Layout: keys/values (B, n_kv_heads, capacity, head_dim); positions (B, n_kv_heads, capacity)
 int32; offset (B,) int32, the next true position per sequence; rows () int32, the slots in use
-(slot ``rows`` is where the next update writes). ``window`` (static) makes a sliding-window
-layer: a query attends only to the last ``window`` positions.
+(slot ``rows`` is where the next update writes). Static fields: ``sliding_window`` makes a
+sliding-window layer (a query attends only to the last ``sliding_window`` positions);
+``max_rows`` is an upper bound on ``rows`` known on the host (exact unless the state was
+trimmed; None inside a compiled step), so capacity is checked before anything is written.
 """
 
 from typing import Optional
@@ -20,14 +22,15 @@ from typeguard import typechecked
 EMPTY = 2**31 - 1
 
 
-@chex.dataclass(frozen=True)
+@chex.dataclass(frozen=True, repr=False)
 class PositionPreservingKVCache:
     keys: mx.array
     values: mx.array
     positions: mx.array
     offset: mx.array
     rows: mx.array
-    window: Optional[int] = None
+    sliding_window: Optional[int] = None
+    max_rows: Optional[int] = None
 
     @property
     def capacity(self) -> int:
@@ -37,13 +40,21 @@ class PositionPreservingKVCache:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes + self.positions.nbytes
 
+    def __repr__(self) -> str:
+        B, H, C, D = self.keys.shape
+        window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
+        return (
+            f"PositionPreservingKVCache(batch={B}, kv_heads={H}, head_dim={D}, capacity={C}, "
+            f"max_rows={self.max_rows}, dtype={self.keys.dtype}{window})"
+        )
+
 
 State = PositionPreservingKVCache
 
 
 def _check(state: State) -> None:
     chex.assert_rank([state.keys, state.values, state.positions], [4, 4, 3])
-    chex.assert_equal_shape([state.keys, state.values])
+    chex.assert_shape(state.values, state.keys.shape[:3] + (None,))
     chex.assert_shape(state.positions, state.keys.shape[:3])
     chex.assert_shape(state.offset, state.keys.shape[:1])
 
@@ -56,7 +67,7 @@ def init(
     capacity: int,
     *,
     dtype: mx.Dtype = mx.float32,
-    window: Optional[int] = None,
+    sliding_window: Optional[int] = None,
     value_dim: Optional[int] = None,
 ) -> State:
     """An empty state with room for ``capacity`` rows."""
@@ -65,8 +76,8 @@ def init(
             raise ValueError(f"{name} must be positive, got {v}")
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
-    if window is not None and window <= 0:
-        raise ValueError(f"window must be positive or None, got {window}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
     shape = (batch, n_kv_heads, capacity)
     return State(
         keys=mx.zeros((*shape, head_dim), dtype),
@@ -74,12 +85,13 @@ def init(
         positions=mx.full(shape, EMPTY, mx.int32),
         offset=mx.zeros((batch,), mx.int32),
         rows=mx.array(0, mx.int32),
-        window=window,
+        sliding_window=sliding_window,
+        max_rows=0,
     )
 
 
 @typechecked
-def from_full(keys: mx.array, values: mx.array, *, window: Optional[int] = None) -> State:
+def from_full(keys: mx.array, values: mx.array, *, sliding_window: Optional[int] = None) -> State:
     """A state holding a plain full cache: row i has position i."""
     chex.assert_rank([keys, values], 4)
     B, H, N, _ = keys.shape
@@ -90,7 +102,8 @@ def from_full(keys: mx.array, values: mx.array, *, window: Optional[int] = None)
         positions=positions,
         offset=mx.full((B,), N, mx.int32),
         rows=mx.array(N, mx.int32),
-        window=window,
+        sliding_window=sliding_window,
+        max_rows=N,
     )
 
 
@@ -102,18 +115,29 @@ def appended_positions(state: State, n: int) -> mx.array:
     return mx.where(new[None, None, :], true_pos, state.positions)
 
 
+def _grown_bound(state: State, n: int) -> Optional[int]:
+    if state.max_rows is None:
+        return None
+    if state.max_rows + n > state.capacity:
+        raise ValueError(
+            f"cannot append {n} rows to a state holding up to {state.max_rows} rows with "
+            f"capacity {state.capacity}: reserve(state, capacity) first"
+        )
+    return state.max_rows + n
+
+
 @typechecked
 def update(state: State, keys: mx.array, values: mx.array) -> State:
     """Append rows (B, n_kv_heads, n, head_dim); their true positions continue from ``offset``.
 
-    Capacity is the caller's to provide (``reserve``): an update past it is not checked here,
-    since ``rows`` is traced data.
-    """
+    Raises a ValueError, before anything is written, when the rows may not fit (``reserve``
+    makes room; ``FunctionalModel`` grows its states itself)."""
     _check(state)
     chex.assert_rank([keys, values], 4)
     chex.assert_shape(keys, (*state.keys.shape[:2], None, state.keys.shape[3]))
     chex.assert_shape(values, (*state.values.shape[:2], keys.shape[2], state.values.shape[3]))
     n = keys.shape[2]
+    bound = _grown_bound(state, n)
     start = mx.reshape(state.rows, (1,))
     return state.replace(
         keys=mx.slice_update(state.keys, keys.astype(state.keys.dtype), start, axes=(2,)),
@@ -121,6 +145,7 @@ def update(state: State, keys: mx.array, values: mx.array) -> State:
         positions=appended_positions(state, n),
         offset=state.offset + n,
         rows=state.rows + n,
+        max_rows=bound,
     )
 
 
@@ -151,19 +176,58 @@ def trim(state: State, n: int) -> State:
     return prefix_trim(state, mx.maximum(state.offset - n, 0))
 
 
-@typechecked
-def evict(state: State, keep_indices: mx.array) -> State:
-    """Keep the slots ``keep_indices`` (B, n_kv_heads, k), in that order; capacity becomes k."""
-    _check(state)
-    chex.assert_rank(keep_indices, 3)
-    chex.assert_shape(keep_indices, (*state.keys.shape[:2], None))
+def check_keep_indices(state: State, keep_indices) -> None:
+    """Raise a ValueError/TypeError naming what is wrong with ``keep_indices`` for ``state``:
+    an integer array (B, n_kv_heads, k >= 1) of slots below the capacity (a slot past the
+    stored rows is EMPTY and stays masked), strictly increasing along each (sequence, head).
+    Eager: it reads the indices on the host."""
+    if not isinstance(keep_indices, mx.array):
+        raise TypeError(f"keep_indices must be an mx.array, got {type(keep_indices).__name__}")
+    if not mx.issubdtype(keep_indices.dtype, mx.integer):
+        raise TypeError(f"keep_indices must be integers, got dtype {keep_indices.dtype}")
+    want = tuple(state.keys.shape[:2])
+    if keep_indices.ndim != 3 or tuple(keep_indices.shape[:2]) != want:
+        raise ValueError(
+            f"keep_indices must have shape (batch, n_kv_heads, k) = ({want[0]}, {want[1]}, k), "
+            f"got {tuple(keep_indices.shape)}"
+        )
+    if keep_indices.shape[2] == 0:
+        raise ValueError("keep_indices keeps no row (k = 0): keep at least one")
+    lo, hi = int(keep_indices.min().item()), int(keep_indices.max().item())
+    if lo < 0 or hi >= state.capacity:
+        raise ValueError(
+            f"keep_indices must lie in [0, {state.capacity}) (the state's slots), got values "
+            f"from {lo} to {hi}"
+        )
+    step = keep_indices[..., 1:] - keep_indices[..., :-1]
+    if keep_indices.shape[2] > 1 and mx.any(step <= 0).item():
+        raise ValueError(
+            "keep_indices must be sorted and unique along each (sequence, head): found a "
+            "repeated or decreasing index"
+        )
+
+
+def gather(state: State, keep_indices: mx.array) -> State:
+    """``evict`` without the eager check, for traced code whose indices are valid by
+    construction (a policy's ``keep_indices``)."""
     idx = keep_indices.astype(mx.int32)
+    k = idx.shape[2]
     return state.replace(
         keys=mx.take_along_axis(state.keys, idx[..., None], axis=2),
         values=mx.take_along_axis(state.values, idx[..., None], axis=2),
         positions=mx.take_along_axis(state.positions, idx, axis=2),
-        rows=mx.array(idx.shape[2], mx.int32),
+        rows=mx.array(k, mx.int32),
+        max_rows=k,
     )
+
+
+@typechecked
+def evict(state: State, keep_indices: mx.array) -> State:
+    """Keep the slots ``keep_indices`` (B, n_kv_heads, k), sorted and unique; capacity becomes
+    k. The indices are checked first (``check_keep_indices``)."""
+    _check(state)
+    check_keep_indices(state, keep_indices)
+    return gather(state, keep_indices)
 
 
 @typechecked
@@ -188,14 +252,14 @@ def reserve(state: State, capacity: int) -> State:
 def mask(state: State, n_queries: int) -> mx.array:
     """Boolean attention mask (B, n_kv_heads, n_queries, capacity) for the last ``n_queries``
     tokens (true positions ``offset - n_queries`` ...): causal over true positions, per head,
-    limited to ``window`` for a sliding-window layer; EMPTY slots never attend."""
+    limited to ``sliding_window`` for a sliding-window layer; EMPTY slots never attend."""
     _check(state)
     q = state.offset[:, None] - n_queries + mx.arange(n_queries, dtype=mx.int32)[None]
     q = q[:, None, :, None]
     k = state.positions[:, :, None, :]
     visible = k <= q
-    if state.window is not None:
-        visible = visible & (k > q - state.window)
+    if state.sliding_window is not None:
+        visible = visible & (k > q - state.sliding_window)
     return visible
 
 
@@ -209,13 +273,14 @@ ARRAY_FIELDS = ("keys", "values", "positions", "offset", "rows")
 
 
 def flatten(state: State) -> tuple[dict, tuple]:
-    """Arrays for mx.compile / mlx tree utilities, plus the static part."""
-    return {f: getattr(state, f) for f in ARRAY_FIELDS}, (state.window,)
+    """Arrays for mx.compile / mlx tree utilities, plus the static part that shapes a trace
+    (``max_rows`` is host bookkeeping and stays out of it)."""
+    return {f: getattr(state, f) for f in ARRAY_FIELDS}, (state.sliding_window,)
 
 
-def unflatten(arrays: dict, static: tuple) -> State:
-    (window,) = static
-    return State(**arrays, window=window)
+def unflatten(arrays: dict, static: tuple, max_rows: Optional[int] = None) -> State:
+    (sliding_window,) = static
+    return State(**arrays, sliding_window=sliding_window, max_rows=max_rows)
 
 
 @typechecked
@@ -223,7 +288,7 @@ def restrict(state: State, keep_indices: mx.array) -> State:
     """Mask, without moving anything, every slot not in ``keep_indices`` (B, n_kv_heads, k): the
     state attends exactly as ``evict(state, keep_indices)`` would (the exactness oracle)."""
     _check(state)
-    chex.assert_shape(keep_indices, (*state.keys.shape[:2], None))
+    check_keep_indices(state, keep_indices)
     slots = mx.arange(state.capacity, dtype=mx.int32)
     kept = mx.any(keep_indices[..., :, None] == slots, axis=-2)
     return state.replace(positions=mx.where(kept, state.positions, EMPTY))
@@ -235,19 +300,23 @@ def stack(states: list[State]) -> State:
     compacted alone). Shorter ones get EMPTY slots, so all write their next row at one slot."""
     if not states:
         raise ValueError("stack needs at least one state")
-    windows = {s.window for s in states}
+    windows = {s.sliding_window for s in states}
     if len(windows) > 1:
-        raise ValueError(f"cannot stack layers with different windows {sorted(windows, key=str)}")
+        raise ValueError(
+            f"cannot stack layers with different sliding windows {sorted(windows, key=str)}"
+        )
     capacity = max(s.capacity for s in states)
     rows = mx.max(mx.stack([s.rows for s in states]))
     padded = [reserve(s, capacity) for s in states]
+    bounds = [s.max_rows for s in states]
     return State(
         keys=mx.concatenate([s.keys for s in padded]),
         values=mx.concatenate([s.values for s in padded]),
         positions=mx.concatenate([s.positions for s in padded]),
         offset=mx.concatenate([s.offset for s in padded]),
         rows=rows,
-        window=states[0].window,
+        sliding_window=states[0].sliding_window,
+        max_rows=None if None in bounds else max(bounds),
     )
 
 

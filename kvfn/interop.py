@@ -22,7 +22,7 @@ class _TruePositions:
     """What both compacted caches share: rows with recorded true positions, offset apart."""
 
     def make_mask(self, n, return_array=False, window_size=None):
-        window_size = window_size or self.window
+        window_size = window_size or self.sliding_window
         if n == 1 and window_size is None:
             return None
         if not return_array and window_size is None:
@@ -83,9 +83,9 @@ class CompactedKVCache(_TruePositions):
 
     step = 256
 
-    def __init__(self, keys, values, positions, offset: int, window: Optional[int] = None):
+    def __init__(self, keys, values, positions, offset: int, sliding_window: Optional[int] = None):
         self.keys, self.values, self.positions = keys, values, positions
-        self.offset, self.window = int(offset), window
+        self.offset, self.sliding_window = int(offset), sliding_window
         self.rows = keys.shape[2]
 
     # -- mlx-lm protocol ----------------------------------------------------------------------
@@ -110,7 +110,7 @@ class CompactedKVCache(_TruePositions):
             self.values[:, :, :r],
             self.positions[:, :, :r],
             self.offset,
-            self.window,
+            self.sliding_window,
         )
 
     @state.setter
@@ -132,7 +132,7 @@ class CompactedKVCache(_TruePositions):
             for x in (self.keys, self.values)
         )
         return QuantizedCompactedKVCache(keys, values, self.positions[:, :, :r], self.offset,
-                                         self.window, group_size, bits)  # fmt: skip
+                                         self.sliding_window, group_size, bits)  # fmt: skip
 
     # -- functional side ------------------------------------------------------------------------
     def to_state(self, capacity: Optional[int] = None) -> kv.State:
@@ -140,7 +140,8 @@ class CompactedKVCache(_TruePositions):
         r = self.rows
         s = kv.State(
             keys=self.keys[:, :, :r], values=self.values[:, :, :r], positions=self.positions[:, :, :r],
-            offset=mx.array([self.offset], mx.int32), rows=mx.array(r, mx.int32), window=self.window,
+            offset=mx.array([self.offset], mx.int32), rows=mx.array(r, mx.int32),
+            sliding_window=self.sliding_window, max_rows=r,
         )  # fmt: skip
         return kv.reserve(s, max(capacity or r, r))
 
@@ -152,9 +153,9 @@ class QuantizedCompactedKVCache(_TruePositions):
 
     step = 256
 
-    def __init__(self, keys, values, positions, offset, window, group_size: int, bits: int):
+    def __init__(self, keys, values, positions, offset, sliding_window, group_size: int, bits: int):
         self.keys, self.values, self.positions = tuple(keys), tuple(values), positions
-        self.offset, self.window = int(offset), window
+        self.offset, self.sliding_window = int(offset), sliding_window
         self.group_size, self.bits = int(group_size), int(bits)
         self.rows = positions.shape[2]
 
@@ -179,7 +180,7 @@ class QuantizedCompactedKVCache(_TruePositions):
     @property
     def state(self):
         keys, values = self._stored()
-        return (keys, values, self.positions[:, :, : self.rows], self.offset, self.window,
+        return (keys, values, self.positions[:, :, : self.rows], self.offset, self.sliding_window,
                 self.group_size, self.bits)  # fmt: skip
 
     @state.setter
@@ -218,7 +219,7 @@ def to_mlx_cache(states: Sequence[kv.State]) -> list:
                 "mlx-lm builds one mask for all layers, so it cannot take them"
             )
         caches.append(CompactedKVCache(s.keys[:, :, :r], s.values[:, :, :r], positions,
-                                       int(s.offset.item()), s.window))  # fmt: skip
+                                       int(s.offset.item()), s.sliding_window))  # fmt: skip
     return caches
 
 

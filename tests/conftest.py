@@ -23,7 +23,7 @@ _blas.use_openblas()
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M-Instruct, dequantized (the CPU default)."""
-    import models
+    import kvfn_models as models
 
     return models.load()
 

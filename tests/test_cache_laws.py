@@ -22,7 +22,7 @@ def full_state(B, H, N, D=4, capacity=None, seed=0):
 
 def logically_equal(a: kv.State, b: kv.State) -> bool:
     """Same rows attended in the same way: positions, offset and the valid keys/values."""
-    if a.window != b.window or a.capacity != b.capacity:
+    if a.sliding_window != b.sliding_window or a.capacity != b.capacity:
         return False
     pa, pb = np.array(a.positions), np.array(b.positions)
     valid = pa != kv.EMPTY
@@ -70,7 +70,7 @@ def test_mask_is_causal_over_kept_true_positions(d, seed, window):
     B, H, N, n = d
     rng = np.random.default_rng(seed)
     k = int(rng.integers(1, N + 1))
-    s = dataclasses.replace(full_state(B, H, N, capacity=N + n), window=window)
+    s = dataclasses.replace(full_state(B, H, N, capacity=N + n), sliding_window=window)
     s = kv.evict(s, random_keep(rng, B, H, N, k))
     s = kv.update(kv.reserve(s, k + n), *(2 * [mx.zeros((B, H, n, 4))]))
     got = np.array(kv.mask(s, n))
@@ -150,7 +150,7 @@ def test_stack_pads_shorter_sequences_with_empty_slots():
 
 
 def test_flatten_round_trip_and_bad_input():
-    s = dataclasses.replace(full_state(1, 1, 3), window=4)
+    s = dataclasses.replace(full_state(1, 1, 3), sliding_window=4)
     arrays, static = kv.flatten(s)
     assert all(isinstance(v, mx.array) for v in arrays.values())
     assert logically_equal(kv.unflatten(arrays, static), s)

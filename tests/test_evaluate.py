@@ -7,8 +7,9 @@ import mlx.core as mx
 import pytest
 
 from examples import evaluate as evaluate_example
-from kvfn import tasks
-from models.evaluate import (
+from kvfn import SnapKV
+from kvfn_eval import tasks
+from kvfn_eval.evaluator import (
     Evaluator,
     Method,
     prompt_tokens,
@@ -31,7 +32,8 @@ def test_method_names_round_trip_and_bad_names_are_named():
     assert Method.parse("snapkv+kv4") == Method("snapkv", 4)
     m = Method.parse("snapkv-k31-avg-layer+kv8")
     assert m.name == "snapkv-k31-avg-layer+kv8" and m.kv_bits == 8
-    assert m.snapkv_overrides() == dict(kernel_size=31, pooling="avg", per_head=False)
+    assert m.make_policy(64, window=16) == SnapKV(budget=64, window=16, kernel_size=31,
+                                                  pooling="avg", per_head=False)  # fmt: skip
     for bad in ["snap", "kv5", "full+kv4", "snapkv+random", "snapkv-k", "snapkv-k8", "snapkv-w9",
                 "streaming-layer"]:  # fmt: skip
         with pytest.raises(ValueError, match=re.escape(f"unknown method '{bad}'")):

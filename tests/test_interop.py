@@ -9,8 +9,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache, save_prompt_cache
 
 from kvfn import cache as kv
 from kvfn.interop import CompactedKVCache, from_mlx_cache, load_prompt_cache, to_mlx_cache
-from models.compact import compact_prompt_cache
-from models.wrapper import FunctionalModel
+from kvfn import compact_prompt_cache
+from kvfn import FunctionalModel
 
 STEPS = 12
 

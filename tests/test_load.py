@@ -2,8 +2,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm import generate
 
-import models
-from models.gguf import GGUFError
+import kvfn_models as models
+from kvfn_models.gguf import GGUFError
 from tests.conftest import write_gguf
 
 PARAGRAPH = (

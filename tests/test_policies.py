@@ -1,54 +1,155 @@
-"""StreamingLLM and random baselines: the rows they keep."""
+"""One suite for every policy under the contract, then each baseline's own rows."""
+
+from dataclasses import dataclass
+from typing import ClassVar
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvfn.policies import random_keep_indices, recent_keep_indices
+import kvfn
+from kvfn import FunctionalModel, Policy, RandomRows, SnapKV, StreamingLLM, parse_policy
+from tests.tiny import tiny_model
 
 
-def test_recent_keeps_sinks_and_the_latest_rows():
-    idx = np.array(recent_keep_indices(20, 8, n_kv_heads=2, sink_tokens=3))
-    assert idx.shape == (1, 2, 8)
+@dataclass(frozen=True)
+class EveryOther(Policy):
+    """A policy written in a test: the even rows first, no scores."""
+
+    name: ClassVar[str] = "everyother"
+
+    def row_scores(self, scores, *, prompt_length, n_kv_heads, batch, layer):
+        even = (mx.arange(prompt_length) % 2 == 0).astype(mx.float32)
+        return mx.broadcast_to(even, (batch, 1, prompt_length))
+
+
+kvfn.register_policy(EveryOther)
+
+POLICIES = [
+    SnapKV(budget=20, window=6, sink_tokens=3),
+    SnapKV(budget=20, window=6, sink_tokens=3, per_head=False, pooling="avg", kernel_size=5),
+    StreamingLLM(budget=20, sink_tokens=3),
+    RandomRows(budget=20, window=6, sink_tokens=3, seed=5),
+    EveryOther(budget=20, window=6, sink_tokens=3),
+]
+IDS = [repr(p) for p in POLICIES]
+
+
+def scores_for(policy, B=2, H=6, P=50, seed=0):
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.random((B, H, P)), mx.float32) if policy.needs_scores else None
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_contract_shapes_sorted_unique_sinks_window_budget(policy):
+    B, H, n_kv, P = 2, 6, 3, 50
+    idx = policy.keep_indices(scores_for(policy), prompt_length=P, n_kv_heads=n_kv, batch=B,
+                              layer=1)  # fmt: skip
+    assert idx.shape == (B, n_kv, policy.budget) and idx.dtype == mx.int32
+    for row in np.array(idx).reshape(-1, policy.budget):
+        assert row.tolist() == sorted(set(row.tolist()))  # sorted, unique
+        assert row.min() >= 0 and row.max() < P
+        assert set(range(policy.sink_tokens)) <= set(row.tolist())
+        assert set(range(P - policy.window, P)) <= set(row.tolist())
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_contract_keeps_short_prompts_whole_and_is_traceable(policy):
+    whole = policy.keep_indices(scores_for(policy, P=20), prompt_length=20, n_kv_heads=3, batch=2)
+    assert np.array(whole).tolist() == [[list(range(20))] * 3] * 2
+    sc = scores_for(policy)
+
+    def select(scores):
+        return policy.keep_indices(scores, prompt_length=50, n_kv_heads=3, batch=2)
+
+    eager = select(sc)
+    traced = mx.compile(select)(sc) if sc is not None else mx.compile(lambda: select(None))()
+    assert np.array_equal(np.array(eager), np.array(traced))
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_contract_compact_is_exact_for_every_policy(policy):
+    """Decoding from compact(policy) equals the full cache masked to the kept rows."""
+    fm = FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(1).integers(0, 97, 40).tolist()
+    states, result = kvfn.compact(fm, ids, policy, max_new_tokens=3, prefill_step_size=16)
+    full = kvfn.prefill(fm, mx.array([ids[:-1]]), capacity=len(ids) + 3)
+    restricted = tuple(kvfn.restrict(f, c.positions[:, :, : policy.budget])
+                       for f, c in zip(full, states))  # fmt: skip
+    token = mx.array([[ids[-1]]])
+    for _ in range(3):
+        a, states = fm.decode(token, states)
+        b, restricted = fm.decode(token, restricted)
+        assert mx.abs(a - b).max().item() < 1e-4
+        token = mx.argmax(a, axis=-1)[:, None]
+    assert result.rows_after == (policy.budget,) * 3 and result.rows_before == (39,) * 3
+
+
+def test_parser_names_policies_and_options():
+    p = parse_policy("snapkv-k15-avg-layer-gmax", budget=64, window=16)
+    assert p == SnapKV(budget=64, window=16, kernel_size=15, pooling="avg", per_head=False,
+                       group_reduce="max")  # fmt: skip
+    assert parse_policy("streaming", budget=8) == StreamingLLM(budget=8)
+    assert parse_policy("everyother", budget=64) == EveryOther(budget=64)
+    for spec, message in [
+        ("snap", "unknown policy 'snap' \\(known: .*snapkv"),
+        ("snapkv-k8", "kernel_size must be odd and >= 1, got 8"),
+        ("snapkv-w9", "unknown option 'w9' for policy 'snapkv' \\(options: avg, max, layer, gmax, k<N>\\)"),
+        ("streaming-avg", "unknown option 'avg' for policy 'streaming' \\(options: none\\)"),
+        ("", "a policy name must be a non-empty string"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            parse_policy(spec, budget=64)
+    with pytest.raises(ValueError, match="policy 'streaming' has no setting kernel_size"):
+        parse_policy("streaming", budget=64, kernel_size=3)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: SnapKV(budget=20), "snapkv budget 20 is below sink_tokens \\+ window = 4 \\+ 32"),
+        (lambda: StreamingLLM(budget=0, sink_tokens=0), "budget must be >= 1, got 0"),
+        (lambda: SnapKV(budget=64, sink_tokens=-1), "sink_tokens must be a non-negative int, got -1"),
+        (lambda: SnapKV(budget=64.0), "budget must be a non-negative int, got 64.0"),
+        (lambda: RandomRows(budget=64, seed=-2), "seed must be a non-negative int, got -2"),
+    ],
+)  # fmt: skip
+def test_bad_settings_are_named(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_needs_scores_and_shapes_are_checked():
+    with pytest.raises(ValueError, match="policy 'snapkv' needs the observation window's scores"):
+        SnapKV(budget=40).keep_indices(None, prompt_length=50, n_kv_heads=1)
+    with pytest.raises(ValueError, match="scores must have shape \\(batch=1, n_heads, prompt_length=50\\)"):
+        SnapKV(budget=40).keep_indices(mx.zeros((1, 2, 49)), prompt_length=50, n_kv_heads=1)
+    with pytest.raises(ValueError, match="prompt_length must be >= 1, got 0"):
+        StreamingLLM(budget=8).keep_indices(None, prompt_length=0, n_kv_heads=1)
+
+
+def test_streaming_keeps_sinks_and_the_latest_rows():
+    idx = np.array(StreamingLLM(budget=8, sink_tokens=3).keep_indices(None, prompt_length=20,
+                                                                      n_kv_heads=2))  # fmt: skip
     assert idx[0, 0].tolist() == [0, 1, 2, 15, 16, 17, 18, 19] == idx[0, 1].tolist()
-    assert np.array(recent_keep_indices(6, 8, n_kv_heads=1)).tolist() == [[list(range(6))]]
 
 
-def test_random_keeps_sinks_window_and_distinct_random_middle_rows_per_head():
-    key = mx.random.key(1)
-    idx = np.array(random_keep_indices(100, 30, n_kv_heads=3, key=key, sink_tokens=4, window=8))
-    assert idx.shape == (1, 3, 30)
-    for h in range(3):
-        row = idx[0, h].tolist()
-        assert row == sorted(set(row))
-        assert row[:4] == [0, 1, 2, 3] and row[-8:] == list(range(92, 100))
+def test_random_rows_differ_per_head_layer_and_seed():
+    def draw(seed, layer=0):
+        p = RandomRows(budget=30, window=8, seed=seed)
+        return np.array(p.keep_indices(None, prompt_length=100, n_kv_heads=3, layer=layer))
+
+    idx = draw(1)
     assert not np.array_equal(idx[0, 0], idx[0, 1])  # each head draws its own rows
-    again = np.array(random_keep_indices(100, 30, n_kv_heads=3, key=key, sink_tokens=4, window=8))
-    other = np.array(random_keep_indices(100, 30, n_kv_heads=3, key=mx.random.key(2),
-                                         sink_tokens=4, window=8))  # fmt: skip
-    assert np.array_equal(idx, again) and not np.array_equal(idx, other)
+    assert np.array_equal(idx, draw(1)) and not np.array_equal(idx, draw(2))
+    assert not np.array_equal(idx, draw(1, layer=1))
 
 
 def test_random_middle_rows_are_uniform():
     counts = np.zeros(200)
     for seed in range(40):
-        idx = np.array(random_keep_indices(200, 60, n_kv_heads=4, key=mx.random.key(seed),
-                                           sink_tokens=0, window=10))  # fmt: skip
-        np.add.at(counts, idx.reshape(-1), 1)
+        p = RandomRows(budget=60, window=10, sink_tokens=0, seed=seed)
+        np.add.at(counts, np.array(p.keep_indices(None, prompt_length=200, n_kv_heads=4)).ravel(), 1)
     middle = counts[:190]
     assert abs(middle.mean() - 40 * 4 * 50 / 190) < 1e-9
     assert middle.min() > 0.5 * middle.mean() and middle.max() < 1.5 * middle.mean()
-
-
-@pytest.mark.parametrize(
-    "call, message",
-    [
-        (lambda: recent_keep_indices(10, 2, n_kv_heads=1, sink_tokens=4), "budget 2 is below"),
-        (lambda: recent_keep_indices(0, 8, n_kv_heads=1), "prompt_length must be >= 1, got 0"),
-        (lambda: random_keep_indices(50, 20, n_kv_heads=1, key=mx.random.key(0), window=32),
-         "budget 20 is below sink_tokens \\+ window = 4 \\+ 32"),
-    ],
-)  # fmt: skip
-def test_bad_values_are_named(call, message):
-    with pytest.raises(ValueError, match=message):
-        call()

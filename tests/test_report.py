@@ -1,6 +1,6 @@
 """Summaries, tables and plots from hand-made records."""
 
-from kvfn.report import markdown, plot, summarize
+from kvfn_eval.report import markdown, plot, summarize
 
 
 def rec(task, method, budget, score, frac, kept=None, mode="aware", tokens=1000):

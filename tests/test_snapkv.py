@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from kvfn import cache as kv
-from kvfn.snapkv import SnapKVConfig, pool1d, snapkv_keep_indices, window_attention_scores
+from kvfn import SnapKV, snapkv_keep_indices, window_attention_scores
+from kvfn.snapkv import pool1d
 
 
 def keep(scores, budget, **kw):
@@ -81,7 +82,7 @@ def test_short_prompts_are_kept_whole():
 )
 def test_bad_values_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SnapKVConfig(**kwargs)
+        SnapKV(**kwargs)
 
 
 def test_window_scores_equal_the_attention_matrix_rows():

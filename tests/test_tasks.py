@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from kvfn import haystack, tasks
+from kvfn_eval import haystack, tasks
 
 
 def words(sample: tasks.Sample) -> int:

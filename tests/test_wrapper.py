@@ -7,8 +7,8 @@ from mlx_lm import generate
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvfn import cache as kv
-from models.compact import compact_prompt_cache, prefill
-from models.wrapper import FunctionalModel
+from kvfn import compact_prompt_cache, prefill, scored_prefill
+from kvfn import FunctionalModel
 from tests.tiny import FAMILIES, tiny_model
 
 TOL = 1e-4  # float32: the same rows summed in another order (gathered vs masked)
@@ -26,7 +26,7 @@ def oracle_gap(fm, ids, steps=4, **snapkv):
     full = prefill(fm, mx.array([ids[:-1]]), capacity=P + steps + 1)
     restricted = tuple(
         f if w is not None else kv.restrict(f, c.positions[:, :, : c.rows.item()])
-        for f, c, w in zip(full, compacted, fm.windows)
+        for f, c, w in zip(full, compacted, fm.sliding_windows)
     )
     token, gap, full_gap = mx.array([[ids[-1]]]), 0.0, 0.0
     for _ in range(steps):
@@ -48,9 +48,9 @@ def test_compacted_decode_equals_masked_full_cache(family):
                                            per_head=per_head, prefill_step_size=16)  # fmt: skip
         assert gap < TOL, (family, per_head)
         assert full_gap > 100 * TOL  # eviction did change the logits: the oracle is not vacuous
-    full_layers = [i for i, w in enumerate(fm.windows) if w is None]
+    full_layers = [i for i, w in enumerate(fm.sliding_windows) if w is None]
     assert all(result.rows_after[i] == 16 for i in full_layers)
-    assert all(result.rows_before[i] == 59 for i in range(len(fm.windows)))
+    assert all(result.rows_before[i] == 59 for i in range(len(fm.sliding_windows)))
     assert result.total_bytes_after < result.total_bytes_before
 
 
@@ -58,7 +58,7 @@ def test_sliding_window_layers_are_cut_to_their_window_only():
     fm = FunctionalModel(tiny_model("gemma3_text"))
     ids = list(range(40))
     states, result = compact_prompt_cache(fm, ids, budget=12, window=4, max_new_tokens=2)
-    for i, w in enumerate(fm.windows):
+    for i, w in enumerate(fm.sliding_windows):
         if w is not None:
             assert result.rows_after[i] == w
             assert np.array(states[i].positions)[0, 0, :w].tolist() == list(range(39 - w, 39))
@@ -85,8 +85,8 @@ def test_chunked_scoring_equals_one_chunk():
     """The observation window spans chunks: the scores must not depend on the chunking."""
     fm = FunctionalModel(tiny_model("qwen3"))
     ids = mx.array([list(range(3, 43))])
-    _, one = prefill(fm, ids, capacity=40, prefill_step_size=40, score_window=12)
-    _, many = prefill(fm, ids, capacity=40, prefill_step_size=7, score_window=12)
+    _, one = scored_prefill(fm, ids, capacity=40, prefill_step_size=40, window=12)
+    _, many = scored_prefill(fm, ids, capacity=40, prefill_step_size=7, window=12)
     for a, b in zip(one, many):
         assert mx.abs(a - b).max().item() < 1e-5
         assert abs(mx.sum(a[0, 0]).item() - 12) < 1e-3  # each window query's weights sum to 1
@@ -167,7 +167,7 @@ def test_smollm2_prefill_scores_are_the_models_attention_rows(smollm2):
     model, tokenizer = smollm2
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)
     n, w = len(ids), 8
-    _, scores = prefill(FunctionalModel(model), mx.array([ids]), capacity=n, score_window=w,
+    _, scores = scored_prefill(FunctionalModel(model), mx.array([ids]), capacity=n, window=w,
                         prefill_step_size=50)  # fmt: skip
     h = model.model.embed_tokens(mx.array([ids]))
     for i, layer in enumerate(model.model.layers[:2]):

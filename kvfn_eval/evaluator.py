@@ -13,26 +13,20 @@ the states (``kvfn.interop``), so KV quantization is mlx-lm's own ``mx.quantize`
 attention, and the full cache is exactly mlx-lm's computation.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
 
-from kvfn import cache as kv
-from kvfn import scoring
-from kvfn.evict import evict_prompt_cache
+import kvfn
 from kvfn.interop import to_mlx_cache
-from kvfn.policies import random_keep_indices, recent_keep_indices
-from kvfn.snapkv import SnapKVConfig, keep_indices
-from kvfn.tasks import Question, Sample
 
-from .compact import prefill
-from .wrapper import FunctionalModel
+from . import answers
+from .tasks import Question, Sample
 
-POLICIES = ("snapkv", "streaming", "random")
 MODES = ("aware", "agnostic")
 ANSWER_TOKENS = {  # enough for a right answer; a wrong one is cut short
     "passkey": 12,
@@ -43,66 +37,46 @@ ANSWER_TOKENS = {  # enough for a right answer; a wrong one is cut short
     "variable_tracking": 32,
     "common_words": 64,
 }
-
-
-# name suffix -> SnapKVConfig field, e.g. snapkv-k31-avg-layer. The window is the evaluator's:
-# it is the scored observation window of the shared prefill.
-SNAPKV_OPTIONS = {
-    "avg": ("pooling", "avg"),
-    "max": ("pooling", "max"),
-    "layer": ("per_head", False),
-    "gmax": ("group_reduce", "max"),
-}
+KV_BITS = (2, 3, 4, 6, 8)
 
 
 @dataclass(frozen=True)
 class Method:
-    """An eviction ``policy`` (or None: keep every row) and/or mlx-lm KV quantization; SnapKV
-    options override the evaluator's defaults for this method only."""
+    """An eviction policy by name (``kvfn.parse_policy``: "snapkv", "snapkv-k15-layer",
+    "streaming", any registered policy; None keeps every row) and/or mlx-lm KV quantization."""
 
     policy: Optional[str] = None
     kv_bits: Optional[int] = None
-    options: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
-        parts = ["-".join([self.policy, *self.options])] if self.policy else []
+        parts = [self.policy] if self.policy else []
         parts += [f"kv{self.kv_bits}"] if self.kv_bits else []
         return "+".join(parts) or "full"
 
-    def snapkv_overrides(self) -> dict:
-        out = {}
-        for opt in self.options:
-            field, value = SNAPKV_OPTIONS.get(opt) or ("kernel_size", int(opt[1:]))  # -k<N>
-            out[field] = value
-        return out
+    def make_policy(self, budget: int, **settings) -> kvfn.Policy:
+        return kvfn.parse_policy(self.policy, budget=budget, **settings)
 
     @classmethod
     def parse(cls, name: str) -> "Method":
-        """'full', 'snapkv', 'streaming', 'random', 'kv8', 'kv4', 'snapkv+kv4'; SnapKV options
-        after dashes: -k<odd kernel size>, -avg/-max pooling, -layer (one row set per
-        layer), -gmax (GQA max-reduce), e.g. 'snapkv-k31-layer+kv8'."""
-        policy, bits, options = None, None, ()
-        error = ValueError(f"unknown method {name!r}: use full, kvB, or one of "
-                           f"{', '.join(POLICIES)} (snapkv with options -kN -avg -max "
-                           f"-layer -gmax) optionally +kvB (B in 2,3,4,6,8)")  # fmt: skip
-        parts = name.split("+")
-        for part in parts:
-            head, *opts = part.split("-")
-            if head in POLICIES and policy is None:
-                if opts and head != "snapkv":
-                    raise error
-                for opt in opts:
-                    kernel = opt[:1] == "k" and opt[1:].isdigit() and int(opt[1:]) % 2 == 1
-                    known = opt in SNAPKV_OPTIONS or kernel
-                    if not known:
-                        raise error
-                policy, options = head, tuple(opts)
-            elif part.startswith("kv") and part[2:] in ("2", "3", "4", "6", "8") and bits is None:
-                bits = int(part[2:])
-            elif part != "full" or len(parts) > 1:
-                raise error
-        return cls(policy, bits, options)
+        """'full', 'kvB', a policy name, or 'POLICY+kvB' (B in 2, 3, 4, 6, 8)."""
+        if name == "full":
+            return cls()
+        policy, bits = None, None
+        try:
+            for part in name.split("+"):
+                if part.startswith("kv") and part[2:].isdigit() and bits is None:
+                    bits = int(part[2:])
+                    if bits not in KV_BITS:
+                        raise ValueError(f"KV bits must be one of {KV_BITS}, got {bits}")
+                elif policy is None and part:
+                    kvfn.parse_policy(part, budget=1 << 30)  # names a bad policy or option
+                    policy = part
+                else:
+                    raise ValueError("use full, kvB, POLICY or POLICY+kvB")
+        except ValueError as e:
+            raise ValueError(f"unknown method {name!r}: {e}") from None
+        return cls(policy, bits)
 
 
 def quantized_row_fraction(head_dim: int, itemsize: int, bits: int, group_size: int = 64) -> float:
@@ -176,13 +150,6 @@ def token_counter(tokenizer) -> Callable[[Sample], int]:
     return count
 
 
-def kv_dtype(model) -> mx.Dtype:
-    """The dtype an mlx-lm model writes into its KV cache (one token through a plain cache)."""
-    cache = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=cache)
-    return next(c.keys.dtype for c in cache if getattr(c, "keys", None) is not None)
-
-
 def greedy(model, prompt: list[int], caches: list, max_tokens: int, eos: set) -> list[int]:
     if len(prompt) > 1 and any(hasattr(c, "bits") for c in caches):
         # MLX's CUDA backend has no quantized attention for several queries at once: feed the
@@ -200,13 +167,14 @@ def greedy(model, prompt: list[int], caches: list, max_tokens: int, eos: set) ->
     return out
 
 
-def needle_fraction(keep: Sequence[Optional[mx.array]], tokens: Sequence[int]) -> float:
-    """Mean over scored layers and KV heads of the fraction of ``tokens`` among the kept rows."""
+def needle_fraction(states: Sequence[kvfn.PositionPreservingKVCache], tokens) -> float:
+    """Mean over full-attention layers and KV heads of the fraction of ``tokens`` (prompt
+    positions) among the kept rows."""
     fractions = [
-        np.isin(tokens, np.array(idx)[0, h]).mean()
-        for idx in keep
-        if idx is not None
-        for h in range(idx.shape[1])
+        np.isin(tokens, positions).mean()
+        for s in states
+        if s.sliding_window is None
+        for positions in np.array(s.positions)[0]
     ]
     return float(np.mean(fractions))
 
@@ -222,15 +190,12 @@ class Evaluator:
     """Runs methods over samples for one model; ``run`` yields one record per answer."""
 
     def __init__(self, model, tokenizer, *, window: int = 32, sink_tokens: int = 4,
-                 kernel_size: int = 7, pooling: str = "max", per_head: bool = True,
-                 group_reduce: str = "mean", prefill_step_size: int = 512,
-                 dtype: Optional[mx.Dtype] = None, seed: int = 0, compiled: bool = False):  # fmt: skip
+                 prefill_step_size: int = 512, dtype: Optional[mx.Dtype] = None, seed: int = 0,
+                 compiled: bool = False):  # fmt: skip
         self.model, self.tokenizer = model, tokenizer
-        self.fm = FunctionalModel(model)
+        self.fm = kvfn.FunctionalModel(model)
         self.window, self.sink_tokens, self.seed = window, sink_tokens, seed
-        self.snapkv = dict(window=window, sink_tokens=sink_tokens, kernel_size=kernel_size,
-                           pooling=pooling, per_head=per_head, group_reduce=group_reduce)  # fmt: skip
-        self.prefill_step_size, self.dtype = prefill_step_size, dtype or kv_dtype(model)
+        self.prefill_step_size, self.dtype = prefill_step_size, dtype or self.fm.dtype
         # every sample and question has its own shapes: compiled steps would retrace each time
         self.compiled = compiled
         self.eos = set(tokenizer.eos_token_ids) | {tokenizer.eos_token_id}
@@ -238,35 +203,25 @@ class Evaluator:
         self.itemsize = mx.zeros((), self.dtype).itemsize
 
     # -- selection ------------------------------------------------------------------------------
-    def keep(self, method: "Method", rows: int, scores, P: int, key: mx.array) -> list:
-        policy, overrides = method.policy, method.snapkv_overrides()
-        out = []
-        keys = mx.random.split(key, len(self.fm.windows)) if policy == "random" else None
-        for i, w in enumerate(self.fm.windows):
-            n_kv = self.fm.n_kv_heads[i]
-            if w is not None:
-                out.append(None)  # sliding-window layers are cut to their window, not scored
-            elif policy == "snapkv":
-                cfg = SnapKVConfig(rows, **{**self.snapkv, **overrides})
-                out.append(keep_indices(scores[i][..., :P], cfg, n_kv))
-            elif policy == "streaming":
-                out.append(recent_keep_indices(P, rows, n_kv_heads=n_kv,
-                                               sink_tokens=self.sink_tokens))  # fmt: skip
-            else:
-                out.append(random_keep_indices(P, rows, n_kv_heads=n_kv, key=keys[i],
-                                               sink_tokens=self.sink_tokens, window=self.window))  # fmt: skip
-        return out
+    def policy(self, method: Method, rows: int, sample_seed: int) -> kvfn.Policy:
+        settings = dict(window=self.window, sink_tokens=self.sink_tokens)
+        probe = method.make_policy(rows, **settings)
+        if "seed" in {f.name for f in dataclasses.fields(probe)}:  # e.g. random rows: per sample
+            return probe.replace(seed=self.seed * 1_000_003 + sample_seed)
+        return probe
 
-    def compact(self, states, method: Method, rows: Optional[int], scores, key, needles=()):
+    def compact(self, states, scores, method: Method, rows: Optional[int], sample_seed: int,
+                needles=()):  # fmt: skip
         """States after ``method``'s eviction to ``rows`` rows (unchanged when it keeps them
         all), whether it evicted, and the fraction of needle rows kept (over full-attention
         layers and KV heads; None without needles)."""
-        P = int(states[0].rows.item())
+        P = states[0].max_rows
         if method.policy is None or rows is None or rows >= P:
             return states, False, 1.0 if needles else None
-        keep = self.keep(method, rows, scores, P, key)
-        states, _ = evict_prompt_cache(states, keep)
-        kept = needle_fraction(keep, [t for n in needles for t in n]) if needles else None
+        policy = self.policy(method, rows, sample_seed)
+        states, _ = kvfn.compact_states(states, scores, policy, compiled=self.compiled)
+        tokens = [t for n in needles for t in n]
+        kept = needle_fraction(states, tokens) if needles else None
         return states, True, kept
 
     @staticmethod
@@ -287,10 +242,10 @@ class Evaluator:
             raise RuntimeError("questions of one sample must share the context's tokens")
         w = min(self.window, len(head) - 1)
         capacity = len(head) + max(len(p.tail) for p in prompts)
-        start = prefill(self.fm, mx.array([head[:-w]]), capacity=capacity, dtype=self.dtype,
-                        prefill_step_size=self.prefill_step_size, compiled=self.compiled)  # fmt: skip
+        opts = dict(dtype=self.dtype, prefill_step_size=self.prefill_step_size,
+                    compiled=self.compiled)  # fmt: skip
+        start = kvfn.prefill(self.fm, mx.array([head[:-w]]), capacity=capacity, **opts)
         n_new = max_new_tokens or ANSWER_TOKENS.get(sample.task, 32)
-        key = mx.random.key(self.seed * 1_000_003 + sample.seed)
         records = []
 
         def record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept):
@@ -300,7 +255,7 @@ class Evaluator:
                 prompt_tokens=len(head) + len(prompts[q].tail), mode=mode, method=method.name,
                 budget=budget, rows=min(rows, P) if rows is not None else P, kv_bytes=nbytes,
                 kv_fraction=nbytes / full_bytes, needle_kept=kept, question=q, prediction=prediction,
-                score=scoring.match_all(prediction, sample.questions[q].answers),
+                score=answers.match_all(prediction, sample.questions[q].answers),
             ))  # fmt: skip
 
         def answer_all(mode, states, scores, tails, P):
@@ -309,25 +264,24 @@ class Evaluator:
                 for budget in [None] if method.policy is None else budgets:
                     rows = rows_for(method, budget, self.head_dim, self.itemsize)
                     needles = prompts[tails[0][0]].needles  # the context's: the same for all
-                    kept_states, evicted, kept = self.compact(states, method, rows, scores, key,
-                                                              needles)  # fmt: skip
+                    kept_states, evicted, kept = self.compact(states, scores, method, rows,
+                                                              sample.seed, needles)  # fmt: skip
                     for q, tail in tails:  # every question on the one compacted state
                         caches, nbytes = self.caches(kept_states, method, evicted)
                         answer = greedy(self.model, tail, caches, n_new, self.eos)
                         record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept)
 
         if "agnostic" in modes:
-            states, scores = prefill(self.fm, mx.array([head[-w:]]), capacity=capacity,
-                                     score_window=w, states=start, dtype=self.dtype,
-                                     compiled=self.compiled)  # fmt: skip
+            states, scores = kvfn.scored_prefill(self.fm, mx.array([head[-w:]]), window=w,
+                                                 states=start, **opts)  # fmt: skip
             tails = [(q, p.tail) for q, p in enumerate(prompts)]
             answer_all("agnostic", states, scores, tails, len(head))
         if "aware" in modes:
             for q, p in enumerate(prompts):
                 ask = head[-w:] + p.tail[:-1]
-                states, scores = prefill(self.fm, mx.array([ask]), capacity=capacity,
-                                         score_window=self.window, states=start,
-                                         dtype=self.dtype, compiled=self.compiled)  # fmt: skip
+                window = min(self.window, len(ask))
+                states, scores = kvfn.scored_prefill(self.fm, mx.array([ask]), window=window,
+                                                     states=start, **opts)  # fmt: skip
                 P = len(head) + len(p.tail) - 1
                 answer_all("aware", states, scores, [(q, p.tail[-1:])], P)
         return records

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvfn.scoring import match_all, match_any
+from kvfn_eval.answers import match_all, match_any
 
 
 def test_match_all_counts_the_references_found():

@@ -1,0 +1,231 @@
+"""Prefill in chunks, score the observation window, and compact with any policy.
+
+``compact`` = ``scored_prefill`` of all but the last prompt token, then ``compact_states``: the
+policy's selection, the gather and the room to decode, as one compiled transformation. No host
+sync separates the last prefill chunk from the caller's first decode step.
+"""
+
+from functools import lru_cache
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+from typeguard import typechecked
+
+from . import cache as kv
+from .evict import EvictionResult, result_of
+from .policy import Policy
+from .snapkv import SnapKV
+from .wrapper import FunctionalModel, QuerySlice
+
+
+def chunks(n: int, size: int) -> list[tuple[int, int]]:
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _start(fmodel, tokens, states, capacity, dtype) -> tuple:
+    if not isinstance(tokens, mx.array) or tokens.ndim != 2 or tokens.shape[1] < 1:
+        shape = tuple(tokens.shape) if isinstance(tokens, mx.array) else type(tokens).__name__
+        raise ValueError(f"prefill takes tokens of shape (batch, n >= 1), got {shape}")
+    B, n = tokens.shape
+    if states is None:
+        return fmodel.init_states(B, max(capacity or 0, n), dtype)
+    bound = [s.max_rows if s.max_rows is not None else int(s.rows.item()) for s in states]
+    return tuple(
+        kv.reserve(s.replace(max_rows=r), max(s.capacity, r + n)) for s, r in zip(states, bound)
+    )
+
+
+def _loop(fmodel, tokens, states, scores, window, prefill_step_size, progress, compiled):
+    if prefill_step_size <= 0:
+        raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
+    n = tokens.shape[1]
+    parts = chunks(n, prefill_step_size)
+    for j, (start, stop) in enumerate(parts):
+        first_scored = max(n - window, start) if window else stop
+        if first_scored < stop:
+            q = QuerySlice(first_scored - start, stop - start)
+            step = fmodel.scored_step if compiled else fmodel.scored_forward
+            _, states, scores = step(tokens[:, start:stop], states, scores, q)
+        else:
+            step = fmodel.step if compiled else fmodel.forward
+            _, states = step(tokens[:, start:stop], states)
+        if j + 1 < len(parts):  # bound the graph; the last chunk stays lazy
+            mx.eval(kv.arrays(states), scores)
+        if progress is not None:
+            progress(stop, n)
+    return states, scores
+
+
+@typechecked
+def prefill(
+    fmodel: FunctionalModel,
+    tokens: mx.array,
+    *,
+    states: Optional[tuple] = None,
+    capacity: Optional[int] = None,
+    prefill_step_size: int = 512,
+    dtype: Optional[mx.Dtype] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+    compiled: bool = True,
+) -> tuple:
+    """Run ``tokens`` (B, n) through the model in chunks into fresh states (room for
+    ``capacity`` rows, at least n) or after what ``states`` hold. ``compiled=False`` runs the
+    eager forward pass: worth it when shapes change from call to call (each new shape is a new
+    trace, and on CUDA a new kernel compilation)."""
+    states = _start(fmodel, tokens, states, capacity, dtype)
+    states, _ = _loop(fmodel, tokens, states, (), 0, prefill_step_size, progress, compiled)
+    return states
+
+
+@typechecked
+def scored_prefill(
+    fmodel: FunctionalModel,
+    tokens: mx.array,
+    *,
+    window: int,
+    states: Optional[tuple] = None,
+    capacity: Optional[int] = None,
+    prefill_step_size: int = 512,
+    dtype: Optional[mx.Dtype] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+    compiled: bool = True,
+) -> tuple[tuple, tuple]:
+    """``prefill`` that also sums the attention of the last ``window`` tokens' queries over
+    every key into per-key scores, chunk by chunk (the window may span chunks), in the same
+    pass: ``(states, scores)``, one (B, n_heads, capacity) float32 array a layer (zeros for
+    sliding-window layers, which are never evicted). O(window x prompt) per layer, never a
+    prompt-sized matrix. This is the seed's ``SnapKVAttentionCapture``."""
+    if not 1 <= window <= tokens.shape[1]:
+        raise ValueError(f"window must be in [1, {tokens.shape[1]}] (the tokens), got {window}")
+    states = _start(fmodel, tokens, states, capacity, dtype)
+    B = tokens.shape[0]
+    scores = tuple(mx.zeros((B, h, s.capacity), mx.float32) for h, s in zip(fmodel.n_heads, states))
+    return _loop(fmodel, tokens, states, scores, window, prefill_step_size, progress, compiled)
+
+
+def _rows_after(policy: Policy, P: int, sliding_window: Optional[int]) -> int:
+    if sliding_window is not None:
+        return min(P, sliding_window)
+    return P if policy.keeps_whole(P) else policy.budget
+
+
+@lru_cache(maxsize=64)
+def _evictor(policy: Policy, P: int, extra: int, windows: tuple, compiled: bool):
+    def run(flat, scores):
+        out = []
+        for i, (arrays, w) in enumerate(zip(flat, windows)):
+            s = kv.unflatten(arrays, (w,))
+            B, H = s.keys.shape[:2]
+            k = _rows_after(policy, P, w)
+            if w is not None:
+                idx = mx.broadcast_to(mx.arange(P - k, P, dtype=mx.int32), (B, H, k))
+            elif k < P:
+                sc = scores[i][..., :P] if scores else None
+                idx = policy.keep_indices(sc, prompt_length=P, n_kv_heads=H, batch=B, layer=i)
+            else:
+                idx = None
+            if idx is not None:
+                s = kv.gather(s, idx)
+            out.append(kv.flatten(kv.reserve(s, max(s.capacity, k + extra)))[0])
+        return out
+
+    return mx.compile(run) if compiled else run
+
+
+@typechecked
+def compact_states(
+    states: Sequence[kv.State],
+    scores: Optional[Sequence[mx.array]],
+    policy: Policy,
+    *,
+    reserve: int = 0,
+    compiled: bool = True,
+) -> tuple[tuple, EvictionResult]:
+    """Apply ``policy`` to freshly prefilled ``states`` of one prompt length (and its
+    ``scored_prefill`` scores, if it needs them): select, gather and reserve room for
+    ``reserve`` more rows, in one compiled step for a static policy and prompt length.
+    Sliding-window layers are cut to their window (lossless)."""
+    bounds = {s.max_rows if s.max_rows is not None else int(s.rows.item()) for s in states}
+    if len(bounds) != 1:
+        raise ValueError(f"compact_states takes states of one prompt length, got rows {bounds}")
+    (P,) = bounds
+    if P < 1:
+        raise ValueError("compact_states needs prefilled states (they hold no rows)")
+    if reserve < 0:
+        raise ValueError(f"reserve must be >= 0, got {reserve}")
+    if policy.observation_window(P) and scores is None:
+        raise ValueError(f"policy {policy.name!r} needs the scores of a scored_prefill")
+    windows = tuple(s.sliding_window for s in states)
+    flat = [kv.flatten(s)[0] for s in states]
+    out = _evictor(policy, P, reserve, windows, compiled)(flat, list(scores or ()))
+    after = [_rows_after(policy, P, w) for w in windows]
+    new = tuple(kv.unflatten(o, (w,), k) for o, w, k in zip(out, windows, after))
+    return new, result_of(states, [P] * len(states), after)
+
+
+def _prompt(tokens) -> mx.array:
+    if isinstance(tokens, mx.array):
+        arr = tokens
+    else:
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise TypeError("prompt tokens must be ints (token ids)")
+        arr = mx.array([list(tokens)], mx.int32)
+    if arr.ndim != 2 or arr.shape[1] < 2:
+        raise ValueError(f"need a (batch, length >= 2) prompt, got shape {tuple(arr.shape)}")
+    return arr
+
+
+@typechecked
+def compact(
+    fmodel: FunctionalModel,
+    prompt_tokens: Sequence[int] | mx.array,
+    policy: Policy,
+    *,
+    max_new_tokens: int = 256,
+    prefill_step_size: int = 512,
+    dtype: Optional[mx.Dtype] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+    compiled: bool = True,
+) -> tuple[tuple, EvictionResult]:
+    """Prefill all but the last prompt token (scoring the policy's observation window), keep
+    the policy's rows in every full-attention layer and reserve room for ``max_new_tokens``
+    (decoding further grows the states). The caller decodes from the last prompt token. Takes
+    one prompt (a list of ints) or a batch of equal-length prompts (B, n)."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    context = _prompt(prompt_tokens)[:, :-1]
+    P = context.shape[1]
+    window = policy.observation_window(P)
+    kwargs = dict(capacity=P, prefill_step_size=prefill_step_size, dtype=dtype,
+                  progress=progress, compiled=compiled)  # fmt: skip
+    if window:
+        states, scores = scored_prefill(fmodel, context, window=window, **kwargs)
+    else:
+        states, scores = prefill(fmodel, context, **kwargs), None
+    return compact_states(states, scores, policy, reserve=max_new_tokens + 1, compiled=compiled)
+
+
+@typechecked
+def compact_prompt_cache(
+    fmodel: FunctionalModel,
+    prompt_tokens: Sequence[int] | mx.array,
+    *,
+    budget: int,
+    window: int = 32,
+    sink_tokens: int = 4,
+    min_tokens: int = 0,
+    kernel_size: int = 7,
+    pooling: str = "max",
+    per_head: bool = True,
+    group_reduce: str = "mean",
+    max_new_tokens: int = 256,
+    prefill_step_size: int = 512,
+    dtype: Optional[mx.Dtype] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> tuple[tuple, EvictionResult]:
+    """``compact`` with a ``SnapKV`` policy given by its settings (the seed's entry point)."""
+    policy = SnapKV(budget=budget, window=window, sink_tokens=sink_tokens, min_tokens=min_tokens,
+                    kernel_size=kernel_size, pooling=pooling, per_head=per_head,
+                    group_reduce=group_reduce)  # fmt: skip
+    return compact(fmodel, prompt_tokens, policy, max_new_tokens=max_new_tokens,
+                   prefill_step_size=prefill_step_size, dtype=dtype, progress=progress)  # fmt: skip

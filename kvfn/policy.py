@@ -1,0 +1,160 @@
+"""The one contract every eviction policy follows, and the parser from names to policies.
+
+A policy is a small frozen dataclass holding its settings. It scores the rows of a prompt
+(``row_scores``: higher is kept first, from the observation window's attention scores or from
+nothing); the base does the rest once for all: the "keep the whole prompt when it fits" rule,
+the attention sinks and the observation window (always kept), the budget, and the top-k that
+makes the keep indices sorted and unique by construction. Everything is traceable for a static
+budget and prompt length, so ``kvfn.compact`` runs it inside one compiled transformation.
+
+    @dataclass(frozen=True)
+    class KeyNorm(kvfn.Policy):          # a policy of your own
+        name: ClassVar[str] = "keynorm"
+        def row_scores(self, scores, *, prompt_length, n_kv_heads, batch, layer):
+            ...                          # (batch, n_kv_heads or 1, prompt_length)
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import mlx.core as mx
+
+POLICIES: dict[str, type] = {}
+
+
+def register_policy(cls: type) -> type:
+    """Make ``parse_policy`` know ``cls`` by its ``name`` (usable as a class decorator)."""
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise TypeError(f"register_policy takes a Policy subclass, got {cls!r}")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Settings shared by every policy; ``validate`` raises a ValueError naming a bad value.
+
+    budget: rows kept per layer and KV head (sinks and window included).
+    window: the observation window: the last ``window`` prompt rows are always kept, and their
+        queries' attention is what ``row_scores`` receives when ``needs_scores``.
+    sink_tokens: the first rows, always kept (attention sinks).
+    min_tokens: prompts this short are never compacted.
+    """
+
+    budget: int
+    window: int = 32
+    sink_tokens: int = 4
+    min_tokens: int = 0
+
+    name: ClassVar[str] = "policy"
+    needs_scores: ClassVar[bool] = False
+    # option word -> field values, for names like "snapkv-avg-layer"
+    flags: ClassVar[dict] = {}
+    # option prefix -> int field, for names like "snapkv-k15"
+    numbers: ClassVar[dict] = {}
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in (int, "int") and (type(value) is not int or value < 0):
+                raise ValueError(f"{self.name} {f.name} must be a non-negative int, got {value!r}")
+        if self.budget < 1:
+            raise ValueError(f"{self.name} budget must be >= 1, got {self.budget}")
+        if self.budget < self.sink_tokens + self.window:
+            raise ValueError(
+                f"{self.name} budget {self.budget} is below sink_tokens + window = "
+                f"{self.sink_tokens} + {self.window}"
+            )
+
+    def replace(self, **changes) -> "Policy":
+        return dataclasses.replace(self, **changes)
+
+    def keeps_whole(self, prompt_length: int) -> bool:
+        """Whether a prompt this long is kept whole (it fits the budget, or is below
+        ``min_tokens``)."""
+        return prompt_length <= max(self.min_tokens, self.budget)
+
+    def observation_window(self, prompt_length: int) -> int:
+        """How many of the prompt's last queries the prefill must score (0: none)."""
+        if not self.needs_scores or self.keeps_whole(prompt_length):
+            return 0
+        return min(self.window, prompt_length)
+
+    def row_scores(
+        self, scores: Optional[mx.array], *, prompt_length: int, n_kv_heads: int, batch: int,
+        layer: int
+    ) -> mx.array:  # fmt: skip
+        """Per-row keep priority (batch, n_kv_heads or 1, prompt_length); 1 = one row set for
+        every head. ``scores`` is (batch, n_heads, prompt_length) summed window attention, or
+        None when the policy does not need scores."""
+        raise NotImplementedError(f"{type(self).__name__} must define row_scores")
+
+    def keep_indices(
+        self, scores: Optional[mx.array], *, prompt_length: int, n_kv_heads: int,
+        batch: int = 1, layer: int = 0
+    ) -> mx.array:  # fmt: skip
+        """Sorted unique rows to keep (batch, n_kv_heads, min(prompt_length, budget)) of a
+        prompt of ``prompt_length`` rows, in layer ``layer``."""
+        P = prompt_length
+        if P < 1:
+            raise ValueError(f"prompt_length must be >= 1, got {P}")
+        if self.keeps_whole(P):
+            return mx.broadcast_to(mx.arange(P, dtype=mx.int32), (batch, n_kv_heads, P))
+        if self.needs_scores:
+            if scores is None:
+                raise ValueError(f"policy {self.name!r} needs the observation window's scores")
+            if scores.ndim != 3 or scores.shape[0] != batch or scores.shape[2] != P:
+                raise ValueError(
+                    f"scores must have shape (batch={batch}, n_heads, prompt_length={P}), "
+                    f"got {tuple(scores.shape)}"
+                )
+            if scores.shape[1] % n_kv_heads:
+                raise ValueError(
+                    f"{scores.shape[1]} query heads do not group over n_kv_heads={n_kv_heads}"
+                )
+        s = self.row_scores(scores, prompt_length=P, n_kv_heads=n_kv_heads, batch=batch,
+                            layer=layer).astype(mx.float32)  # fmt: skip
+        s = mx.where(mx.isnan(s), -mx.inf, s)
+        pos = mx.arange(P)
+        s = mx.where((pos < self.sink_tokens) | (pos >= P - self.window), mx.inf, s)
+        keep = mx.argpartition(-s, kth=self.budget - 1, axis=-1)[..., : self.budget]
+        keep = mx.sort(keep.astype(mx.int32), axis=-1)
+        return mx.broadcast_to(keep, (batch, n_kv_heads, self.budget))
+
+    @classmethod
+    def options(cls, words: list[str]) -> dict:
+        """Field values from option words (see ``flags`` and ``numbers``)."""
+        out = {}
+        for word in words:
+            prefix, digits = word[:1], word[1:]
+            if word in cls.flags:
+                out.update(cls.flags[word])
+            elif prefix in cls.numbers and digits.isdigit():
+                out[cls.numbers[prefix]] = int(digits)
+            else:
+                known = [*cls.flags, *(f"{p}<N>" for p in cls.numbers)]
+                raise ValueError(
+                    f"unknown option {word!r} for policy {cls.name!r} "
+                    f"(options: {', '.join(known) or 'none'})"
+                )
+        return out
+
+
+def parse_policy(spec: str, **settings) -> Policy:
+    """A policy from its name and options, e.g. ``parse_policy("snapkv-k15-avg-layer",
+    budget=512)``; ``settings`` are the fields the name does not give (budget, window, ...)."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"a policy name must be a non-empty string, got {spec!r}")
+    head, *words = spec.split("-")
+    cls = POLICIES.get(head)
+    if cls is None:
+        raise ValueError(f"unknown policy {spec!r} (known: {', '.join(sorted(POLICIES))})")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(settings) - fields)
+    if unknown:
+        raise ValueError(f"policy {head!r} has no setting {', '.join(unknown)}")
+    return cls(**{**settings, **cls.options(words)})

@@ -1,0 +1,387 @@
+"""Thread kvfn's immutable layer states through an unmodified mlx-lm model.
+
+``FunctionalModel(model).forward(tokens, states)`` returns ``(logits, new_states)``: each
+layer's state goes in, a new one comes out, nothing is mutated. During a call every layer gets
+a short-lived adapter that speaks mlx-lm's cache protocol (``offset``, ``update_and_fetch``,
+``make_mask``) over its state.
+
+The wrapper runs its own copy of the model's module tree down to the attention modules; every
+other module, and so every weight, is shared with the caller's model. Its attention modules are
+wrapped once, at construction: each is called with its own layer's mask (per layer and per KV
+head, from true positions) instead of the one mask an mlx-lm model builds from a single layer,
+and its ``rope`` is tapped so a scored call reads the queries after RoPE. The caller's model is
+never modified.
+
+``step`` / ``scored_step`` / ``decode`` are the ``mx.compile``'d versions. They take the
+model's parameters as inputs, so a weight changed after a trace is seen by the next call.
+"""
+
+import contextvars
+import copy
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from . import cache as kv
+from .scores import window_attention_scores
+
+ATTENTION_NAMES = ("self_attn", "attention", "attn")
+N_HEADS_NAMES = ("n_heads", "num_heads", "num_attention_heads")
+N_KV_HEADS_NAMES = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
+GROWTH = 256  # capacities grow to multiples of this, at least doubling
+
+_current = contextvars.ContextVar("kvfn_layer_adapter", default=None)
+
+
+@dataclass(frozen=True)
+class QuerySlice:
+    """The query rows of one call (a static slice) that belong to the observation window."""
+
+    start: int
+    stop: int
+
+
+class _LayerAdapter:
+    """mlx-lm's cache protocol over one layer's state, for the length of one forward call."""
+
+    def __init__(self, state: kv.State, n_heads: int, scale=None, scores=None, queries=None):
+        self.state, self.n_heads, self.scale = state, n_heads, scale
+        self.scores, self.query_slice = scores, queries
+        self.queries = None
+
+    @property
+    def offset(self):
+        return self.state.offset
+
+    def make_mask(self, n, return_array=False, window_size=None):
+        return None  # each wrapped attention module builds its own layer's mask
+
+    def attention_mask(self, n: int) -> mx.array:
+        after = self.state.replace(
+            positions=kv.appended_positions(self.state, n), offset=self.state.offset + n
+        )
+        m = kv.mask(after, n)
+        rep = self.n_heads // m.shape[1]
+        return mx.repeat(m, rep, axis=1) if rep > 1 else m
+
+    def update_and_fetch(self, keys, values):
+        before = self.state.offset
+        self.state = kv.update(self.state, keys, values)
+        if self.query_slice is not None:
+            if self.queries is None:
+                raise RuntimeError("kvfn could not read this layer's queries (no rope call seen)")
+            qs = self.query_slice
+            q = self.queries[:, :, qs.start : qs.stop]
+            qpos = before[:, None] + mx.arange(qs.start, qs.stop, dtype=mx.int32)[None]
+            self.scores = self.scores + window_attention_scores(q, qpos, self.state, self.scale)
+        return self.state.keys, self.state.values
+
+
+class _MaskedAttention(nn.Module):
+    """An attention module called with its own layer's mask, built from the cache it gets."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def __call__(self, x, mask=None, cache=None, *args, **kwargs):
+        token = _current.set(cache)
+        try:
+            return self.inner(x, cache.attention_mask(x.shape[1]), cache, *args, **kwargs)
+        finally:
+            _current.reset(token)
+
+
+class _QueryTap(nn.Module):
+    """Wraps an attention's rope: the first call of a forward pass rotates the queries."""
+
+    def __init__(self, rope):
+        super().__init__()
+        self.rope = rope
+
+    def __call__(self, x, *args, **kwargs):
+        out = self.rope(x, *args, **kwargs)
+        adapter = _current.get()
+        if adapter is not None and adapter.queries is None:
+            adapter.queries = out
+        return out
+
+
+def _first_attr(module, names, what: str, index: int):
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, int):
+            return value
+    raise TypeError(
+        f"kvfn cannot thread layer {index}: its attention module {type(module).__name__} has no "
+        f"{what} attribute ({' / '.join(names)})"
+    )
+
+
+def _attention_name(layer: nn.Module, index: int) -> str:
+    for name in ATTENTION_NAMES:
+        if isinstance(getattr(layer, name, None), nn.Module):
+            return name
+    raise TypeError(
+        f"kvfn cannot thread layer {index} ({type(layer).__name__}): no attention module "
+        f"named {' / '.join(ATTENTION_NAMES)}"
+    )
+
+
+def layer_windows(model: nn.Module) -> tuple[Optional[int], ...]:
+    """Per layer: None for full attention, the window for a sliding-window layer."""
+    caches = (
+        model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    )
+    windows = []
+    for i, c in enumerate(caches):
+        if type(c) is KVCache:
+            windows.append(None)
+        elif type(c) is RotatingKVCache and c.keep == 0:
+            windows.append(c.max_size)
+        else:
+            raise TypeError(
+                f"kvfn cannot thread {type(model).__module__}: layer {i} uses "
+                f"{type(c).__name__}, which kvfn does not support"
+            )
+    return tuple(windows)
+
+
+def _path_to(module: nn.Module, target, path=()) -> Optional[tuple]:
+    for key, child in module.items():
+        if child is target:
+            return (*path, key)
+        if isinstance(child, nn.Module):
+            found = _path_to(child, target, (*path, key))
+            if found:
+                return found
+    return None
+
+
+def _own_copy(model: nn.Module, wrap_layer) -> nn.Module:
+    """A shallow copy of ``model`` down to its layers list, whose layers are ``wrap_layer``'s
+    copies; every module not on that path (and so every weight) is shared."""
+    path = _path_to(model, model.layers)
+    if path is None:
+        raise TypeError(f"kvfn cannot find the layers list of {type(model).__name__}")
+    root = node = copy.copy(model)
+    for key in path[:-1]:
+        node[key] = copy.copy(node[key])
+        node = node[key]
+    node[path[-1]] = [wrap_layer(i, layer) for i, layer in enumerate(model.layers)]
+    return root
+
+
+def _check_tokens(tokens, states) -> mx.array:
+    if not isinstance(tokens, mx.array):
+        raise TypeError(
+            f"tokens must be an mx.array of shape (batch, n), got {type(tokens).__name__}"
+        )
+    if tokens.ndim != 2 or tokens.shape[1] < 1:
+        raise ValueError(
+            f"tokens must have shape (batch, n >= 1), got {tuple(tokens.shape)}; "
+            "a single token is mx.array([[token]])"
+        )
+    if not mx.issubdtype(tokens.dtype, mx.integer):
+        raise TypeError(f"tokens must be integer ids, got dtype {tokens.dtype}")
+    batch = states[0].keys.shape[0]
+    if tokens.shape[0] != batch:
+        raise ValueError(f"tokens have batch {tokens.shape[0]} but the states hold {batch}")
+    return tokens.astype(mx.int32)  # argmax gives uint32: one dtype, one trace
+
+
+def grown(state: kv.State, n: int) -> kv.State:
+    """``state`` with room for ``n`` more rows: unchanged if they fit, else a capacity at least
+    double, in multiples of ``GROWTH`` (so a decode loop retraces O(log steps) times)."""
+    bound = state.max_rows if state.max_rows is not None else int(state.rows.item())
+    state = state.replace(max_rows=bound)
+    need = bound + n
+    if need <= state.capacity:
+        return state
+    capacity = -(-max(need, 2 * state.capacity) // GROWTH) * GROWTH
+    return kv.reserve(state, capacity)
+
+
+class FunctionalModel:
+    """An mlx-lm model as pure functions of (tokens, layer states)."""
+
+    def __init__(self, model: nn.Module):
+        if not isinstance(model, nn.Module) or not hasattr(model, "layers"):
+            raise TypeError(f"FunctionalModel takes an mlx-lm model, got {type(model).__name__}")
+        self.model = model
+        self.sliding_windows = layer_windows(model)
+        self._attn_names = [_attention_name(l, i) for i, l in enumerate(model.layers)]
+        attn = [getattr(l, n) for l, n in zip(model.layers, self._attn_names)]
+        for i, a in enumerate(attn):
+            if not isinstance(a.get("rope"), nn.Module):
+                raise TypeError(
+                    f"kvfn cannot thread {type(model).__module__}: the attention module of layer "
+                    f"{i} ({type(a).__name__}) applies no rope to cache offsets"
+                )
+        self.n_heads = [_first_attr(a, N_HEADS_NAMES, "query-head count", i) for i, a in enumerate(attn)]  # fmt: skip
+        self.n_kv_heads = [_first_attr(a, N_KV_HEADS_NAMES, "KV-head count", i) for i, a in enumerate(attn)]  # fmt: skip
+        self.scales = [float(a.scale) if hasattr(a, "scale") else None for a in attn]
+        self.head_dims = [
+            getattr(a, "head_dim", None) or a.k_proj.weight.shape[0] // h
+            for a, h in zip(attn, self.n_kv_heads)
+        ]
+        self._model = _own_copy(model, self._wrap_layer)
+        self._compiled: dict = {}
+        self._dtype = None
+
+    def _wrap_layer(self, index: int, layer: nn.Module) -> nn.Module:
+        name = self._attn_names[index]
+        attn = copy.copy(getattr(layer, name))
+        attn.rope = _QueryTap(attn.rope)
+        layer = copy.copy(layer)
+        layer[name] = _MaskedAttention(attn)
+        return layer
+
+    @property
+    def traces(self) -> int:
+        """How many compiled steps were traced (one per distinct signature)."""
+        return len(self._compiled)
+
+    # -- states -----------------------------------------------------------------------------
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The dtype the model writes into its KV cache (found by one token through mlx-lm)."""
+        if self._dtype is None:
+            cache = make_prompt_cache(self.model)
+            self.model(mx.array([[0]]), cache=cache)
+            self._dtype = next(c.keys.dtype for c in cache if getattr(c, "keys", None) is not None)
+        return self._dtype
+
+    def init_states(self, batch: int, capacity: int, dtype: Optional[mx.Dtype] = None) -> tuple:
+        """Empty states, one per layer, each with room for ``capacity`` rows (``dtype``: the
+        model's KV dtype unless given)."""
+        dtype = dtype or self.dtype
+        return tuple(
+            kv.init(batch, h, d, capacity, dtype=dtype, sliding_window=w)
+            for h, d, w in zip(self.n_kv_heads, self.head_dims, self.sliding_windows)
+        )
+
+    def _check_states(self, states) -> None:
+        if not isinstance(states, (tuple, list)) or len(states) != len(self.sliding_windows):
+            n = len(states) if isinstance(states, (tuple, list)) else type(states).__name__
+            raise ValueError(f"{n} states for a model of {len(self.sliding_windows)} layers")
+        for i, s in enumerate(states):
+            if not isinstance(s, kv.State):
+                raise TypeError(f"state {i} is a {type(s).__name__}, not a kvfn state")
+
+    def _prepare(self, tokens, states) -> tuple[mx.array, tuple]:
+        self._check_states(states)
+        tokens = _check_tokens(tokens, states)
+        return tokens, tuple(grown(s, tokens.shape[1]) for s in states)
+
+    # -- the pure forward pass ----------------------------------------------------------------
+    def _run(self, tokens, states, scores=None, queries: Optional[QuerySlice] = None):
+        adapters = []
+        for i, state in enumerate(states):
+            scored = queries is not None and self.sliding_windows[i] is None
+            adapters.append(_LayerAdapter(state, self.n_heads[i], self.scales[i],
+                                          scores[i] if scored else None,
+                                          queries if scored else None))  # fmt: skip
+        logits = self._model(tokens, cache=adapters)
+        return logits, tuple(a.state for a in adapters), adapters
+
+    def forward(self, tokens: mx.array, states: tuple) -> tuple:
+        """Eager: logits (B, n, vocab) and new states."""
+        tokens, states = self._prepare(tokens, states)
+        logits, new_states, _ = self._run(tokens, states)
+        return logits, new_states
+
+    def scored_forward(self, tokens, states, scores, queries: QuerySlice) -> tuple:
+        """Eager ``forward`` that also adds the attention of the ``queries`` rows over every key
+        to ``scores`` (one (B, n_heads, capacity) array a layer): (logits, states, scores)."""
+        tokens, states, scores = self._prepare_scored(tokens, states, scores, queries)
+        logits, new_states, adapters = self._run(tokens, states, scores, queries)
+        return logits, new_states, self._scores_out(adapters, scores)
+
+    def _scores_out(self, adapters, scores) -> tuple:
+        return tuple(a.scores if a.query_slice is not None else s for a, s in zip(adapters, scores))
+
+    def _prepare_scored(self, tokens, states, scores, queries) -> tuple:
+        old = [s.capacity for s in states] if isinstance(states, (tuple, list)) else None
+        tokens, states = self._prepare(tokens, states)
+        if old is not None and len(scores) == len(states):  # states grew: so do their scores
+            scores = tuple(
+                mx.pad(s, [(0, 0), (0, 0), (0, st.capacity - c)]) if st.capacity > c else s
+                for s, st, c in zip(scores, states, old)
+            )
+        self._check_scoring(states, scores, queries, tokens.shape[1])
+        return tokens, states, tuple(scores)
+
+    def _check_scoring(self, states, scores, queries, n: int) -> None:
+        if None in self.scales:
+            raise TypeError("kvfn scoring needs each attention module's softmax `scale`")
+        if not isinstance(queries, QuerySlice) or not 0 <= queries.start < queries.stop <= n:
+            raise ValueError(f"queries must be a QuerySlice within the {n} tokens, got {queries}")
+        if len(scores) != len(states):
+            raise ValueError(f"{len(scores)} score arrays for {len(states)} layers")
+        for i, (s, st) in enumerate(zip(scores, states)):
+            want = (st.keys.shape[0], self.n_heads[i], st.capacity)
+            if tuple(s.shape) != want:
+                raise ValueError(f"scores[{i}] must have shape {want}, got {tuple(s.shape)}")
+
+    # -- compiled steps -------------------------------------------------------------------------
+    def _compiled_step(self, key, fn):
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = mx.compile(fn, inputs=self._model.state)
+        return compiled
+
+    @staticmethod
+    def _signature(tokens, flat, static, scores=()) -> tuple:
+        arrays = [a for f in flat for a in f.values()] + list(scores)
+        return (tokens.shape, static, tuple((a.shape, a.dtype) for a in arrays))
+
+    def step(self, tokens: mx.array, states: tuple) -> tuple:
+        """Compiled: logits of the last position (B, vocab) and new states, for n >= 1 tokens.
+        Traced once per signature (shapes, dtypes, static layout): a decode loop traces once
+        per capacity, and capacities grow in buckets."""
+        tokens, states = self._prepare(tokens, states)
+        flat, static = zip(*(kv.flatten(s) for s in states))
+
+        def run(tokens, flat):
+            states_in = tuple(map(kv.unflatten, flat, static))
+            logits, out, _ = self._run(tokens, states_in)
+            return logits[:, -1], [kv.flatten(s)[0] for s in out]
+
+        fn = self._compiled_step(("step", self._signature(tokens, flat, static)), run)
+        logits, out = fn(tokens, list(flat))
+        n = tokens.shape[1]
+        return logits, tuple(
+            kv.unflatten(o, st, s.max_rows + n) for o, st, s in zip(out, static, states)
+        )
+
+    def decode(self, tokens: mx.array, states: tuple) -> tuple:
+        """``step`` for one new token per sequence: tokens (B, 1)."""
+        if isinstance(tokens, mx.array) and tokens.ndim == 2 and tokens.shape[1] != 1:
+            raise ValueError(
+                f"decode takes one token per sequence, shape (batch, 1); got "
+                f"{tuple(tokens.shape)} (use step for a chunk)"
+            )
+        return self.step(tokens, states)
+
+    def scored_step(self, tokens, states, scores, queries: QuerySlice) -> tuple:
+        """Compiled ``scored_forward``: (logits of the last position, states, scores)."""
+        tokens, states, scores = self._prepare_scored(tokens, states, scores, queries)
+        flat, static = zip(*(kv.flatten(s) for s in states))
+
+        def run(tokens, flat, scores):
+            states_in = tuple(map(kv.unflatten, flat, static))
+            logits, out, adapters = self._run(tokens, states_in, scores, queries)
+            flat_out = [kv.flatten(s)[0] for s in out]
+            return logits[:, -1], flat_out, list(self._scores_out(adapters, scores))
+
+        key = ("scored", queries, self._signature(tokens, flat, static, scores))
+        logits, out, new_scores = self._compiled_step(key, run)(tokens, list(flat), list(scores))
+        n = tokens.shape[1]
+        new_states = tuple(
+            kv.unflatten(o, st, s.max_rows + n) for o, st, s in zip(out, static, states)
+        )
+        return logits, new_states, tuple(new_scores)
