@@ -24,14 +24,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
+import kvfn_models  # noqa: E402
 import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from mlx.utils import tree_flatten  # noqa: E402
-
-import kvfn_models  # noqa: E402
-from kvfn import FunctionalModel, compact_prompt_cache, prefill, scored_prefill  # noqa: E402
+from kvfn import FunctionalModel  # noqa: E402
 from kvfn import cache as kv  # noqa: E402
+from kvfn import compact_prompt_cache, prefill, scored_prefill
 from kvfn.evict import stored_bytes  # noqa: E402
 from kvfn.interop import to_mlx_cache  # noqa: E402
 

@@ -18,9 +18,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
+import kvfn_models  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
-import kvfn_models  # noqa: E402
 from kvfn_eval import report, tasks  # noqa: E402
 from kvfn_eval.evaluator import MODES, Evaluator, Method, token_counter  # noqa: E402
 

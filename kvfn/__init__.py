@@ -1,9 +1,9 @@
 """kvfn: functional, opt-in KV-cache eviction for MLX and mlx-lm models.
 
-    import kvfn
-    fm = kvfn.FunctionalModel(model)                     # any supported mlx-lm model
-    states, result = kvfn.compact(fm, prompt_ids, kvfn.SnapKV(budget=512))
-    logits, states = fm.decode(mx.array([[prompt_ids[-1]]]), states)
+import kvfn
+fm = kvfn.FunctionalModel(model)                     # any supported mlx-lm model
+states, result = kvfn.compact(fm, prompt_ids, kvfn.SnapKV(budget=512))
+logits, states = fm.decode(mx.array([[prompt_ids[-1]]]), states)
 """
 
 from .blas import use_openblas

@@ -20,7 +20,9 @@ class StreamingLLM(Policy):
     name: ClassVar[str] = "streaming"
 
     def row_scores(self, scores, *, prompt_length, n_kv_heads, batch, layer):
-        return mx.broadcast_to(mx.arange(prompt_length, dtype=mx.float32), (batch, 1, prompt_length))
+        return mx.broadcast_to(
+            mx.arange(prompt_length, dtype=mx.float32), (batch, 1, prompt_length)
+        )
 
 
 @register_policy

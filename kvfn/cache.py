@@ -222,7 +222,7 @@ def gather(state: State, keep_indices: mx.array) -> State:
 
 
 @typechecked
-def evict(state: State, keep_indices: mx.array) -> State:
+def evict(state: State, keep_indices) -> State:
     """Keep the slots ``keep_indices`` (B, n_kv_heads, k), sorted and unique; capacity becomes
     k. The indices are checked first (``check_keep_indices``)."""
     _check(state)
@@ -284,7 +284,7 @@ def unflatten(arrays: dict, static: tuple, max_rows: Optional[int] = None) -> St
 
 
 @typechecked
-def restrict(state: State, keep_indices: mx.array) -> State:
+def restrict(state: State, keep_indices) -> State:
     """Mask, without moving anything, every slot not in ``keep_indices`` (B, n_kv_heads, k): the
     state attends exactly as ``evict(state, keep_indices)`` would (the exactness oracle)."""
     _check(state)

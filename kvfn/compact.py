@@ -205,27 +205,19 @@ def compact(
     return compact_states(states, scores, policy, reserve=max_new_tokens + 1, compiled=compiled)
 
 
-@typechecked
 def compact_prompt_cache(
     fmodel: FunctionalModel,
     prompt_tokens: Sequence[int] | mx.array,
     *,
     budget: int,
-    window: int = 32,
-    sink_tokens: int = 4,
-    min_tokens: int = 0,
-    kernel_size: int = 7,
-    pooling: str = "max",
-    per_head: bool = True,
-    group_reduce: str = "mean",
     max_new_tokens: int = 256,
     prefill_step_size: int = 512,
     dtype: Optional[mx.Dtype] = None,
     progress: Optional[Callable[[int, int], None]] = None,
+    **snapkv,
 ) -> tuple[tuple, EvictionResult]:
-    """``compact`` with a ``SnapKV`` policy given by its settings (the seed's entry point)."""
-    policy = SnapKV(budget=budget, window=window, sink_tokens=sink_tokens, min_tokens=min_tokens,
-                    kernel_size=kernel_size, pooling=pooling, per_head=per_head,
-                    group_reduce=group_reduce)  # fmt: skip
-    return compact(fmodel, prompt_tokens, policy, max_new_tokens=max_new_tokens,
-                   prefill_step_size=prefill_step_size, dtype=dtype, progress=progress)  # fmt: skip
+    """``compact`` with a ``SnapKV(budget, **snapkv)`` policy (window, sink_tokens, min_tokens,
+    kernel_size, pooling, per_head, group_reduce): the seed's entry point."""
+    return compact(fmodel, prompt_tokens, SnapKV(budget=budget, **snapkv),
+                   max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size,
+                   dtype=dtype, progress=progress)  # fmt: skip

@@ -1,7 +1,7 @@
 """Evict a prompt cache layer by layer, and what it kept: ``EvictionResult``."""
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 from typeguard import typechecked
@@ -65,7 +65,7 @@ def result_of(states: Sequence[kv.State], before: Sequence[int], after: Sequence
 
 @typechecked
 def evict_prompt_cache(
-    states: Sequence[kv.State], keep_indices: Sequence[Optional[mx.array]]
+    states: Sequence[kv.State], keep_indices: Sequence
 ) -> tuple[tuple, EvictionResult]:
     """Gather ``keep_indices[i]`` (B, n_kv_heads, k; sorted, unique, below the stored rows) from
     every full-attention layer i, eagerly and checked. ``None`` keeps a layer whole. A

@@ -6,11 +6,9 @@ over the layer's heads, and 1-D pooled so neighbours of a hit are kept with it.
 """
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal
 
 import mlx.core as mx
-from typeguard import typechecked
-
 from .policy import Policy, register_policy
 
 
@@ -51,7 +49,9 @@ class SnapKV(Policy):
     def validate(self) -> None:
         super().validate()
         if self.window < 1:
-            raise ValueError(f"snapkv window must be >= 1 (the observation window), got {self.window}")
+            raise ValueError(
+                f"snapkv window must be >= 1 (the observation window), got {self.window}"
+            )
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"snapkv kernel_size must be odd and >= 1, got {self.kernel_size}")
         if self.pooling not in ("max", "avg"):
@@ -72,26 +72,13 @@ class SnapKV(Policy):
         return pool1d(s, self.kernel_size, self.pooling)
 
 
-@typechecked
 def snapkv_keep_indices(
-    scores: mx.array,
-    budget: int,
-    *,
-    n_kv_heads: int,
-    window: int = 32,
-    sink_tokens: int = 4,
-    min_tokens: int = 0,
-    kernel_size: int = 7,
-    pooling: str = "max",
-    per_head: bool = True,
-    group_reduce: str = "mean",
-    layer: Optional[int] = 0,
+    scores: mx.array, budget: int, *, n_kv_heads: int, layer: int = 0, **settings
 ) -> mx.array:
     """Rows to keep of a prompt of P rows, from window scores (B, n_heads, P): sorted slot
-    indices (B, n_kv_heads, min(P, budget)). ``SnapKV(...).keep_indices`` as one call."""
-    policy = SnapKV(budget=budget, window=window, sink_tokens=sink_tokens, min_tokens=min_tokens,
-                    kernel_size=kernel_size, pooling=pooling, per_head=per_head,
-                    group_reduce=group_reduce)  # fmt: skip
+    indices (B, n_kv_heads, min(P, budget)). ``SnapKV(budget, **settings).keep_indices`` as
+    one call (settings: window, sink_tokens, min_tokens, kernel_size, pooling, per_head,
+    group_reduce)."""
     B, _, P = scores.shape
-    return policy.keep_indices(scores, prompt_length=P, n_kv_heads=n_kv_heads, batch=B,
-                               layer=layer or 0)  # fmt: skip
+    policy = SnapKV(budget=budget, **settings)
+    return policy.keep_indices(scores, prompt_length=P, n_kv_heads=n_kv_heads, batch=B, layer=layer)

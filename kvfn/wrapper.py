@@ -288,7 +288,7 @@ class FunctionalModel:
         logits = self._model(tokens, cache=adapters)
         return logits, tuple(a.state for a in adapters), adapters
 
-    def forward(self, tokens: mx.array, states: tuple) -> tuple:
+    def forward(self, tokens, states) -> tuple:
         """Eager: logits (B, n, vocab) and new states."""
         tokens, states = self._prepare(tokens, states)
         logits, new_states, _ = self._run(tokens, states)
@@ -339,7 +339,7 @@ class FunctionalModel:
         arrays = [a for f in flat for a in f.values()] + list(scores)
         return (tokens.shape, static, tuple((a.shape, a.dtype) for a in arrays))
 
-    def step(self, tokens: mx.array, states: tuple) -> tuple:
+    def step(self, tokens, states) -> tuple:
         """Compiled: logits of the last position (B, vocab) and new states, for n >= 1 tokens.
         Traced once per signature (shapes, dtypes, static layout): a decode loop traces once
         per capacity, and capacities grow in buckets."""
@@ -358,7 +358,7 @@ class FunctionalModel:
             kv.unflatten(o, st, s.max_rows + n) for o, st, s in zip(out, static, states)
         )
 
-    def decode(self, tokens: mx.array, states: tuple) -> tuple:
+    def decode(self, tokens, states) -> tuple:
         """``step`` for one new token per sequence: tokens (B, 1)."""
         if isinstance(tokens, mx.array) and tokens.ndim == 2 and tokens.shape[1] != 1:
             raise ValueError(

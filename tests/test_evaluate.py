@@ -4,8 +4,10 @@ import json
 import re
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
+import kvfn
 from examples import evaluate as evaluate_example
 from kvfn import SnapKV
 from kvfn_eval import tasks
@@ -87,6 +89,21 @@ def test_evaluator_accounts_memory_and_keeps_whole_prompts_exact(smollm2, sample
         by[("agnostic", "full", None, 0)]["prediction"]
         == by[("aware", "full", None, 0)]["prediction"]
     )
+
+
+def test_a_policy_of_ones_own_runs_in_the_evaluator_unchanged(smollm2, sample):
+    from tests.test_policies import EveryOther  # registered there as "everyother"
+
+    model, tokenizer = smollm2
+    ev = Evaluator(model, tokenizer, window=16)
+    records = ev.run(sample, [Method.parse("everyother")], budgets=[40], modes=["agnostic"])
+    assert len(records) == 2 and all(r["rows"] == 40 for r in records)
+    states = kvfn.prefill(ev.fm, mx.array([list(range(100))]))
+    kept, evicted, _ = ev.compact(states, None, Method.parse("everyother"), 40, 0)
+    positions = np.array(kept[0].positions)[0, 0].tolist()
+    middle = [p for p in positions if 4 <= p < 84]  # sinks 0-3 and window 84-99 kept
+    assert evicted and positions[:4] == [0, 1, 2, 3] and positions[-16:] == list(range(84, 100))
+    assert len(middle) == 20 and all(p % 2 == 0 for p in middle) and EveryOther.name
 
 
 def test_example_writes_json_tables_and_plots(tmp_path, capsys):

@@ -122,7 +122,9 @@ def test_bad_settings_are_named(make, message):
 def test_needs_scores_and_shapes_are_checked():
     with pytest.raises(ValueError, match="policy 'snapkv' needs the observation window's scores"):
         SnapKV(budget=40).keep_indices(None, prompt_length=50, n_kv_heads=1)
-    with pytest.raises(ValueError, match="scores must have shape \\(batch=1, n_heads, prompt_length=50\\)"):
+    with pytest.raises(
+        ValueError, match="scores must have shape \\(batch=1, n_heads, prompt_length=50\\)"
+    ):
         SnapKV(budget=40).keep_indices(mx.zeros((1, 2, 49)), prompt_length=50, n_kv_heads=1)
     with pytest.raises(ValueError, match="prompt_length must be >= 1, got 0"):
         StreamingLLM(budget=8).keep_indices(None, prompt_length=0, n_kv_heads=1)
@@ -149,7 +151,9 @@ def test_random_middle_rows_are_uniform():
     counts = np.zeros(200)
     for seed in range(40):
         p = RandomRows(budget=60, window=10, sink_tokens=0, seed=seed)
-        np.add.at(counts, np.array(p.keep_indices(None, prompt_length=200, n_kv_heads=4)).ravel(), 1)
+        np.add.at(
+            counts, np.array(p.keep_indices(None, prompt_length=200, n_kv_heads=4)).ravel(), 1
+        )
     middle = counts[:190]
     assert abs(middle.mean() - 40 * 4 * 50 / 190) < 1e-9
     assert middle.min() > 0.5 * middle.mean() and middle.max() < 1.5 * middle.mean()
