@@ -134,6 +134,13 @@ class CompactedKVCache(_TruePositions):
         return QuantizedCompactedKVCache(keys, values, self.positions[:, :, :r], self.offset,
                                          self.sliding_window, group_size, bits)  # fmt: skip
 
+    @classmethod
+    def merge(cls, caches):
+        """A batch of compacted caches for mlx-lm's ``BatchGenerator`` (true offsets kept)."""
+        from .batch import BatchCompactedKVCache  # batch.py builds on this module
+
+        return BatchCompactedKVCache.merge(caches)
+
     # -- functional side ------------------------------------------------------------------------
     def to_state(self, capacity: Optional[int] = None) -> kv.State:
         """This cache as an immutable state with room for ``capacity`` rows."""

@@ -1,0 +1,521 @@
+"""kvfn-server: mlx-lm's OpenAI-compatible server (mlx-lm 0.32) with opt-in KV-cache eviction.
+
+    kvfn-server                                   # embedded SmolLM2, no eviction: mlx_lm.server
+    kvfn-server --kv-eviction snapkv --kv-budget 256 --port 0
+    python -m kvfn.server --model path/to/model.gguf --kv-eviction streaming
+
+Endpoints, flags, sampling, chat templates, continuous batching and the prompt cache are
+mlx-lm's own (``mlx_lm.server``): this module subclasses its ``ModelProvider``,
+``LRUPromptCache``, ``ResponseGenerator``, ``BatchGenerator`` and ``APIHandler``. With
+``--kv-eviction none`` (the default) requests take mlx-lm's path unchanged.
+
+With a policy, a prompt longer than the floor (``--kv-min-tokens`` and ``--kv-budget``) gets a
+fresh, scored prefill of all but its last token (``kvfn.compact``); its caches
+(``kvfn.to_mlx_cache``) go to mlx-lm's ``BatchGenerator``, which decodes from the last prompt
+token. Shorter prompts are prefilled by mlx-lm as usual, into kvfn caches (lossless, rows equal
+to positions) so that every sequence in a batch has the same batch cache class
+(``kvfn.batch.BatchCompactedKVCache``). Each response's ``usage.kv_eviction`` gives the rows and
+bytes kept; ``/health`` and ``/metrics`` give the KV bytes held.
+
+Prompt-cache reuse rule (eviction on):
+  1. A cache from which eviction removed any row (stored rows < true offset in some layer) is
+     never inserted into the prompt cache, neither at the end of a generation nor as a segment,
+     so no later request can start from it as if it held the whole prefix.
+  2. A prompt longer than the floor is always prefilled fresh and compacted: it ignores any
+     cached prefix, so which rows are kept depends only on the prompt and the policy.
+  3. Shorter prompts use the prompt cache as mlx-lm does; every entry they find is lossless.
+"""
+
+import argparse
+import dataclasses
+import gc
+import json
+import logging
+import socket
+import sys
+import weakref
+from collections import OrderedDict
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
+import mlx.core as mx  # noqa: E402
+from mlx_lm import server as mlx_server  # noqa: E402
+from mlx_lm.generate import BatchGenerator  # noqa: E402
+from mlx_lm.models.cache import (  # noqa: E402
+    KVCache,
+    LRUPromptCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
+from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator  # noqa: E402
+
+from .interop import CompactedKVCache, QuantizedCompactedKVCache  # noqa: E402
+from .policy import POLICIES  # noqa: E402
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+# -- flags --------------------------------------------------------------------------------------
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def make_policy(name: str, budget: int, window: int, sink_tokens: int, min_tokens: int):
+    """The policy for a ``--kv-eviction`` name (None for "none"); ValueError names a bad value."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"kv_eviction must be a policy name or 'none', got {name!r}")
+    if name == "none":
+        return None
+    if budget < sink_tokens + window:
+        raise ValueError(
+            f"kv budget {budget} is below sink tokens + window = {sink_tokens} + {window}"
+        )
+    settings = dict(budget=budget, window=window, sink_tokens=sink_tokens, min_tokens=min_tokens)
+    cls = POLICIES.get(name.split("-")[0])
+    if cls is not None:  # a policy without a window (or sinks) takes only its own settings
+        fields = {f.name for f in dataclasses.fields(cls)}
+        settings = {k: v for k, v in settings.items() if k in fields}
+    return kvfn.parse_policy(name, **settings)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """mlx_lm.server's flags (its ``main`` builds and parses them inline, so they cannot be
+    imported), then kvfn's."""
+    p = argparse.ArgumentParser(description="kvfn-server: mlx_lm.server with KV-cache eviction")
+    p.add_argument("--model", help="a .gguf file or mlx-lm folder (default: embedded SmolLM2)")
+    p.add_argument("--adapter-path", help="not supported (kept for mlx_lm.server's flag set)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=non_negative_int, default=8080, help="0 picks a free port")
+    p.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*")
+    p.add_argument("--draft-model", help="not supported (kept for mlx_lm.server's flag set)")
+    p.add_argument("--num-draft-tokens", type=int, default=3)
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+    )
+    p.add_argument("--chat-template", default="")
+    p.add_argument("--use-default-chat-template", action="store_true")
+    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=positive_int, default=512)
+    p.add_argument("--chat-template-args", type=json.loads, default="{}")
+    p.add_argument("--decode-concurrency", type=positive_int, default=32)
+    p.add_argument("--prompt-concurrency", type=positive_int, default=8)
+    p.add_argument("--prefill-step-size", type=positive_int, default=2048)
+    p.add_argument("--prompt-cache-size", type=non_negative_int, default=10)
+    p.add_argument("--prompt-cache-bytes", type=mlx_server._parse_size)
+    p.add_argument("--kv-bits", type=int, default=None)
+    p.add_argument("--kv-group-size", type=int, default=64)
+    p.add_argument("--quantized-kv-start", type=int, default=mlx_server.DEFAULT_QUANTIZED_KV_START)
+    p.add_argument("--pipeline", action="store_true")
+    kv = p.add_argument_group("KV-cache eviction (off unless --kv-eviction names a policy)")
+    kv.add_argument("--kv-eviction", default="none", help="none, or a policy: snapkv, streaming...")
+    kv.add_argument("--kv-budget", type=positive_int, default=512, help="rows kept per layer/head")
+    kv.add_argument("--kv-window", type=positive_int, default=32, help="observation window")
+    kv.add_argument("--kv-sink-tokens", type=non_negative_int, default=4)
+    kv.add_argument(
+        "--kv-min-tokens", type=non_negative_int, default=0, help="never compact prompts this short"
+    )
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag in ("adapter_path", "draft_model"):
+        if getattr(args, flag):
+            parser.error(f"argument --{flag.replace('_', '-')}: not supported by kvfn-server")
+    try:
+        args.policy = make_policy(args.kv_eviction, args.kv_budget, args.kv_window,
+                                  args.kv_sink_tokens, args.kv_min_tokens)  # fmt: skip
+    except ValueError as e:
+        parser.error(f"argument --kv-eviction {args.kv_eviction}: {e}")
+    return args
+
+
+# -- model loading ------------------------------------------------------------------------------
+class KVModelProvider(ModelProvider):
+    """mlx-lm's provider, loading through ``kvfn_models`` (GGUF files, the embedded SmolLM2),
+    serving the one model named at startup."""
+
+    def __init__(self, cli_args):
+        super().__init__(cli_args)
+        self.model_id = str(Path(cli_args.model).resolve()) if cli_args.model else EMBEDDED_NAME
+        self.names = {"default_model", self.model_id} | ({cli_args.model} - {None})
+        self._functional = None
+
+    def check_model(self, name) -> None:
+        if name not in self.names:
+            raise ValueError(f"unknown model {name!r}: this server serves {self.model_id!r}")
+
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        self.check_model(model_path)
+        if adapter_path is not None or draft_model_path not in (None, "default_model"):
+            raise ValueError("kvfn-server serves no adapters or draft models")
+        return super().load("default_model", None, "default_model")
+
+    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        # mlx-lm's _load calls mlx_lm.utils.load, which cannot read GGUF files.
+        import kvfn_models
+
+        self.reset()
+        self._functional = None
+        gc.collect()
+        mx.clear_cache()
+        model, tokenizer = kvfn_models.load(model_path)
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        if self.cli_args.chat_template:
+            hf.chat_template = self.cli_args.chat_template
+        elif self.cli_args.use_default_chat_template and hf.chat_template is None:
+            hf.chat_template = hf.default_chat_template
+        self.model_key = (model_path, adapter_path, draft_model_path)
+        self.model, self.tokenizer, self.processor, self.draft_model = model, tokenizer, None, None
+        caches = make_prompt_cache(model)
+        if self.cli_args.policy is None:
+            self.is_batchable = all(hasattr(c, "merge") for c in caches)
+        else:  # kvfn's batch cache covers plain full-attention layers only
+            self.is_batchable = all(type(c) is KVCache for c in caches)
+
+    def functional_model(self):
+        if self._functional is None:
+            self._functional = kvfn.FunctionalModel(self.model)
+        return self._functional
+
+    @property
+    def context_length(self):
+        args = getattr(self.model, "args", None)
+        return getattr(args, "max_position_embeddings", None) or getattr(
+            args, "context_length", None
+        )
+
+
+# -- the prompt cache: compaction and the reuse rule -------------------------------------------
+def is_lossy(cache) -> bool:
+    """True when eviction removed rows from this layer (stored rows below its true offset)."""
+    lossy = isinstance(cache, (CompactedKVCache, QuantizedCompactedKVCache))
+    return lossy and cache.sliding_window is None and cache.rows < cache.offset
+
+
+def as_kvfn_cache(cache):
+    """A plain ``KVCache`` as a lossless ``CompactedKVCache`` (rows at positions 0..n-1)."""
+    if isinstance(cache, CompactedKVCache):
+        return cache
+    n = cache.offset
+    keys, values = cache.keys[:, :, :n], cache.values[:, :, :n]
+    positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (1, keys.shape[1], n))
+    return CompactedKVCache(keys, values, mx.array(positions), n)
+
+
+class EvictingPromptCache(LRUPromptCache):
+    """mlx-lm's ``LRUPromptCache`` holding the reuse rule (module docstring) and the compaction.
+
+    mlx-lm's generation loop asks ``fetch_nearest_cache`` for the caches of every request, right
+    after tokenizing it, on the generation thread: for a prompt over the floor this returns the
+    compacted caches and the last prompt token as the rest, so mlx-lm's own batching decodes it.
+    """
+
+    def __init__(self, provider: KVModelProvider, max_size: int = 10):
+        super().__init__(max_size)
+        self.provider = provider
+        self.policy = provider.cli_args.policy  # set per request by the response generator
+        self.evictions = OrderedDict()  # (policy, prompt) -> usage fields, the latest 256
+        self.compacted_requests = 0
+        self.refused_inserts = 0
+
+    def fetch_nearest_cache(self, model, tokens):
+        policy = self.policy
+        if policy is not None and len(tokens) - 1 > max(policy.min_tokens, policy.budget):
+            return self.compact(tokens, policy), tokens[-1:]
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        if cache is not None and not rest and can_trim_prompt_cache(cache):
+            # an exact hit leaves mlx-lm's batch path an empty prompt, which kills its
+            # generation thread: recompute the last token instead (same state, same output)
+            trim_prompt_cache(cache, 1)
+            rest = tokens[-1:]
+        if self.provider.cli_args.policy is None or not self.provider.is_batchable:
+            return cache, rest
+        if cache is None:  # mlx-lm batches one cache class: every sequence gets kvfn's
+            fm = self.provider.functional_model()
+            return kvfn.to_mlx_cache(fm.init_states(1, 0)), rest
+        return [as_kvfn_cache(c) for c in cache], rest
+
+    def compact(self, tokens, policy) -> list:
+        fm = self.provider.functional_model()
+        step = self.provider.cli_args.prefill_step_size
+        states, result = kvfn.compact(fm, tokens, policy, max_new_tokens=1, prefill_step_size=step)
+        caches = kvfn.to_mlx_cache(states)
+        self.evictions[(policy, tuple(tokens))] = {
+            "policy": policy.name,
+            "rows_kept": result.total_rows_after,
+            "rows_total": result.total_rows_before,
+            "bytes_kept": result.total_bytes_after,
+            "bytes_total": result.total_bytes_before,
+        }
+        while len(self.evictions) > 256:
+            self.evictions.popitem(last=False)
+        self.compacted_requests += 1
+        return caches
+
+    def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
+        if any(is_lossy(c) for c in prompt_cache):
+            self.refused_inserts += 1
+            return
+        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+
+    def lossy_entries(self) -> int:
+        """Entries that break rule 1 (always 0; the tests read it)."""
+        return sum(
+            any(is_lossy(c) for c in self._trie.get(model, tokens).prompt_cache)
+            for lru in self._lru._lrus.values()
+            for model, tokens in lru
+        )
+
+
+# -- generation ---------------------------------------------------------------------------------
+_LIVE_BATCHES = weakref.WeakSet()
+
+
+class TrackedBatchGenerator(BatchGenerator):
+    """mlx-lm's ``BatchGenerator``, noting after each step the KV bytes and sequences it holds
+    (read by /health from the HTTP threads without touching the generation thread's arrays)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kv_bytes, self.sequences = 0, 0
+        _LIVE_BATCHES.add(self)
+
+    def _note(self):
+        self.kv_bytes = self.prompt_cache_nbytes
+        self.sequences = (
+            len(self._unprocessed_sequences) + len(self._prompt_batch) + len(self._generation_batch)
+        )
+
+    def next(self):
+        out = super().next()
+        self._note()
+        return out
+
+    def insert_segments(self, *args, **kwargs):
+        out = super().insert_segments(*args, **kwargs)
+        self._note()
+        return out
+
+    def remove(self, uids, return_prompt_caches=False):
+        out = super().remove(uids, return_prompt_caches)
+        self._note()
+        return out
+
+
+class KVResponseGenerator(ResponseGenerator):
+    """mlx-lm's generation thread; it hands each request's policy to the prompt cache."""
+
+    def _tokenize(self, tokenizer, request, args):
+        self.prompt_cache.policy = getattr(request, "kv_policy", self.cli_args.policy)
+        return super()._tokenize(tokenizer, request, args)
+
+    def kv_stats(self) -> dict:
+        batches = list(_LIVE_BATCHES)
+        active = sum(b.kv_bytes for b in batches)
+        cache = self.prompt_cache
+        return {
+            "active_sequences": sum(b.sequences for b in batches),
+            "active_bytes": active,
+            "prompt_cache_sequences": len(cache),
+            "prompt_cache_bytes": cache.nbytes,
+            "prompt_cache_lossy_entries": cache.lossy_entries(),
+            "bytes_held": active + cache.nbytes,
+            "compacted_requests": cache.compacted_requests,
+            "refused_prompt_cache_inserts": cache.refused_inserts,
+        }
+
+
+# -- HTTP -----------------------------------------------------------------------------------------
+class KVAPIHandler(APIHandler):
+    """mlx-lm's handler; adds request checks that answer 4xx, kvfn's usage fields, KV bytes
+    in /health and /metrics, and lists the served model in /v1/models."""
+
+    def send_error_json(self, status: int, message: str) -> None:
+        self._set_completion_headers(status)
+        self.end_headers()
+        self.wfile.write(json.dumps({"error": message}).encode())
+
+    def handle_completion(self, request, stop_words):
+        try:
+            self.kv_prompt = self.check_request(request)
+        except LookupError as e:
+            return self.send_error_json(404, str(e.args[0]))
+        except (ValueError, TypeError) as e:
+            return self.send_error_json(400, str(e))
+        return super().handle_completion(request, stop_words)
+
+    def check_request(self, request) -> list:
+        """Checks mlx-lm leaves to the generation thread (or skips); returns the prompt tokens."""
+        provider = self.response_generator.model_provider
+        try:
+            provider.check_model(self.requested_model)
+        except ValueError as e:
+            raise LookupError(str(e)) from None
+        self.requested_model = provider.model_id  # one name: mlx-lm drains its batch on another
+        if self.adapter is not None or self.requested_draft_model != "default_model":
+            raise ValueError("kvfn-server serves no adapters or draft models")
+        self.attach_policy(request)
+        args = SimpleNamespace(chat_template_kwargs=self.chat_template_kwargs)
+        try:  # mlx-lm's own tokenization (its base method: the subclass's has side effects)
+            prompt = ResponseGenerator._tokenize(
+                self.response_generator, provider.tokenizer, request, args
+            )[0]
+        except Exception as e:
+            raise ValueError(f"cannot build a prompt from the request: {e}") from None
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        context = provider.context_length
+        if context and len(prompt) + self.max_tokens > context:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({self.max_tokens}) exceeds the "
+                f"model's context of {context} tokens"
+            )
+        return prompt
+
+    def attach_policy(self, request) -> None:
+        """The body's ``kv_eviction`` / ``kv_budget`` (optional) over the server's flags."""
+        cli = self.response_generator.cli_args
+        name = self.body.get("kv_eviction", cli.kv_eviction)
+        budget = self.body.get("kv_budget", cli.kv_budget)
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+            raise ValueError(f"kv_budget must be a positive integer, got {budget!r}")
+        if cli.policy is None and name != "none":
+            raise ValueError(
+                f"kv_eviction {name!r}: this server runs without eviction (--kv-eviction none)"
+            )
+        request.kv_policy = make_policy(
+            name, budget, cli.kv_window, cli.kv_sink_tokens, cli.kv_min_tokens
+        )
+        self.kv_policy_used = request.kv_policy
+
+    def kv_usage(self, usage: dict) -> dict:
+        policy = getattr(self, "kv_policy_used", None)
+        info = self.response_generator.prompt_cache.evictions.get((policy, tuple(self.kv_prompt)))
+        if info is not None:
+            usage["kv_eviction"] = dict(info)
+            # mlx-lm counts the compacted prompt as cached; nothing came from the prompt cache
+            usage["prompt_tokens_details"] = {"cached_tokens": 0}
+        return usage
+
+    def handle_chat_completions(self):
+        messages = self.body.get("messages")
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
+        ):
+            raise ValueError(
+                f"messages must be a non-empty list of objects with a role, got {messages!r:.80}"
+            )
+        return super().handle_chat_completions()
+
+    def handle_text_completions(self):
+        prompt = self.body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {prompt!r:.80}")
+        return super().handle_text_completions()
+
+    def generate_response(self, *args, **kwargs):
+        response = super().generate_response(*args, **kwargs)
+        if "usage" in response:
+            self.kv_usage(response["usage"])
+        return response
+
+    def completion_usage_response(self, *args, **kwargs):
+        response = super().completion_usage_response(*args, **kwargs)
+        self.kv_usage(response["usage"])
+        return response
+
+    def do_GET(self):
+        if self.path == "/metrics":
+            return self.send_json(200, self.response_generator.kv_stats())
+        return super().do_GET()
+
+    def send_json(self, status: int, body: dict) -> None:
+        self._set_completion_headers(status)
+        self.end_headers()
+        self.wfile.write(json.dumps(body).encode())
+        self.wfile.flush()
+
+    def handle_health_check(self):
+        healthy = self.response_generator.is_healthy
+        cli = self.response_generator.cli_args
+        body = {"status": "ok" if healthy else "unavailable"}
+        body["kv_cache"] = self.response_generator.kv_stats()
+        body["kv_eviction"] = cli.kv_eviction
+        if cli.policy is not None:
+            body["kv_settings"] = {"budget": cli.kv_budget, "window": cli.kv_window,
+                                   "sink_tokens": cli.kv_sink_tokens,
+                                   "min_tokens": cli.kv_min_tokens}  # fmt: skip
+        self.send_json(200 if healthy else 503, body)
+
+    def handle_models_request(self):
+        # mlx-lm lists its Hugging Face cache; this server serves exactly one model.
+        model_id = self.response_generator.model_provider.model_id
+        self.send_json(200, {"object": "list", "data": [
+            {"id": model_id, "object": "model", "created": self.created, "owned_by": "kvfn"}
+        ]})  # fmt: skip
+
+
+# -- startup ------------------------------------------------------------------------------------
+def make_server(args) -> tuple:
+    """(HTTP server, response generator) with the model loaded; the port is bound."""
+    provider = KVModelProvider(args)
+    try:
+        provider.load("default_model")
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise SystemExit(f"error: --model {args.model}: {e}")
+    # mlx-lm's generation loop builds its BatchGenerator by this module-level name.
+    mlx_server.BatchGenerator = TrackedBatchGenerator
+    generator = KVResponseGenerator(provider, EvictingPromptCache(provider, args.prompt_cache_size))
+    # mlx-lm's _run_http_server neither takes a handler class from run() nor reports the port
+    # it bound, which a server on --port 0 must print.
+    family, _, _, _, address = socket.getaddrinfo(
+        args.host, args.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    ThreadingHTTPServer.address_family = family
+    fingerprint = mlx_server.get_system_fingerprint()
+    httpd = ThreadingHTTPServer(
+        address,
+        lambda *a, **k: KVAPIHandler(generator, *a, system_fingerprint=fingerprint, **k),
+    )
+    return httpd, generator
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(message)s")
+    httpd, generator = make_server(args)
+    host, port = httpd.server_address[:2]
+    print(f"kvfn-server listening on http://{host}:{port} (kv-eviction {args.kv_eviction})",
+          flush=True)  # fmt: skip
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        httpd.server_close()
+        generator.stop_and_join()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,297 @@
+"""kvfn-server against the official openai client, on loopback, with the embedded SmolLM2.
+
+Prompts are scaled to this CPU (a 2K-token prefill of SmolLM2 takes 25-50 s here): "long"
+prompts are ~250-300 tokens with a 64-row budget, so they are compacted the same way.
+"""
+
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EVICT = ["--kv-eviction", "snapkv", "--kv-budget", "64", "--kv-window", "8"]
+COMMON = ["--port", "0", "--prefill-step-size", "512", "--max-tokens", "16", "--log-level", "ERROR"]
+MODEL = "default_model"
+
+
+def start(flags: list[str]):
+    """A kvfn-server process and its port (read from the line it prints)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvfn.server", *COMMON, *flags],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    line = proc.stdout.readline()
+    match = re.search(r"listening on http://[^:]+:(\d+)", line)
+    if not match:
+        proc.kill()
+        raise RuntimeError(f"kvfn-server did not start: {line!r}")
+    return proc, int(match.group(1))
+
+
+class Server:
+    def __init__(self, port: int):
+        self.port = port
+        self.client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600
+        )
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}") as r:
+            return json.loads(r.read())
+
+    def chat(self, content: str, **kw):
+        return self.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], temperature=0, **kw
+        )
+
+    def chat_text(self, content: str, stream: bool = False, **kw) -> str:
+        if not stream:
+            return self.chat(content, **kw).choices[0].message.content
+        chunks = self.chat(content, stream=True, **kw)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    def complete_text(self, prompt: str, stream: bool = False, **kw) -> str:
+        r = self.client.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, stream=stream, **kw
+        )
+        if not stream:
+            return r.choices[0].text
+        return "".join(c.choices[0].text for c in r if c.choices)
+
+
+@pytest.fixture(scope="module")
+def evicting():
+    proc, port = start(EVICT)
+    yield Server(port)
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    proc, port = start([])
+    yield Server(port)
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def stock():
+    """mlx-lm's own server (ModelProvider, ResponseGenerator, APIHandler) in this process.
+    mlx_lm.utils.load cannot read the embedded GGUF, so its loader gets kvfn_models.load;
+    everything else is mlx-lm's."""
+    import kvfn_models
+    from mlx_lm import server as mlx_server
+    from mlx_lm.models.cache import LRUPromptCache
+
+    from kvfn.server import parse_args
+
+    saved = mlx_server.load, mlx_server.load_processor
+    mlx_server.load = lambda path, **kw: (*kvfn_models.load(), {})
+    mlx_server.load_processor = lambda model, config: None
+    args = parse_args(["--model", "embedded", *COMMON])
+    generator = mlx_server.ResponseGenerator(mlx_server.ModelProvider(args), LRUPromptCache(10))
+    httpd = ThreadingHTTPServer(
+        ("127.0.0.1", 0), lambda *a, **k: mlx_server.APIHandler(generator, *a, **k)
+    )
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield Server(httpd.server_address[1])
+    httpd.shutdown()
+    generator.stop_and_join()
+    mlx_server.load, mlx_server.load_processor = saved
+
+
+def document(topic: str, n: int = 24) -> str:
+    facts = " ".join(f"The {topic} number {i} was painted {c}." for i, c in
+                     zip(range(n), ["red", "blue", "green", "white"] * n))  # fmt: skip
+    return f"{facts} What colour was the {topic} number 5?"
+
+
+LONG = [document(t) for t in ("boat", "house", "kite", "train")]  # ~280-300 tokens each
+SHORT = ["Name a fruit.", "What is 2 + 2?", "Say hello.", "Name a colour."]
+
+
+# -- eviction off: mlx-lm's output -------------------------------------------------------------
+def test_eviction_off_matches_mlx_lm_server(plain, stock):
+    for stream in (False, True):
+        assert plain.chat_text(LONG[0], stream=stream) == stock.chat_text(LONG[0], stream=stream)
+        assert plain.chat_text(SHORT[1], stream=stream) == stock.chat_text(SHORT[1], stream=stream)
+        assert plain.complete_text("The capital of France is", stream=stream) == (
+            stock.complete_text("The capital of France is", stream=stream)
+        )
+    r = plain.chat(LONG[1])
+    assert "kv_eviction" not in (r.usage.model_extra or {})
+    assert plain.get("/health")["kv_eviction"] == "none"
+
+
+# -- eviction on ---------------------------------------------------------------------------------
+def test_eviction_on_chat_and_completions(evicting):
+    r = evicting.chat(LONG[0])
+    kv = r.usage.model_extra["kv_eviction"]
+    assert kv["policy"] == "snapkv"
+    assert 0 < kv["rows_kept"] < kv["rows_total"]
+    assert 0 < kv["bytes_kept"] < kv["bytes_total"]
+    assert kv["rows_kept"] == 30 * 64  # 30 layers x the 64-row budget
+    assert r.choices[0].message.content
+    chunks = list(evicting.chat(LONG[0], stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == r.choices[0].message.content
+    assert chunks[-1].usage.model_extra["kv_eviction"] == kv
+    text = evicting.client.completions.create(
+        model=MODEL, prompt=LONG[2], max_tokens=8, temperature=0
+    )
+    assert text.usage.model_extra["kv_eviction"]["rows_kept"] < text.usage.prompt_tokens * 30
+    assert evicting.complete_text(LONG[2], stream=True, max_tokens=8) == text.choices[0].text
+    short = evicting.chat(SHORT[0])
+    assert "kv_eviction" not in (short.usage.model_extra or {})  # under the floor
+
+
+def test_prompt_cache_reuse_rule(evicting):
+    before = evicting.get("/health")["kv_cache"]
+    first = evicting.chat(LONG[3])
+    again = evicting.chat(LONG[3])
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # compacted fresh, not reused
+    follow_up = evicting.client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=6,
+        messages=[{"role": "user", "content": LONG[3]},
+                  {"role": "assistant", "content": first.choices[0].message.content},
+                  {"role": "user", "content": "And number 6?"}],
+    )  # fmt: skip
+    assert follow_up.usage.prompt_tokens_details.cached_tokens == 0
+    assert "kv_eviction" in follow_up.usage.model_extra
+    after = evicting.get("/health")["kv_cache"]
+    assert after["prompt_cache_lossy_entries"] == 0
+    assert after["refused_prompt_cache_inserts"] >= before["refused_prompt_cache_inserts"] + 3
+    # a short prompt's (lossless) cache is reused as mlx-lm reuses it
+    evicting.chat(SHORT[2])
+    reused = evicting.chat(SHORT[2])
+    assert reused.usage.prompt_tokens_details.cached_tokens > 0
+    assert "kv_eviction" not in (reused.usage.model_extra or {})
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def raw_post(port: int, path: str, body: bytes) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    status, data = r.status, json.loads(r.read() or b"{}")
+    conn.close()
+    return status, data
+
+
+@pytest.mark.parametrize(
+    "kwargs, status, message",
+    [
+        (dict(model="no-such-model"), 404, "unknown model 'no-such-model'"),
+        (dict(temperature="hot"), 400, "temperature must be of type"),
+        (dict(max_tokens=-3), 400, "max_tokens must be at least 1"),
+        (dict(max_tokens=10**9), 400, "exceeds the model's context of 8192"),
+        (dict(max_tokens="ten"), 400, "max_tokens must be of type int"),
+        (dict(extra_body={"kv_eviction": "no-such-policy"}), 400, "unknown policy"),
+        (dict(extra_body={"kv_budget": 8}), 400, "budget 8 is below sink tokens + window = 4 + 8"),
+        (dict(extra_body={"kv_budget": "big"}), 400, "kv_budget must be a positive integer"),
+        (dict(messages="hello"), 400, "messages must be a non-empty list"),
+        (dict(messages=[{"role": "user", "content": 7}]), 400, "cannot build a prompt"),
+        (dict(messages=[{"role": "user", "content": "word " * 9000}]), 400, "exceeds the model"),
+    ],
+)
+def test_bad_input_is_a_4xx(evicting, kwargs, status, message):
+    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kwargs}
+    with pytest.raises(openai.APIStatusError) as e:
+        evicting.client.chat.completions.create(**kwargs)
+    assert e.value.status_code == status
+    assert message in e.value.response.json()["error"]
+    assert evicting.get("/health")["status"] == "ok"
+
+
+def test_malformed_json_and_then_serving(evicting):
+    status, body = raw_post(evicting.port, "/v1/chat/completions", b'{"messages": [')
+    assert status == 400 and "Invalid JSON" in body["error"]
+    status, body = raw_post(evicting.port, "/v1/completions", b"[1, 2]")
+    assert status == 400 and "JSON dictionary" in body["error"]
+    assert evicting.complete_text("One, two,", max_tokens=3)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--kv-eviction", "snapkv", "--kv-budget", "16", "--kv-window", "32"],
+         "kv budget 16 is below sink tokens + window = 4 + 32"),
+        (["--kv-eviction", "nosuch"], "unknown policy 'nosuch'"),
+        (["--model", "/no/such/model.gguf"], "no such model file"),
+    ],
+)  # fmt: skip
+def test_bad_startup_flags_exit_with_a_message(flags, message):
+    r = subprocess.run([sys.executable, "-m", "kvfn.server", "--port", "0", *flags], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode != 0
+    assert message in r.stderr
+
+
+def test_disconnect_frees_the_sequence_and_its_cache(evicting):
+    idle = evicting.get("/health")["kv_cache"]
+    assert idle["active_sequences"] == 0 and idle["active_bytes"] == 0
+    body = {"model": MODEL, "messages": [{"role": "user", "content": LONG[1]}],
+            "max_tokens": 400, "temperature": 0, "stream": True}  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", evicting.port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body))
+    response = conn.getresponse()
+    for _ in range(4):
+        assert response.readline()  # the stream has started
+    busy = evicting.get("/health")["kv_cache"]
+    assert busy["active_sequences"] == 1 and busy["active_bytes"] > 0
+    response.close()
+    conn.close()
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        held = evicting.get("/health")["kv_cache"]
+        if held["active_sequences"] == 0:
+            break
+        time.sleep(0.2)
+    assert held["active_sequences"] == 0 and held["active_bytes"] == 0
+    assert held["prompt_cache_bytes"] == idle["prompt_cache_bytes"]  # nothing stored from it
+
+
+# -- load ------------------------------------------------------------------------------------------
+def test_sixteen_concurrent_clients_match_each_request_alone(evicting):
+    jobs = [(p, s) for p in LONG + SHORT for s in (False, True)]
+    alone = {job: evicting.chat_text(job[0], stream=job[1], max_tokens=8) for job in jobs}
+    peak = {"sequences": 0}
+
+    def watch(stop):
+        while not stop.is_set():
+            held = evicting.get("/health")["kv_cache"]
+            peak["sequences"] = max(peak["sequences"], held["active_sequences"])
+            time.sleep(0.05)
+
+    def client(i):
+        mine = [jobs[(i + k) % len(jobs)] for k in range(3)]  # long and short, stream or not
+        return [(job, evicting.chat_text(job[0], stream=job[1], max_tokens=8)) for job in mine]
+
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch, args=(stop,))
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            results = [r for rs in pool.map(client, range(16)) for r in rs]
+    finally:
+        stop.set()
+        watcher.join()
+    assert len(results) == 48
+    for job, text in results:
+        assert text == alone[job], job
+    assert peak["sequences"] > 1  # eviction on, requests still batched
