@@ -1,17 +1,23 @@
-"""Decode-step and scored-prefill benchmark: kvfn vs mlx-lm, side by side in one process.
+"""kvfn vs mlx-lm, side by side in one process: prefill, compaction and decode.
 
-    python examples/benchmark_decode.py --lengths 512 1024 2048 --budgets 128 256
+    python examples/benchmark_decode.py --shape tiny --lengths 1024 4096 --budgets 256
+    python examples/benchmark_decode.py --shape 8b --lengths 8192 32768 --budgets 1024 4096   # GPU
+    python examples/benchmark_decode.py --lengths 1024 2048 --budgets 128 256   # embedded SmolLM2
 
-Per prompt length L and budget R, the median time of one decode step:
-  compacted  kvfn compiled step on a SnapKV-compacted state (R rows kept of L)
-  plain-R    kvfn compiled step on a plain state holding R rows
-  mlx-R      mlx-lm's own eager step over a KVCache of R rows
-  mlx-compacted  mlx-lm's eager step over the same compacted rows (kvfn.interop.CompactedKVCache)
-  full       kvfn compiled step on the full L-row state;  mlx-full: mlx-lm over L rows
-with the KV bytes held, the peak memory while decoding, and the byte-count bound: the speedup
-over the full cache if a step cost only the bytes it reads, (weights + full KV bytes) /
-(weights + kept KV bytes). Per L, prefill time and peak memory with and without window scoring.
-With --plot, a PNG of decode step time vs L per budget, next to the bound.
+Shapes are random-weight llama models (no weights to load): tiny (hidden 512, 8 layers), 1b
+(hidden 2048, 16 layers, 32/8 heads, head_dim 64), 8b (hidden 4096, 32 layers, 32/8 heads,
+head_dim 128); --q4 quantizes their weights to 4 bits. Without --shape, the embedded SmolLM2 (or
+--model). Tables:
+
+prefill  per prompt length and chunk size: mlx-lm's chunked prefill (its KVCache) vs kvfn's
+         scored prefill (window 32): seconds and peak GB above the weights, and their ratios.
+evict    the compaction after the last prefill chunk: kvfn.compact_states (one compiled step,
+         no host sync) vs the same selection and gather done eagerly with checks
+         (evict_prompt_cache), up to the first decoded token.
+decode   ms per step: mlx-lm's eager step over a KVCache of L and of R rows; kvfn's compiled
+         decode over the compacted R rows and over the full L rows; mlx-lm over kvfn's
+         compacted interop cache; ratios, KV bytes and the byte-count bound
+         (weights + L rows) / (weights + R rows).
 """
 
 import argparse
@@ -24,243 +30,262 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
-import kvfn_models  # noqa: E402
 import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from kvfn import FunctionalModel  # noqa: E402
-from kvfn import cache as kv  # noqa: E402
-from kvfn import compact_prompt_cache, prefill, scored_prefill
-from kvfn.evict import stored_bytes  # noqa: E402
-from kvfn.interop import to_mlx_cache  # noqa: E402
+SHAPES = {
+    "tiny": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1408,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=64),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=64),
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+}  # fmt: skip
+VOCAB = 32000
 
 
-def time_steps(step, steps: int, warmup: int = 3) -> float:
-    """Median seconds of ``step()`` (which must evaluate its own outputs)."""
+def random_model(shape: str, q4: bool, dtype):
+    args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, vocab_size=VOCAB,
+                           rope_theta=500000.0, tie_word_embeddings=False, **SHAPES[shape])  # fmt: skip
+    model = llama.Model(args)
+    model.set_dtype(dtype)
+    if q4:
+        nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def weights_bytes(model) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def median_ms(step, steps: int, warmup: int = 3) -> float:
     for _ in range(warmup):
         step()
     times = []
-    mx.reset_peak_memory()
     for _ in range(steps):
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return 1e3 * statistics.median(times)
 
 
-def kvfn_decoder(fm, states):
-    box = {"states": states, "token": mx.array([[1]], mx.int32)}
-
-    def step():
-        logits, box["states"] = fm.decode(box["token"], box["states"])
-        mx.eval(logits, kv.arrays(box["states"]))
-
-    return step
-
-
-def mlx_lm_decoder(model, tokens):
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([tokens]), cache=cache))
-    token = mx.array([[1]])
-
-    def step():
-        mx.eval(model(token, cache=cache)[:, -1])
-
-    return step
-
-
-def mlx_lm_cache_decoder(model, caches):
-    token = mx.array([[1]])
-
-    def step():
-        mx.eval(model(token, cache=caches)[:, -1])
-
-    return step
-
-
-def timed(fn):
+def measured(fn):
+    """(result, seconds, peak bytes) of fn(), which must evaluate what it returns."""
+    mx.synchronize()
     mx.reset_peak_memory()
     t = time.perf_counter()
     out = fn()
-    mx.eval(kv.arrays(out[0] if isinstance(out[0], tuple) else out))
+    mx.synchronize()
     return out, time.perf_counter() - t, mx.get_peak_memory()
 
 
-def run(args) -> dict:
-    model, _ = kvfn_models.load(args.model)
-    fm = FunctionalModel(model)
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    rows, prefills = [], []
-    for L in args.lengths:
-        tokens = mx.random.randint(0, model.args.vocab_size, (L,), key=mx.random.key(L)).tolist()
-        ctx = mx.array([tokens[:-1]])
-        cap = L + args.steps + 8
-        prefill(fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size)  # compile once
-        scored_prefill(fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size, window=32)
-        plain, t_plain, m_plain = timed(
-            lambda: prefill(fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size)
-        )
-        _, t_scored, m_scored = timed(
-            lambda: scored_prefill(
-                fm, ctx, capacity=cap, prefill_step_size=args.prefill_step_size, window=32
-            )
-        )
-        prefills.append(
-            dict(
-                L=L,
-                plain_s=t_plain,
-                scored_s=t_scored,
-                ratio=t_scored / t_plain,
-                plain_peak_mb=m_plain / 1e6,
-                scored_peak_mb=m_scored / 1e6,
-            )
-        )
-        full_kv = sum(stored_bytes(s, int(s.rows.item())) for s in plain)
-        full = kvfn_decoder(fm, plain)
-        t_full = time_steps(full, args.steps)
-        peak_full = mx.get_peak_memory()
-        t_mlx_full = time_steps(mlx_lm_decoder(model, tokens[:-1]), args.steps)
-        for R in args.budgets:
+def mlx_prefill(model, tokens, chunk):
+    cache = make_prompt_cache(model)
+    for i in range(0, len(tokens), chunk):
+        model(mx.array([tokens[i : i + chunk]]), cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
+def kvfn_prefill(fm, tokens, chunk, window=32):
+    states, scores = kvfn.scored_prefill(fm, mx.array([tokens]), window=window,
+                                         prefill_step_size=chunk)  # fmt: skip
+    mx.eval(kvfn.cache.arrays(states), scores)
+    return states, scores
+
+
+def prefill_rows(model, fm, lengths, chunks, weights, repeat=2):
+    rows = []
+    for L in lengths:
+        tokens = mx.random.randint(0, VOCAB, (L,), key=mx.random.key(L)).tolist()
+        for chunk in chunks:
+            best = {}
+            for _ in range(repeat):  # interleaved rounds; keep each side's best
+                for name, fn in (("mlx", lambda: mlx_prefill(model, tokens, chunk)),
+                                 ("kvfn", lambda: kvfn_prefill(fm, tokens, chunk))):  # fmt: skip
+                    out, s, peak = measured(fn)
+                    del out
+                    b = best.get(name, (1e9, 1e18))
+                    best[name] = (min(b[0], s), min(b[1], peak - weights))
+            (ms, mm), (ks, km) = best["mlx"], best["kvfn"]
+            rows.append(dict(L=L, chunk=chunk, mlx_s=ms, mlx_gb=mm / 1e9, kvfn_s=ks,
+                             kvfn_gb=km / 1e9, time_ratio=ks / ms, mem_ratio=km / max(mm, 1)))  # fmt: skip
+    return rows
+
+
+def evict_rows(fm, lengths, budgets, chunk):
+    rows = []
+    for L in lengths:
+        tokens = mx.random.randint(0, VOCAB, (L,), key=mx.random.key(L + 1)).tolist()
+        for R in budgets:
             if R >= L:
                 continue
-            compacted, _ = compact_prompt_cache(
-                fm,
-                tokens,
-                budget=R,
-                window=32,
-                max_new_tokens=args.steps + 8,
-                prefill_step_size=args.prefill_step_size,
-            )
-            small = prefill(fm, mx.array([tokens[:R]]), capacity=R + args.steps + 8)
-            kept_kv = sum(stored_bytes(s, int(s.rows.item())) for s in compacted)
-            t_c = time_steps(kvfn_decoder(fm, compacted), args.steps)
-            peak_c = mx.get_peak_memory()
-            t_mc = time_steps(mlx_lm_cache_decoder(model, to_mlx_cache(compacted)), args.steps)
-            t_p = time_steps(kvfn_decoder(fm, small), args.steps)
-            t_m = time_steps(mlx_lm_decoder(model, tokens[:R]), args.steps)
-            rows.append(
-                dict(
-                    L=L,
-                    R=R,
-                    compacted_ms=t_c * 1e3,
-                    mlx_compacted_ms=t_mc * 1e3,
-                    plain_R_ms=t_p * 1e3,
-                    mlx_R_ms=t_m * 1e3,
-                    full_ms=t_full * 1e3,
-                    mlx_full_ms=t_mlx_full * 1e3,
-                    compacted_vs_plain=t_c / t_p,
-                    compacted_vs_mlx_R=t_c / t_m,
-                    full_vs_compacted=t_full / t_c,
-                    mlx_full_vs_mlx_compacted=t_mlx_full / t_mc,
-                    compacted_tok_s=1 / t_c,
-                    full_tok_s=1 / t_full,
-                    kept_kv_mb=kept_kv / 1e6,
-                    full_kv_mb=full_kv / 1e6,
-                    weights_mb=weights / 1e6,
-                    byte_bound=(weights + full_kv) / (weights + kept_kv),
-                    compacted_peak_mb=peak_c / 1e6,
-                    full_peak_mb=peak_full / 1e6,
-                )
-            )
-    return {"device": str(mx.default_device()), "decode": rows, "prefill": prefills}
+            policy = kvfn.SnapKV(budget=R)
+            token = mx.array([[tokens[-1]]])
+
+            def traced():
+                states, scores = kvfn.scored_prefill(fm, mx.array([tokens[:-1]]), window=32,
+                                                     prefill_step_size=chunk)  # fmt: skip
+                mx.eval(kvfn.cache.arrays(states), scores)
+                t = time.perf_counter()
+                states, _ = kvfn.compact_states(states, scores, policy, reserve=8)
+                logits, _ = fm.decode(token, states)
+                mx.eval(logits)
+                return time.perf_counter() - t
+
+            def eager():
+                states, scores = kvfn.scored_prefill(fm, mx.array([tokens[:-1]]), window=32,
+                                                     prefill_step_size=chunk)  # fmt: skip
+                mx.eval(kvfn.cache.arrays(states), scores)
+                t = time.perf_counter()
+                keep = [None if s.sliding_window is not None else policy.keep_indices(
+                            sc[..., : L - 1], prompt_length=L - 1, n_kv_heads=s.keys.shape[1],
+                            layer=i) for i, (s, sc) in enumerate(zip(states, scores))]  # fmt: skip
+                states, _ = kvfn.evict_prompt_cache(states, keep)
+                states = tuple(kvfn.reserve(s, s.capacity + 8) for s in states)
+                logits, _ = fm.decode(token, states)
+                mx.eval(logits)
+                return time.perf_counter() - t
+
+            traced(), eager()  # compile and warm up
+            t_traced = min(traced() for _ in range(3))
+            t_eager = min(eager() for _ in range(3))
+            rows.append(dict(L=L, R=R, traced_ms=1e3 * t_traced, eager_ms=1e3 * t_eager))
+    return rows
 
 
-def plot(result: dict, path: str) -> None:
-    import matplotlib
+def decode_rows(model, fm, lengths, budgets, chunk, steps, weights):
+    rows = []
+    token = mx.array([[1]])
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def mlx_step(cache):
+        return lambda: mx.eval(model(token, cache=cache)[:, -1])
 
-    rows = result["decode"]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
-    lengths = sorted({r["L"] for r in rows})
-    full = {r["L"]: r["full_ms"] for r in rows}
-    mlx_full = {r["L"]: r["mlx_full_ms"] for r in rows}
-    ax.plot(lengths, [full[L] for L in lengths], "k-o", label="full (kvfn)")
-    ax.plot(lengths, [mlx_full[L] for L in lengths], "k--", label="full (mlx-lm)")
-    for R in sorted({r["R"] for r in rows}):
-        pts = [(r["L"], r["compacted_ms"], r["full_vs_compacted"], r["byte_bound"])
-               for r in rows if r["R"] == R]  # fmt: skip
-        L, ms, speedup, bound = zip(*pts)
-        line = ax.plot(L, ms, "-o", label=f"compacted R={R}")[0]
-        ax.plot(L, [r["mlx_compacted_ms"] for r in rows if r["R"] == R], "--",
-                color=line.get_color(), label=f"mlx-lm compacted R={R}")  # fmt: skip
-        bx.plot(L, speedup, "-o", color=line.get_color(), label=f"kvfn R={R}")
-        bx.plot(L, [r["mlx_full_vs_mlx_compacted"] for r in rows if r["R"] == R], "--",
-                color=line.get_color(), label=f"mlx-lm R={R}")  # fmt: skip
-        bx.plot(L, bound, ":", color=line.get_color(), label=f"byte bound R={R}")
-    ax.set(xscale="log", xlabel="prompt tokens L", ylabel="decode step, ms",
-           title=f"decode step ({result['device']})")  # fmt: skip
-    bx.set(xscale="log", xlabel="prompt tokens L", ylabel="full / compacted",
-           title="speedup over the full cache")  # fmt: skip
-    ax.legend(fontsize=7)
-    bx.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    def kvfn_step(states):
+        box = [states]
+
+        def step():
+            logits, box[0] = fm.decode(token, box[0])
+            mx.eval(logits, kvfn.cache.arrays(box[0]))
+
+        return step
+
+    for L in lengths:
+        tokens = mx.random.randint(0, VOCAB, (L,), key=mx.random.key(L + 2)).tolist()
+        cache = mlx_prefill(model, tokens[:-1], chunk)
+        t_mlx_full = median_ms(mlx_step(cache), steps)
+        del cache
+        full = kvfn.prefill(fm, mx.array([tokens[:-1]]), capacity=L + steps + 8,
+                            prefill_step_size=chunk)  # fmt: skip
+        full_kv = sum(kvfn.evict.stored_bytes(s, L - 1) for s in full)
+        t_full = median_ms(kvfn_step(full), steps)
+        del full
+        for R in budgets:
+            if R >= L:
+                continue
+            states, result = kvfn.compact(fm, tokens, kvfn.SnapKV(budget=R),
+                                          max_new_tokens=steps + 8, prefill_step_size=chunk)  # fmt: skip
+            t_c = median_ms(kvfn_step(states), steps)
+            t_interop = median_ms(mlx_step(kvfn.to_mlx_cache(states)), steps)
+            del states
+            small = mlx_prefill(model, tokens[:R], chunk)
+            t_mlx_R = median_ms(mlx_step(small), steps)
+            del small
+            kept_kv = result.total_bytes_after
+            rows.append(dict(
+                L=L, R=R, mlx_full_ms=t_mlx_full, mlx_R_ms=t_mlx_R, kvfn_R_ms=t_c,
+                kvfn_full_ms=t_full, mlx_interop_ms=t_interop,
+                kvfn_R_vs_mlx_R=t_c / t_mlx_R, kvfn_full_vs_mlx_full=t_full / t_mlx_full,
+                speedup_kvfn=t_mlx_full / t_c, speedup_interop=t_mlx_full / t_interop,
+                kept_kv_mb=kept_kv / 1e6, full_kv_mb=full_kv / 1e6,
+                byte_bound=(weights + full_kv) / (weights + kept_kv),
+            ))  # fmt: skip
+    return rows
 
 
-def table(result: dict) -> str:
-    out = [
-        "| L | R | compacted ms | mlx-compacted ms | plain-R ms | mlx-R ms | full ms | mlx-full ms | compacted/plain-R | compacted/mlx-R | full/compacted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def markdown(result: dict) -> str:
+    out = ["prefill (seconds / GB peak above the weights)", "",
+           "| L | chunk | mlx-lm s / GB | kvfn scored s / GB | time ratio | memory ratio |",
+           "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in result["prefill"]:
+        out.append(f"| {r['L']} | {r['chunk']} | {r['mlx_s']:.3f} / {r['mlx_gb']:.2f} | "
+                   f"{r['kvfn_s']:.3f} / {r['kvfn_gb']:.2f} | {r['time_ratio']:.2f} | "
+                   f"{r['mem_ratio']:.2f} |")  # fmt: skip
+    out += ["", "eviction after prefill, to the first decoded token (ms)", "",
+            "| L | R | compiled compact_states | eager, checked | saved |", "|---|---|---|---|---|"]  # fmt: skip
+    for r in result["evict"]:
+        out.append(f"| {r['L']} | {r['R']} | {r['traced_ms']:.1f} | {r['eager_ms']:.1f} | "
+                   f"{r['eager_ms'] - r['traced_ms']:.1f} |")  # fmt: skip
+    out += ["", "decode (ms per step)", "",
+            "| L -> R | mlx-lm full L | mlx-lm R rows | kvfn compacted R | kvfn full L | mlx-lm over kvfn interop | kvfn R / mlx R | kvfn full / mlx full | speedup kvfn | speedup interop | byte bound |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in result["decode"]:
-        out.append(
-            f"| {r['L']} | {r['R']} | {r['compacted_ms']:.2f} | {r['mlx_compacted_ms']:.2f} | "
-            f"{r['plain_R_ms']:.2f} | {r['mlx_R_ms']:.2f} | "
-            f"{r['full_ms']:.2f} | {r['mlx_full_ms']:.2f} | {r['compacted_vs_plain']:.3f} | "
-            f"{r['compacted_vs_mlx_R']:.3f} | {r['full_vs_compacted']:.3f} |"
-        )
-    out += [
-        "",
-        "| L | R | compacted tok/s | full tok/s | kept KV MB | full KV MB | weights MB | full/compacted | mlx-full/mlx-compacted | byte bound | peak MB compacted | peak MB full |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["decode"]:
-        out.append(
-            f"| {r['L']} | {r['R']} | {r['compacted_tok_s']:.1f} | {r['full_tok_s']:.1f} | "
-            f"{r['kept_kv_mb']:.1f} | {r['full_kv_mb']:.1f} | {r['weights_mb']:.0f} | "
-            f"{r['full_vs_compacted']:.2f} | {r['mlx_full_vs_mlx_compacted']:.2f} | "
-            f"{r['byte_bound']:.2f} | "
-            f"{r['compacted_peak_mb']:.0f} | {r['full_peak_mb']:.0f} |"
-        )
-    out += [
-        "",
-        "| L | prefill s | scored prefill s | ratio | peak MB | scored peak MB |",
-        "|---|---|---|---|---|---|",
-    ]
-    for p in result["prefill"]:
-        out.append(
-            f"| {p['L']} | {p['plain_s']:.2f} | {p['scored_s']:.2f} | {p['ratio']:.3f} | "
-            f"{p['plain_peak_mb']:.0f} | {p['scored_peak_mb']:.0f} |"
-        )
+        out.append(f"| {r['L']} -> {r['R']} | {r['mlx_full_ms']:.2f} | {r['mlx_R_ms']:.2f} | "
+                   f"{r['kvfn_R_ms']:.2f} | {r['kvfn_full_ms']:.2f} | {r['mlx_interop_ms']:.2f} | "
+                   f"{r['kvfn_R_vs_mlx_R']:.2f} | {r['kvfn_full_vs_mlx_full']:.2f} | "
+                   f"{r['speedup_kvfn']:.2f} | {r['speedup_interop']:.2f} | {r['byte_bound']:.2f} |")  # fmt: skip
     return "\n".join(out)
+
+
+def check_at_least(parser, name: str, values: list, low: int = 1) -> None:
+    bad = [v for v in values if v < low]
+    if bad:
+        parser.error(f"argument --{name}: values must be >= {low}, got {bad}")
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", help="a .gguf file or mlx-lm folder (default: embedded SmolLM2)")
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
-    p.add_argument("--budgets", type=int, nargs="+", default=[128, 256])
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--shape", choices=sorted(SHAPES), help="a random-weight llama shape")
+    p.add_argument("--q4", action="store_true", help="4-bit weights (with --shape)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on a GPU, float32 on the CPU")  # fmt: skip
+    p.add_argument("--model", help="a .gguf file or mlx-lm folder (no --shape; default SmolLM2)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--budgets", type=int, nargs="+", default=[256])
+    p.add_argument("--chunks", type=int, nargs="+", default=[512], help="prefill chunk sizes")
+    p.add_argument("--steps", type=int, default=20, help="decode steps timed (median)")
+    p.add_argument("--tables", nargs="+", default=["prefill", "evict", "decode"],
+                   choices=["prefill", "evict", "decode"])  # fmt: skip
     p.add_argument("--json", help="also write the figures here")
-    p.add_argument("--plot", help="also draw them into this PNG")
     args = p.parse_args(argv)
-    for name in ("lengths", "budgets"):
-        bad = [v for v in getattr(args, name) if v < 40]
-        if bad:
-            p.error(f"argument --{name}: values must be >= 40 (window 32 + sinks), got {bad}")
-    if args.steps < 1:
-        p.error(f"argument --steps: must be >= 1, got {args.steps}")
-    result = run(args)
-    print(table(result))
+    check_at_least(p, "lengths", args.lengths, 64)
+    check_at_least(p, "budgets", args.budgets, 40)
+    check_at_least(p, "chunks", args.chunks)
+    check_at_least(p, "steps", [args.steps])
+    if args.q4 and not args.shape:
+        p.error("argument --q4: needs --shape")
+    gpu = mx.default_device() == mx.gpu
+    dtype = getattr(mx, args.dtype or ("bfloat16" if gpu else "float32"))
+    if args.shape:
+        model = random_model(args.shape, args.q4, dtype)
+    else:
+        import kvfn_models
+
+        model, _ = kvfn_models.load(args.model)
+        if args.dtype:
+            model.set_dtype(dtype)
+    fm = kvfn.FunctionalModel(model)
+    weights = weights_bytes(model)
+    result = dict(device=str(mx.default_device()), shape=args.shape or args.model or "smollm2",
+                  q4=args.q4, dtype=str(dtype), weights_gb=weights / 1e9, prefill=[], evict=[],
+                  decode=[])  # fmt: skip
+    chunk = args.chunks[0]
+    if "prefill" in args.tables:
+        result["prefill"] = prefill_rows(model, fm, args.lengths, args.chunks, weights)
+    if "evict" in args.tables:
+        result["evict"] = evict_rows(fm, args.lengths, args.budgets, chunk)
+    if "decode" in args.tables:
+        result["decode"] = decode_rows(model, fm, args.lengths, args.budgets, chunk, args.steps,
+                                       weights)  # fmt: skip
+    print(f"{result['device']}, {result['shape']}{' q4' if args.q4 else ''}, {dtype}, "
+          f"weights {result['weights_gb']:.2f} GB")  # fmt: skip
+    print(markdown(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    if args.plot:
-        plot(result, args.plot)
     return result
 
 

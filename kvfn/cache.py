@@ -10,7 +10,13 @@ int32; offset (B,) int32, the next true position per sequence; rows () int32, th
 (slot ``rows`` is where the next update writes). Static fields: ``sliding_window`` makes a
 sliding-window layer (a query attends only to the last ``sliding_window`` positions);
 ``max_rows`` is an upper bound on ``rows`` known on the host (exact unless the state was
-trimmed; None inside a compiled step), so capacity is checked before anything is written.
+trimmed; None inside a compiled step), so capacity is checked before anything is written;
+``dense`` says the state is a plain full cache (slot i holds position i for every sequence and
+head, ``rows == offset == max_rows``): then rows are written at static slots and attention
+needs no array mask, as in mlx-lm's own ``KVCache``; ``packed`` says slots below ``rows`` all
+hold rows, none after, and every position is below ``offset`` (a dense state, or one compacted
+from it and decoded further): then a query's mask is a comparison of slots with ``rows``, the
+same for every head, instead of a per-head mask from positions.
 """
 
 from typing import Optional
@@ -31,6 +37,8 @@ class PositionPreservingKVCache:
     rows: mx.array
     sliding_window: Optional[int] = None
     max_rows: Optional[int] = None
+    dense: bool = False
+    packed: bool = False
 
     @property
     def capacity(self) -> int:
@@ -43,10 +51,16 @@ class PositionPreservingKVCache:
     def __repr__(self) -> str:
         B, H, C, D = self.keys.shape
         window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
+        dense = ", dense" if self.dense else ", packed" if self.packed else ""
         return (
             f"PositionPreservingKVCache(batch={B}, kv_heads={H}, head_dim={D}, capacity={C}, "
-            f"max_rows={self.max_rows}, dtype={self.keys.dtype}{window})"
+            f"max_rows={self.max_rows}, dtype={self.keys.dtype}{window}{dense})"
         )
+
+    @property
+    def static_rows(self) -> Optional[int]:
+        """The exact row count when the host knows it (a dense state outside a trace)."""
+        return self.max_rows if self.dense else None
 
 
 State = PositionPreservingKVCache
@@ -87,6 +101,8 @@ def init(
         rows=mx.array(0, mx.int32),
         sliding_window=sliding_window,
         max_rows=0,
+        dense=True,
+        packed=True,
     )
 
 
@@ -104,6 +120,8 @@ def from_full(keys: mx.array, values: mx.array, *, sliding_window: Optional[int]
         rows=mx.array(N, mx.int32),
         sliding_window=sliding_window,
         max_rows=N,
+        dense=True,
+        packed=True,
     )
 
 
@@ -138,11 +156,44 @@ def update(state: State, keys: mx.array, values: mx.array) -> State:
     chex.assert_shape(values, (*state.values.shape[:2], keys.shape[2], state.values.shape[3]))
     n = keys.shape[2]
     bound = _grown_bound(state, n)
-    start = mx.reshape(state.rows, (1,))
+    if state.static_rows is not None:
+        return _update_dense(state, keys, values, bound)
+    slots = state.rows + mx.arange(n, dtype=mx.int32)
+    positions = state.offset[:, None, None] + mx.arange(n, dtype=mx.int32)
     return state.replace(
-        keys=mx.slice_update(state.keys, keys.astype(state.keys.dtype), start, axes=(2,)),
-        values=mx.slice_update(state.values, values.astype(state.values.dtype), start, axes=(2,)),
-        positions=appended_positions(state, n),
+        keys=_scatter(state.keys, keys, slots),
+        values=_scatter(state.values, values, slots),
+        positions=_scatter(state.positions, positions, slots),
+        offset=state.offset + n,
+        rows=state.rows + n,
+        max_rows=bound,
+    )
+
+
+def _scatter(buffer: mx.array, rows: mx.array, slots: mx.array) -> mx.array:
+    """Rows written at traced slots (n,) along axis 2: a scatter, which reuses the buffer when
+    nothing else holds it (a slice update at a traced start copies it)."""
+    shape = (*buffer.shape[:2], slots.shape[0], *buffer.shape[3:])
+    index = mx.broadcast_to(slots.reshape((1, 1, -1) + (1,) * (buffer.ndim - 3)), shape)
+    rows = mx.broadcast_to(rows.astype(buffer.dtype), shape)
+    return mx.put_along_axis(buffer, index, rows, axis=2)
+
+
+def _write(buffer: mx.array, rows: mx.array, start: int) -> mx.array:
+    out = mx.array(buffer)  # a new handle: the input state's array is left as it was
+    out[:, :, start : start + rows.shape[2]] = rows.astype(buffer.dtype)
+    return out
+
+
+def _update_dense(state: State, keys: mx.array, values: mx.array, bound: int) -> State:
+    """``update`` at static slots: the write can reuse the buffer (no copy) once nothing else
+    holds the old state."""
+    r, n = state.max_rows, keys.shape[2]
+    positions = mx.broadcast_to(mx.arange(r, r + n, dtype=mx.int32), (*keys.shape[:2], n))
+    return state.replace(
+        keys=_write(state.keys, keys, r),
+        values=_write(state.values, values, r),
+        positions=_write(state.positions, positions, r),
         offset=state.offset + n,
         rows=state.rows + n,
         max_rows=bound,
@@ -157,14 +208,20 @@ def prefix_trim(state: State, length) -> State:
     tokens. Freed slots become EMPTY; ``rows`` shrinks to just past the last kept slot.
     """
     _check(state)
+    static = length if state.static_rows is not None and isinstance(length, int) else None
     length = mx.broadcast_to(mx.array(length, mx.int32), state.offset.shape)
     keep = state.positions < length[:, None, None]
     slots = mx.arange(1, state.capacity + 1, dtype=mx.int32)
-    return state.replace(
+    out = state.replace(
         positions=mx.where(keep, state.positions, EMPTY),
         offset=mx.minimum(state.offset, length),
         rows=mx.max(mx.where(keep, slots, 0)).astype(mx.int32),
+        dense=False,
+        packed=False,
     )
+    if static is not None:  # a prefix of a plain cache is a plain cache
+        out = out.replace(max_rows=max(0, min(state.max_rows, static)), dense=True, packed=True)
+    return out
 
 
 @typechecked
@@ -173,6 +230,8 @@ def trim(state: State, n: int) -> State:
     ``offset - n``, so in a compacted state only rows of those tokens go."""
     if n < 0:
         raise ValueError(f"trim needs n >= 0, got {n}")
+    if state.static_rows is not None:
+        return prefix_trim(state, max(state.static_rows - n, 0))
     return prefix_trim(state, mx.maximum(state.offset - n, 0))
 
 
@@ -207,9 +266,10 @@ def check_keep_indices(state: State, keep_indices) -> None:
         )
 
 
-def gather(state: State, keep_indices: mx.array) -> State:
+def gather(state: State, keep_indices: mx.array, packed: bool = False) -> State:
     """``evict`` without the eager check, for traced code whose indices are valid by
-    construction (a policy's ``keep_indices``)."""
+    construction (a policy's ``keep_indices``); ``packed``: the caller knows every index is a
+    stored row of a packed state."""
     idx = keep_indices.astype(mx.int32)
     k = idx.shape[2]
     return state.replace(
@@ -218,6 +278,8 @@ def gather(state: State, keep_indices: mx.array) -> State:
         positions=mx.take_along_axis(state.positions, idx, axis=2),
         rows=mx.array(k, mx.int32),
         max_rows=k,
+        dense=False,
+        packed=packed,
     )
 
 
@@ -227,7 +289,8 @@ def evict(state: State, keep_indices) -> State:
     k. The indices are checked first (``check_keep_indices``)."""
     _check(state)
     check_keep_indices(state, keep_indices)
-    return gather(state, keep_indices)
+    stored = state.packed and int(keep_indices.max().item()) < int(state.rows.item())
+    return gather(state, keep_indices, packed=stored)
 
 
 @typechecked
@@ -263,6 +326,15 @@ def mask(state: State, n_queries: int) -> mx.array:
     return visible
 
 
+def packed_mask(state: State, n_queries: int) -> mx.array:
+    """For a packed state about to take ``n_queries`` rows: the mask (1, 1, n, capacity) that
+    ``mask`` gives after the update, the same for every sequence and head: query i sees the
+    slots below ``rows + i + 1``."""
+    slots = mx.arange(state.capacity, dtype=mx.int32)
+    limit = state.rows + 1 + mx.arange(n_queries, dtype=mx.int32)
+    return (slots[None, :] < limit[:, None])[None, None]
+
+
 @typechecked
 def valid_rows(state: State) -> mx.array:
     """(B, n_kv_heads) count of stored (non-EMPTY) rows."""
@@ -273,14 +345,18 @@ ARRAY_FIELDS = ("keys", "values", "positions", "offset", "rows")
 
 
 def flatten(state: State) -> tuple[dict, tuple]:
-    """Arrays for mx.compile / mlx tree utilities, plus the static part that shapes a trace
-    (``max_rows`` is host bookkeeping and stays out of it)."""
-    return {f: getattr(state, f) for f in ARRAY_FIELDS}, (state.sliding_window,)
+    """Arrays for mx.compile / mlx tree utilities, plus the static part that shapes a trace:
+    the sliding window and whether the state is packed (``max_rows`` and ``dense`` are host
+    knowledge that a trace does not have)."""
+    return {f: getattr(state, f) for f in ARRAY_FIELDS}, (state.sliding_window, state.packed)
 
 
-def unflatten(arrays: dict, static: tuple, max_rows: Optional[int] = None) -> State:
-    (sliding_window,) = static
-    return State(**arrays, sliding_window=sliding_window, max_rows=max_rows)
+def unflatten(
+    arrays: dict, static: tuple, max_rows: Optional[int] = None, dense: bool = False
+) -> State:
+    sliding_window, packed = static
+    return State(**arrays, sliding_window=sliding_window, max_rows=max_rows, dense=dense,
+                 packed=packed or dense)  # fmt: skip
 
 
 @typechecked
@@ -291,7 +367,9 @@ def restrict(state: State, keep_indices) -> State:
     check_keep_indices(state, keep_indices)
     slots = mx.arange(state.capacity, dtype=mx.int32)
     kept = mx.any(keep_indices[..., :, None] == slots, axis=-2)
-    return state.replace(positions=mx.where(kept, state.positions, EMPTY))
+    return state.replace(
+        positions=mx.where(kept, state.positions, EMPTY), dense=False, packed=False
+    )
 
 
 @typechecked
@@ -317,6 +395,8 @@ def stack(states: list[State]) -> State:
         rows=rows,
         sliding_window=states[0].sliding_window,
         max_rows=None if None in bounds else max(bounds),
+        dense=all(s.dense for s in states) and len(set(bounds)) == 1,
+        packed=all(s.dense for s in states) and len(set(bounds)) == 1,
     )
 
 

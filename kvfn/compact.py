@@ -45,10 +45,12 @@ def _loop(fmodel, tokens, states, scores, window, prefill_step_size, progress, c
         if first_scored < stop:
             q = QuerySlice(first_scored - start, stop - start)
             step = fmodel.scored_step if compiled else fmodel.scored_forward
-            _, states, scores = step(tokens[:, start:stop], states, scores, q)
+            states, scores = step(tokens[:, start:stop], states, scores, q)[1:]
         else:
             step = fmodel.step if compiled else fmodel.forward
-            _, states = step(tokens[:, start:stop], states)
+            # the logits are dropped at once: kept, their graph would hold the old buffers and
+            # the next write could not reuse them
+            states = step(tokens[:, start:stop], states)[1]
         if j + 1 < len(parts):  # bound the graph; the last chunk stays lazy
             mx.eval(kv.arrays(states), scores)
         if progress is not None:
@@ -66,12 +68,13 @@ def prefill(
     prefill_step_size: int = 512,
     dtype: Optional[mx.Dtype] = None,
     progress: Optional[Callable[[int, int], None]] = None,
-    compiled: bool = True,
+    compiled: bool = False,
 ) -> tuple:
     """Run ``tokens`` (B, n) through the model in chunks into fresh states (room for
-    ``capacity`` rows, at least n) or after what ``states`` hold. ``compiled=False`` runs the
-    eager forward pass: worth it when shapes change from call to call (each new shape is a new
-    trace, and on CUDA a new kernel compilation)."""
+    ``capacity`` rows, at least n) or after what ``states`` hold. Eager by default, as mlx-lm
+    prefills: a plain (dense) state is written at static slots and attended with the fused
+    causal kernel, no mask array. ``compiled=True`` runs the compiled step instead (a trace per
+    chunk shape; for states that are not dense)."""
     states = _start(fmodel, tokens, states, capacity, dtype)
     states, _ = _loop(fmodel, tokens, states, (), 0, prefill_step_size, progress, compiled)
     return states
@@ -88,7 +91,7 @@ def scored_prefill(
     prefill_step_size: int = 512,
     dtype: Optional[mx.Dtype] = None,
     progress: Optional[Callable[[int, int], None]] = None,
-    compiled: bool = True,
+    compiled: bool = False,
 ) -> tuple[tuple, tuple]:
     """``prefill`` that also sums the attention of the last ``window`` tokens' queries over
     every key into per-key scores, chunk by chunk (the window may span chunks), in the same
@@ -110,11 +113,12 @@ def _rows_after(policy: Policy, P: int, sliding_window: Optional[int]) -> int:
 
 
 @lru_cache(maxsize=64)
-def _evictor(policy: Policy, P: int, extra: int, windows: tuple, compiled: bool):
+def _evictor(policy: Policy, P: int, extra: int, statics: tuple, compiled: bool):
     def run(flat, scores):
         out = []
-        for i, (arrays, w) in enumerate(zip(flat, windows)):
-            s = kv.unflatten(arrays, (w,))
+        for i, (arrays, static) in enumerate(zip(flat, statics)):
+            s = kv.unflatten(arrays, static)
+            w = s.sliding_window
             B, H = s.keys.shape[:2]
             k = _rows_after(policy, P, w)
             if w is not None:
@@ -125,7 +129,7 @@ def _evictor(policy: Policy, P: int, extra: int, windows: tuple, compiled: bool)
             else:
                 idx = None
             if idx is not None:
-                s = kv.gather(s, idx)
+                s = kv.gather(s, idx, packed=s.packed)
             out.append(kv.flatten(kv.reserve(s, max(s.capacity, k + extra)))[0])
         return out
 
@@ -155,11 +159,15 @@ def compact_states(
         raise ValueError(f"reserve must be >= 0, got {reserve}")
     if policy.observation_window(P) and scores is None:
         raise ValueError(f"policy {policy.name!r} needs the scores of a scored_prefill")
-    windows = tuple(s.sliding_window for s in states)
+    # a dense state holds exactly P rows, so every kept row is a stored one: still packed
+    statics = tuple((s.sliding_window, s.dense) for s in states)
     flat = [kv.flatten(s)[0] for s in states]
-    out = _evictor(policy, P, reserve, windows, compiled)(flat, list(scores or ()))
-    after = [_rows_after(policy, P, w) for w in windows]
-    new = tuple(kv.unflatten(o, (w,), k) for o, w, k in zip(out, windows, after))
+    out = _evictor(policy, P, reserve, statics, compiled)(flat, list(scores or ()))
+    after = [_rows_after(policy, P, w) for w, _ in statics]
+    new = tuple(
+        kv.unflatten(o, st, k, dense=s.dense and k == P)
+        for o, st, k, s in zip(out, statics, after, states)
+    )
     return new, result_of(states, [P] * len(states), after)
 
 
@@ -187,17 +195,18 @@ def compact(
     progress: Optional[Callable[[int, int], None]] = None,
     compiled: bool = True,
 ) -> tuple[tuple, EvictionResult]:
-    """Prefill all but the last prompt token (scoring the policy's observation window), keep
-    the policy's rows in every full-attention layer and reserve room for ``max_new_tokens``
-    (decoding further grows the states). The caller decodes from the last prompt token. Takes
-    one prompt (a list of ints) or a batch of equal-length prompts (B, n)."""
+    """Prefill all but the last prompt token (eagerly, scoring the policy's observation
+    window), keep the policy's rows in every full-attention layer and reserve room for
+    ``max_new_tokens`` (decoding further grows the states), the eviction compiled unless
+    ``compiled=False``. The caller decodes from the last prompt token. Takes one prompt (a list
+    of ints) or a batch of equal-length prompts (B, n)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     context = _prompt(prompt_tokens)[:, :-1]
     P = context.shape[1]
     window = policy.observation_window(P)
     kwargs = dict(capacity=P, prefill_step_size=prefill_step_size, dtype=dtype,
-                  progress=progress, compiled=compiled)  # fmt: skip
+                  progress=progress)  # fmt: skip
     if window:
         states, scores = scored_prefill(fmodel, context, window=window, **kwargs)
     else:

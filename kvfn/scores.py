@@ -18,9 +18,10 @@ def window_attention_scores(
     n_kv = state.keys.shape[1]
     if n_heads % n_kv:
         raise ValueError(f"{n_heads} query heads do not group over {n_kv} KV heads")
-    q = queries.astype(mx.float32).reshape(B, n_kv, n_heads // n_kv, w, D)
-    k = state.keys.astype(mx.float32)[:, :, None]  # (B, n_kv, 1, C, D)
-    logits = (q * scale) @ k.swapaxes(-1, -2)  # (B, n_kv, rep, w, C)
+    # in the keys' dtype (accumulated in float32 by the matmul): no float32 copy of the keys
+    q = (queries * scale).astype(state.keys.dtype).reshape(B, n_kv, n_heads // n_kv, w, D)
+    k = state.keys[:, :, None]  # (B, n_kv, 1, C, D)
+    logits = (q @ k.swapaxes(-1, -2)).astype(mx.float32)  # (B, n_kv, rep, w, C)
     visible = state.positions[:, :, None, None, :] <= query_positions[:, None, None, :, None]
     logits = mx.where(visible, logits, -mx.inf)
     weights = mx.softmax(logits, axis=-1, precise=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import mlx.core as mx
+
 from .policy import Policy, register_policy
 
 

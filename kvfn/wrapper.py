@@ -23,6 +23,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from . import cache as kv
@@ -44,11 +45,18 @@ class QuerySlice:
     stop: int
 
 
+class _Call:
+    """What the layers of one forward call share: whether the model asked for array masks."""
+
+    return_array = False
+
+
 class _LayerAdapter:
     """mlx-lm's cache protocol over one layer's state, for the length of one forward call."""
 
-    def __init__(self, state: kv.State, n_heads: int, scale=None, scores=None, queries=None):
-        self.state, self.n_heads, self.scale = state, n_heads, scale
+    def __init__(self, state: kv.State, n_heads: int, call: _Call, scale=None, scores=None,
+                 queries=None):  # fmt: skip
+        self.state, self.n_heads, self.call, self.scale = state, n_heads, call, scale
         self.scores, self.query_slice = scores, queries
         self.queries = None
 
@@ -57,9 +65,18 @@ class _LayerAdapter:
         return self.state.offset
 
     def make_mask(self, n, return_array=False, window_size=None):
+        self.call.return_array |= return_array
         return None  # each wrapped attention module builds its own layer's mask
 
-    def attention_mask(self, n: int) -> mx.array:
+    def attention_mask(self, n: int):
+        r = self.state.static_rows
+        if r is not None:  # a plain cache: the fetched keys are exactly rows + n
+            w = self.state.sliding_window
+            if w is None and not self.call.return_array:
+                return "causal" if n > 1 else None
+            return create_causal_mask(n, offset=r, window_size=w)
+        if self.state.packed and self.state.sliding_window is None:
+            return kv.packed_mask(self.state, n)
         after = self.state.replace(
             positions=kv.appended_positions(self.state, n), offset=self.state.offset + n
         )
@@ -68,7 +85,7 @@ class _LayerAdapter:
         return mx.repeat(m, rep, axis=1) if rep > 1 else m
 
     def update_and_fetch(self, keys, values):
-        before = self.state.offset
+        before, r = self.state.offset, self.state.static_rows
         self.state = kv.update(self.state, keys, values)
         if self.query_slice is not None:
             if self.queries is None:
@@ -77,6 +94,9 @@ class _LayerAdapter:
             q = self.queries[:, :, qs.start : qs.stop]
             qpos = before[:, None] + mx.arange(qs.start, qs.stop, dtype=mx.int32)[None]
             self.scores = self.scores + window_attention_scores(q, qpos, self.state, self.scale)
+        if r is not None:
+            end = r + keys.shape[2]
+            return self.state.keys[:, :, :end], self.state.values[:, :, :end]
         return self.state.keys, self.state.values
 
 
@@ -196,9 +216,9 @@ def _check_tokens(tokens, states) -> mx.array:
 def grown(state: kv.State, n: int) -> kv.State:
     """``state`` with room for ``n`` more rows: unchanged if they fit, else a capacity at least
     double, in multiples of ``GROWTH`` (so a decode loop retraces O(log steps) times)."""
-    bound = state.max_rows if state.max_rows is not None else int(state.rows.item())
-    state = state.replace(max_rows=bound)
-    need = bound + n
+    if state.max_rows is None:
+        state = state.replace(max_rows=int(state.rows.item()))
+    need = state.max_rows + n
     if need <= state.capacity:
         return state
     capacity = -(-max(need, 2 * state.capacity) // GROWTH) * GROWTH
@@ -279,10 +299,10 @@ class FunctionalModel:
 
     # -- the pure forward pass ----------------------------------------------------------------
     def _run(self, tokens, states, scores=None, queries: Optional[QuerySlice] = None):
-        adapters = []
+        adapters, call = [], _Call()
         for i, state in enumerate(states):
             scored = queries is not None and self.sliding_windows[i] is None
-            adapters.append(_LayerAdapter(state, self.n_heads[i], self.scales[i],
+            adapters.append(_LayerAdapter(state, self.n_heads[i], call, self.scales[i],
                                           scores[i] if scored else None,
                                           queries if scored else None))  # fmt: skip
         logits = self._model(tokens, cache=adapters)
@@ -355,7 +375,7 @@ class FunctionalModel:
         logits, out = fn(tokens, list(flat))
         n = tokens.shape[1]
         return logits, tuple(
-            kv.unflatten(o, st, s.max_rows + n) for o, st, s in zip(out, static, states)
+            kv.unflatten(o, st, s.max_rows + n, s.dense) for o, st, s in zip(out, static, states)
         )
 
     def decode(self, tokens, states) -> tuple:
@@ -382,6 +402,6 @@ class FunctionalModel:
         logits, out, new_scores = self._compiled_step(key, run)(tokens, list(flat), list(scores))
         n = tokens.shape[1]
         new_states = tuple(
-            kv.unflatten(o, st, s.max_rows + n) for o, st, s in zip(out, static, states)
+            kv.unflatten(o, st, s.max_rows + n, s.dense) for o, st, s in zip(out, static, states)
         )
         return logits, new_states, tuple(new_scores)

@@ -233,7 +233,7 @@ def test_compact_does_not_sync_with_the_host(monkeypatch):
 def test_short_reprs():
     s = kv.init(1, 3, 64, 4096)
     assert repr(s) == ("PositionPreservingKVCache(batch=1, kv_heads=3, head_dim=64, capacity=4096, "
-                       "max_rows=0, dtype=mlx.core.float32)")  # fmt: skip
+                       "max_rows=0, dtype=mlx.core.float32, dense)")  # fmt: skip
     fm = FunctionalModel(tiny_model("llama"))
     _, result = kvfn.compact(fm, list(range(40)), SnapKV(budget=12, window=4), max_new_tokens=1)
     assert repr(result).startswith("EvictionResult(layers=3, rows 117 -> 36, bytes ")

@@ -168,3 +168,61 @@ def test_arrays_lists_every_array_for_eval():
     s = full_state(1, 2, 3)
     assert len(kv.arrays(s)) == 5 and len(kv.arrays((s, s))) == 10
     assert all(isinstance(a, mx.array) for a in kv.arrays([s]))
+
+
+def as_general(s: kv.State) -> kv.State:
+    """The same state without the dense layout's static knowledge (the traced path)."""
+    return dataclasses.replace(s, dense=False, max_rows=None)
+
+
+@SETTINGS
+@given(dims, st.integers(0, 2**16))
+def test_dense_layout_updates_and_trims_like_the_general_one(d, seed):
+    B, H, N, n = d
+    rng = np.random.default_rng(seed)
+    s = full_state(B, H, N, capacity=N + n)
+    assert s.dense and s.static_rows == N
+    k = mx.array(rng.normal(size=(B, H, n, 4)), mx.float32)
+    dense, general = kv.update(s, k, k), kv.update(as_general(s), k, k)
+    assert dense.dense and dense.static_rows == N + n
+    assert logically_equal(dense, dataclasses.replace(general, dense=True))
+    assert dense.rows.item() == general.rows.item() == N + n
+    cut = int(rng.integers(0, N + n + 1))
+    a, b = kv.trim(dense, cut), kv.trim(as_general(dense), cut)
+    assert a.dense and a.static_rows == N + n - cut == a.rows.item() == b.rows.item()
+    assert np.array_equal(np.array(a.positions), np.array(b.positions))
+    assert np.array_equal(np.array(a.offset), np.array(b.offset))
+
+
+def test_dense_update_leaves_its_input_alone():
+    s = full_state(1, 2, 3, capacity=6)
+    before = np.array(s.keys)
+    kv.update(s, mx.ones((1, 2, 2, 4)), mx.ones((1, 2, 2, 4)))
+    assert np.array_equal(np.array(s.keys), before) and s.rows.item() == 3
+
+
+def test_eviction_and_masking_leave_the_dense_layout():
+    s = full_state(1, 2, 6)
+    assert not kv.evict(s, mx.array([[[0, 4], [2, 5]]])).dense
+    assert not kv.restrict(s, mx.array([[[0, 4], [2, 5]]])).dense
+    assert not kv.prefix_trim(s, mx.array([3])).dense  # a traced length: unknown on the host
+    assert kv.reserve(s, 9).dense and kv.stack([s, s]).dense
+    assert not kv.stack([s, full_state(1, 2, 4, capacity=6)]).dense
+
+
+@SETTINGS
+@given(dims, st.integers(0, 2**16))
+def test_packed_mask_is_the_mask_of_a_packed_state(d, seed):
+    """A packed state (compacted from a dense one, then appended to) masks by slot < rows + i + 1,
+    exactly what the per-head mask from true positions gives."""
+    B, H, N, n = d
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, N + 1))
+    s = kv.evict(full_state(B, H, N), random_keep(rng, B, H, N, k))
+    assert s.packed and not s.dense
+    s = kv.reserve(s, k + 2 * n)
+    s = kv.update(s, mx.ones((B, H, n, 4)), mx.ones((B, H, n, 4)))
+    assert s.packed
+    packed = np.broadcast_to(np.array(kv.packed_mask(s, n)), (B, H, n, s.capacity))
+    after = kv.update(s, mx.zeros((B, H, n, 4)), mx.zeros((B, H, n, 4)))
+    assert np.array_equal(packed, np.array(kv.mask(after, n)))

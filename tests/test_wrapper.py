@@ -1,5 +1,7 @@
 """The exactness oracle, compiled steps, batching and model families."""
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -180,3 +182,25 @@ def test_smollm2_prefill_scores_are_the_models_attention_rows(smollm2):
         rows = mx.softmax(logits, axis=-1)[:, :, -w:].sum(axis=2)
         assert mx.abs(rows - scores[i]).max().item() < 1e-5
         h = layer(h, mask="causal", cache=None)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_dense_prefill_equals_the_general_path(family):
+    """A plain cache prefilled at static slots with the fused causal kernel computes what the
+    traced path (array masks over the whole capacity) computes."""
+    fm = FunctionalModel(tiny_model(family))
+    ids = mx.array([np.random.default_rng(2).integers(0, 97, 37).tolist()])
+    fast, scores = scored_prefill(fm, ids, capacity=40, prefill_step_size=10, window=6)
+    assert all(s.dense for s in fast)
+    general = tuple(
+        dataclasses.replace(s, dense=False, max_rows=None) for s in fm.init_states(1, 40)
+    )
+    slow, slow_scores = scored_prefill(fm, ids, states=general, prefill_step_size=10, window=6)
+    for a, b in zip(fast, slow):
+        assert mx.abs(a.keys - b.keys).max().item() < 1e-4
+        assert np.array_equal(np.array(a.positions), np.array(b.positions))
+    for a, b in zip(scores, slow_scores):
+        assert mx.abs(a - b).max().item() < 1e-4
+    la, _ = fm.forward(mx.array([[5]]), fast)
+    lb, _ = fm.forward(mx.array([[5]]), slow)
+    assert mx.abs(la - lb).max().item() < 1e-4
