@@ -5,12 +5,15 @@ Enough to validate a file (magic, architecture, tensor types) and give a clear e
 """
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MAGIC = b"GGUF"
 TENSOR_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0"}
 TENSOR_TYPES.update({10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"})
+# Weights per block of each block-quantized type: a tensor's rows must hold whole blocks.
+BLOCK_WEIGHTS = {t: 32 for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")}
+BLOCK_WEIGHTS.update({t: 256 for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")})
 # Value types of GGUF metadata: struct format per scalar type; 8 = string, 9 = array.
 _SCALARS = {
     0: "B",
@@ -36,6 +39,7 @@ class GGUFHeader:
     version: int
     metadata: dict
     tensor_types: dict  # tensor name -> type name ("Q4_1", "F32", ...)
+    tensor_shapes: dict = field(default_factory=dict)  # name -> GGML dims, row length first
 
     @property
     def architecture(self) -> str:
@@ -91,13 +95,11 @@ def read_header(path: str | Path, max_bytes: int = 64 << 20) -> GGUFHeader:
     for _ in range(n_kv):
         key = r.string()
         metadata[key] = r.value(r.take("I"))
-    tensor_types = {}
+    tensor_types, tensor_shapes = {}, {}
     for _ in range(n_tensors):
         name = r.string()
-        n_dims = r.take("I")
-        for _ in range(n_dims):
-            r.take("Q")
+        tensor_shapes[name] = tuple(r.take("Q") for _ in range(r.take("I")))
         kind = r.take("I")
         r.take("Q")  # data offset
         tensor_types[name] = TENSOR_TYPES.get(kind, f"type {kind}")
-    return GGUFHeader(version, metadata, tensor_types)
+    return GGUFHeader(version, metadata, tensor_types, tensor_shapes)

@@ -1,14 +1,21 @@
 """Build an mlx-lm TokenizerWrapper from the tokenizer stored in GGUF metadata."""
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from .gguf import GGUFError, GGUFHeader
 
 CONTROL = 3  # GGUF token type of special tokens (<|im_start|>, ...)
 # llama.cpp pre-tokenizer names whose regex splits digits one by one before GPT-2's regex.
-DIGIT_SPLITTING = {"smollm", "qwen2", "deepseek-llm", "starcoder"}
+DIGIT_SPLITTING = {"smollm", "deepseek-llm", "starcoder"}
+# Pre-tokenizers whose split regex is known exactly (from the models' tokenizer.json).
+SPLIT_REGEX = {
+    "qwen2": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+}
+# Tokens that end a chat turn: an EOS id wherever the chat template uses them.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
 
 
 def _bpe(meta: dict) -> Tokenizer:
@@ -17,7 +24,12 @@ def _bpe(meta: dict) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if meta.get("tokenizer.ggml.pre") in DIGIT_SPLITTING:
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre in SPLIT_REGEX:
+        split = pre_tokenizers.Split(Regex(SPLIT_REGEX[pre]), behavior="isolated")
+        bytes_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, bytes_only])
+    elif pre in DIGIT_SPLITTING:
         digits = pre_tokenizers.Digits(individual_digits=True)
         tok.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
     else:
@@ -53,5 +65,16 @@ def tokenizer_from_gguf(header: GGUFHeader) -> TokenizerWrapper:
         clean_up_tokenization_spaces=False,
     )
     hf.add_bos_token = bool(meta.get("tokenizer.ggml.add_bos_token", False))
-    eos = [meta["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in meta else []
-    return TokenizerWrapper(hf, eos_token_ids=eos)
+    return TokenizerWrapper(hf, eos_token_ids=_eos_ids(meta))
+
+
+def _eos_ids(meta: dict) -> list[int]:
+    """EOS and EOT ids, and the ids of end-of-turn tokens that the chat template emits."""
+    ids = [
+        meta[f"tokenizer.ggml.{k}_token_id"]
+        for k in ("eos", "eot")
+        if f"tokenizer.ggml.{k}_token_id" in meta
+    ]
+    template, tokens = meta.get("tokenizer.chat_template") or "", meta["tokenizer.ggml.tokens"]
+    ids += [tokens.index(t) for t in END_OF_TURN if t in template and t in tokens]
+    return sorted(set(ids))
