@@ -10,7 +10,8 @@ head_dim 128); --q4 quantizes their weights to 4 bits. Without --shape, the embe
 --model). Tables:
 
 prefill  per prompt length and chunk size: mlx-lm's chunked prefill (its KVCache) vs kvfn's
-         scored prefill (window 32): seconds and peak GB above the weights, and their ratios.
+         scored prefill (window 32): seconds and peak GB above the weights, and their ratios;
+         kvfn's prefill without scoring beside them.
 evict    the compaction after the last prefill chunk: kvfn.compact_states (one compiled step,
          no host sync) vs the same selection and gather done eagerly with checks
          (evict_prompt_cache), up to the first decoded token.
@@ -73,6 +74,34 @@ def median_ms(step, steps: int, warmup: int = 3) -> float:
     return 1e3 * statistics.median(times)
 
 
+def pipelined_ms(build, steps: int) -> float:
+    """Median ms per step when each step is built while the previous one runs (``async_eval``,
+    as mlx-lm's generate_step does); ``build()`` returns the step's arrays to evaluate."""
+    pending = build()
+    mx.async_eval(pending)
+    times = []
+    for _ in range(steps + 3):
+        t = time.perf_counter()
+        nxt = build()
+        mx.async_eval(nxt)
+        mx.eval(pending)
+        pending = nxt
+        times.append(time.perf_counter() - t)
+    mx.eval(pending)
+    return 1e3 * statistics.median(times[3:])
+
+
+def host_ms(build, steps: int) -> float:
+    """Median ms to build one step's graph (no evaluation counted)."""
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        out = build()
+        times.append(time.perf_counter() - t)
+        mx.eval(out)
+    return 1e3 * statistics.median(times)
+
+
 def measured(fn):
     """(result, seconds, peak bytes) of fn(), which must evaluate what it returns."""
     mx.synchronize()
@@ -98,6 +127,12 @@ def kvfn_prefill(fm, tokens, chunk, window=32):
     return states, scores
 
 
+def kvfn_plain_prefill(fm, tokens, chunk):
+    states = kvfn.prefill(fm, mx.array([tokens]), prefill_step_size=chunk)
+    mx.eval(kvfn.cache.arrays(states))
+    return states
+
+
 def prefill_rows(model, fm, lengths, chunks, weights, repeat=2):
     rows = []
     for L in lengths:
@@ -106,14 +141,16 @@ def prefill_rows(model, fm, lengths, chunks, weights, repeat=2):
             best = {}
             for _ in range(repeat):  # interleaved rounds; keep each side's best
                 for name, fn in (("mlx", lambda: mlx_prefill(model, tokens, chunk)),
-                                 ("kvfn", lambda: kvfn_prefill(fm, tokens, chunk))):  # fmt: skip
+                                 ("kvfn", lambda: kvfn_prefill(fm, tokens, chunk)),
+                                 ("plain", lambda: kvfn_plain_prefill(fm, tokens, chunk))):  # fmt: skip
                     out, s, peak = measured(fn)
                     del out
                     b = best.get(name, (1e9, 1e18))
                     best[name] = (min(b[0], s), min(b[1], peak - weights))
-            (ms, mm), (ks, km) = best["mlx"], best["kvfn"]
+            (ms, mm), (ks, km), (ps, pm) = best["mlx"], best["kvfn"], best["plain"]
             rows.append(dict(L=L, chunk=chunk, mlx_s=ms, mlx_gb=mm / 1e9, kvfn_s=ks,
-                             kvfn_gb=km / 1e9, time_ratio=ks / ms, mem_ratio=km / max(mm, 1)))  # fmt: skip
+                             kvfn_gb=km / 1e9, time_ratio=ks / ms, mem_ratio=km / max(mm, 1),
+                             plain_s=ps, plain_gb=pm / 1e9))  # fmt: skip
     return rows
 
 
@@ -162,17 +199,25 @@ def decode_rows(model, fm, lengths, budgets, chunk, steps, weights):
     rows = []
     token = mx.array([[1]])
 
-    def mlx_step(cache):
-        return lambda: mx.eval(model(token, cache=cache)[:, -1])
+    def mlx_build(cache):
+        return lambda: [model(token, cache=cache)[:, -1]]
 
-    def kvfn_step(states):
+    def kvfn_build(states):
         box = [states]
 
-        def step():
+        def build():
             logits, box[0] = fm.decode(token, box[0])
-            mx.eval(logits, kvfn.cache.arrays(box[0]))
+            return [logits, *kvfn.cache.arrays(box[0])]
 
-        return step
+        return build
+
+    def mlx_step(cache):
+        build = mlx_build(cache)
+        return lambda: mx.eval(build())
+
+    def kvfn_step(states):
+        build = kvfn_build(states)
+        return lambda: mx.eval(build())
 
     for L in lengths:
         tokens = mx.random.randint(0, VOCAB, (L,), key=mx.random.key(L + 2)).tolist()
@@ -190,15 +235,20 @@ def decode_rows(model, fm, lengths, budgets, chunk, steps, weights):
             states, result = kvfn.compact(fm, tokens, kvfn.SnapKV(budget=R),
                                           max_new_tokens=steps + 8, prefill_step_size=chunk)  # fmt: skip
             t_c = median_ms(kvfn_step(states), steps)
+            host_c = host_ms(kvfn_build(states), steps)
+            pipe_c = pipelined_ms(kvfn_build(states), steps)
             t_interop = median_ms(mlx_step(kvfn.to_mlx_cache(states)), steps)
             del states
             small = mlx_prefill(model, tokens[:R], chunk)
             t_mlx_R = median_ms(mlx_step(small), steps)
+            host_R = host_ms(mlx_build(small), steps)
+            pipe_R = pipelined_ms(mlx_build(small), steps)
             del small
             kept_kv = result.total_bytes_after
             rows.append(dict(
                 L=L, R=R, mlx_full_ms=t_mlx_full, mlx_R_ms=t_mlx_R, kvfn_R_ms=t_c,
-                kvfn_full_ms=t_full, mlx_interop_ms=t_interop,
+                kvfn_full_ms=t_full, mlx_interop_ms=t_interop, kvfn_R_host_ms=host_c,
+                mlx_R_host_ms=host_R, kvfn_R_pipelined_ms=pipe_c, mlx_R_pipelined_ms=pipe_R,
                 kvfn_R_vs_mlx_R=t_c / t_mlx_R, kvfn_full_vs_mlx_full=t_full / t_mlx_full,
                 speedup_kvfn=t_mlx_full / t_c, speedup_interop=t_mlx_full / t_interop,
                 kept_kv_mb=kept_kv / 1e6, full_kv_mb=full_kv / 1e6,
@@ -209,12 +259,12 @@ def decode_rows(model, fm, lengths, budgets, chunk, steps, weights):
 
 def markdown(result: dict) -> str:
     out = ["prefill (seconds / GB peak above the weights)", "",
-           "| L | chunk | mlx-lm s / GB | kvfn scored s / GB | time ratio | memory ratio |",
-           "|---|---|---|---|---|---|"]  # fmt: skip
+           "| L | chunk | mlx-lm s / GB | kvfn scored s / GB | time ratio | memory ratio | kvfn unscored s / GB |",
+           "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in result["prefill"]:
         out.append(f"| {r['L']} | {r['chunk']} | {r['mlx_s']:.3f} / {r['mlx_gb']:.2f} | "
                    f"{r['kvfn_s']:.3f} / {r['kvfn_gb']:.2f} | {r['time_ratio']:.2f} | "
-                   f"{r['mem_ratio']:.2f} |")  # fmt: skip
+                   f"{r['mem_ratio']:.2f} | {r['plain_s']:.3f} / {r['plain_gb']:.2f} |")  # fmt: skip
     out += ["", "eviction after prefill, to the first decoded token (ms)", "",
             "| L | R | compiled compact_states | eager, checked | saved |", "|---|---|---|---|---|"]  # fmt: skip
     for r in result["evict"]:
@@ -228,6 +278,13 @@ def markdown(result: dict) -> str:
                    f"{r['kvfn_R_ms']:.2f} | {r['kvfn_full_ms']:.2f} | {r['mlx_interop_ms']:.2f} | "
                    f"{r['kvfn_R_vs_mlx_R']:.2f} | {r['kvfn_full_vs_mlx_full']:.2f} | "
                    f"{r['speedup_kvfn']:.2f} | {r['speedup_interop']:.2f} | {r['byte_bound']:.2f} |")  # fmt: skip
+    out += ["", "decode over R rows: host graph building, and steps pipelined with async_eval (ms)", "",
+            "| L -> R | mlx-lm host | kvfn host | mlx-lm pipelined | kvfn pipelined | kvfn / mlx-lm pipelined |",
+            "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in result["decode"]:
+        out.append(f"| {r['L']} -> {r['R']} | {r['mlx_R_host_ms']:.2f} | {r['kvfn_R_host_ms']:.2f} | "
+                   f"{r['mlx_R_pipelined_ms']:.2f} | {r['kvfn_R_pipelined_ms']:.2f} | "
+                   f"{r['kvfn_R_pipelined_ms'] / r['mlx_R_pipelined_ms']:.2f} |")  # fmt: skip
     return "\n".join(out)
 
 

@@ -355,8 +355,9 @@ class FunctionalModel:
         return compiled
 
     @staticmethod
-    def _signature(tokens, flat, static, scores=()) -> tuple:
-        arrays = [a for f in flat for a in f.values()] + list(scores)
+    def _signature(tokens, states, static, scores=()) -> tuple:
+        # positions, offset and rows take their shapes and dtypes from keys by construction
+        arrays = [a for s in states for a in (s.keys, s.values)] + list(scores)
         return (tokens.shape, static, tuple((a.shape, a.dtype) for a in arrays))
 
     def step(self, tokens, states) -> tuple:
@@ -371,7 +372,7 @@ class FunctionalModel:
             logits, out, _ = self._run(tokens, states_in)
             return logits[:, -1], [kv.flatten(s)[0] for s in out]
 
-        fn = self._compiled_step(("step", self._signature(tokens, flat, static)), run)
+        fn = self._compiled_step(("step", self._signature(tokens, states, static)), run)
         logits, out = fn(tokens, list(flat))
         n = tokens.shape[1]
         return logits, tuple(
@@ -398,7 +399,7 @@ class FunctionalModel:
             flat_out = [kv.flatten(s)[0] for s in out]
             return logits[:, -1], flat_out, list(self._scores_out(adapters, scores))
 
-        key = ("scored", queries, self._signature(tokens, flat, static, scores))
+        key = ("scored", queries, self._signature(tokens, states, static, scores))
         logits, out, new_scores = self._compiled_step(key, run)(tokens, list(flat), list(scores))
         n = tokens.shape[1]
         new_states = tuple(
