@@ -156,14 +156,24 @@ def update(state: State, keys: mx.array, values: mx.array) -> State:
     chex.assert_shape(values, (*state.values.shape[:2], keys.shape[2], state.values.shape[3]))
     n = keys.shape[2]
     bound = _grown_bound(state, n)
-    if state.static_rows is not None:
-        return _update_dense(state, keys, values, bound)
-    slots = state.rows + mx.arange(n, dtype=mx.int32)
-    positions = state.offset[:, None, None] + mx.arange(n, dtype=mx.int32)
+    r = state.static_rows
+    if r is not None:  # a plain cache: static slots, which reuse the buffer
+        positions = mx.broadcast_to(mx.arange(r, r + n, dtype=mx.int32), (*keys.shape[:2], n))
+
+        def write(buffer, rows):
+            return _write(buffer, rows, r)
+
+    else:
+        slots = state.rows + mx.arange(n, dtype=mx.int32)
+        positions = state.offset[:, None, None] + mx.arange(n, dtype=mx.int32)
+
+        def write(buffer, rows):
+            return _scatter(buffer, rows, slots)
+
     return state.replace(
-        keys=_scatter(state.keys, keys, slots),
-        values=_scatter(state.values, values, slots),
-        positions=_scatter(state.positions, positions, slots),
+        keys=write(state.keys, keys),
+        values=write(state.values, values),
+        positions=write(state.positions, positions),
         offset=state.offset + n,
         rows=state.rows + n,
         max_rows=bound,
@@ -183,21 +193,6 @@ def _write(buffer: mx.array, rows: mx.array, start: int) -> mx.array:
     out = mx.array(buffer)  # a new handle: the input state's array is left as it was
     out[:, :, start : start + rows.shape[2]] = rows.astype(buffer.dtype)
     return out
-
-
-def _update_dense(state: State, keys: mx.array, values: mx.array, bound: int) -> State:
-    """``update`` at static slots: the write can reuse the buffer (no copy) once nothing else
-    holds the old state."""
-    r, n = state.max_rows, keys.shape[2]
-    positions = mx.broadcast_to(mx.arange(r, r + n, dtype=mx.int32), (*keys.shape[:2], n))
-    return state.replace(
-        keys=_write(state.keys, keys, r),
-        values=_write(state.values, values, r),
-        positions=_write(state.positions, positions, r),
-        offset=state.offset + n,
-        rows=state.rows + n,
-        max_rows=bound,
-    )
 
 
 @typechecked
