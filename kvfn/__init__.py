@@ -11,7 +11,7 @@ from .blas import use_openblas
 use_openblas()  # before mlx.core is imported anywhere below
 
 from . import cache  # noqa: E402
-from .baselines import RandomRows, StreamingLLM  # noqa: E402
+from .baselines import ChunkKV, RandomRows, StreamingLLM  # noqa: E402
 from .cache import (  # noqa: E402
     EMPTY,
     PositionPreservingKVCache,
@@ -68,6 +68,7 @@ __all__ = [
     "SnapKV",
     "StreamingLLM",
     "RandomRows",
+    "ChunkKV",
     "parse_policy",
     "register_policy",
     "snapkv_keep_indices",

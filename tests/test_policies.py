@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvfn
-from kvfn import FunctionalModel, Policy, RandomRows, SnapKV, StreamingLLM, parse_policy
+from kvfn import ChunkKV, FunctionalModel, Policy, RandomRows, SnapKV, StreamingLLM, parse_policy
 from tests.tiny import tiny_model
 
 
@@ -30,6 +30,7 @@ POLICIES = [
     SnapKV(budget=20, window=6, sink_tokens=3, per_head=False, pooling="avg", kernel_size=5),
     StreamingLLM(budget=20, sink_tokens=3),
     RandomRows(budget=20, window=6, sink_tokens=3, seed=5),
+    ChunkKV(budget=20, window=6, sink_tokens=3, chunk_size=4),
     EveryOther(budget=20, window=6, sink_tokens=3),
 ]
 IDS = [repr(p) for p in POLICIES]
@@ -157,3 +158,15 @@ def test_random_middle_rows_are_uniform():
     middle = counts[:190]
     assert abs(middle.mean() - 40 * 4 * 50 / 190) < 1e-9
     assert middle.min() > 0.5 * middle.mean() and middle.max() < 1.5 * middle.mean()
+
+
+def test_chunkkv_keeps_whole_chunks_by_summed_score():
+    s = np.zeros((1, 2, 40))
+    s[0, :, 13] = 5.0  # one strong row in chunk 12-15
+    s[0, :, 24:28] = 1.5  # a chunk (24-27) strong in sum: 6 > 5
+    p = ChunkKV(budget=14, window=4, sink_tokens=2, chunk_size=4)
+    idx = np.array(p.keep_indices(mx.array(s, mx.float32), prompt_length=40, n_kv_heads=1))
+    assert idx[0, 0].tolist() == [0, 1, 12, 13, 14, 15, 24, 25, 26, 27, 36, 37, 38, 39]
+    assert parse_policy("chunkkv-c10", budget=64) == ChunkKV(budget=64, chunk_size=10)
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        ChunkKV(budget=64, chunk_size=0)
