@@ -170,12 +170,13 @@ def layer_windows(model: nn.Module) -> tuple[Optional[int], ...]:
     return tuple(windows)
 
 
-def _path_to(module: nn.Module, target, path=()) -> Optional[tuple]:
+def _path_to(module: nn.Module, first, path=()) -> Optional[tuple]:
+    """Keys from ``module`` to the list holding the layer ``first``."""
     for key, child in module.items():
-        if child is target:
+        if isinstance(child, list) and any(x is first for x in child):
             return (*path, key)
         if isinstance(child, nn.Module):
-            found = _path_to(child, target, (*path, key))
+            found = _path_to(child, first, (*path, key))
             if found:
                 return found
     return None
@@ -183,15 +184,18 @@ def _path_to(module: nn.Module, target, path=()) -> Optional[tuple]:
 
 def _own_copy(model: nn.Module, wrap_layer) -> nn.Module:
     """A shallow copy of ``model`` down to its layers list, whose layers are ``wrap_layer``'s
-    copies; every module not on that path (and so every weight) is shared."""
-    path = _path_to(model, model.layers)
+    copies; every module not on that path (and so every weight) is shared. ``model.layers`` may
+    be a slice of the stored list (mlx-lm's pipeline models): its layers are found by identity."""
+    layers = list(model.layers)
+    path = _path_to(model, layers[0]) if layers else None
     if path is None:
         raise TypeError(f"kvfn cannot find the layers list of {type(model).__name__}")
     root = node = copy.copy(model)
     for key in path[:-1]:
         node[key] = copy.copy(node[key])
         node = node[key]
-    node[path[-1]] = [wrap_layer(i, layer) for i, layer in enumerate(model.layers)]
+    wrapped = {id(layer): wrap_layer(i, layer) for i, layer in enumerate(layers)}
+    node[path[-1]] = [wrapped.get(id(x), x) for x in node[path[-1]]]
     return root
 
 

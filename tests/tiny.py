@@ -9,6 +9,8 @@ COMMON = dict(hidden_size=64, intermediate_size=128, rms_norm_eps=1e-5, vocab_si
 FAMILIES = {
     "llama": dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                   rope_theta=10000.0, rope_traditional=True),
+    "qwen2": dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  rope_theta=10000.0, tie_word_embeddings=False),  # layers is a pipeline slice
     "qwen3": dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=10000.0),
     "gemma2": dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
