@@ -159,24 +159,30 @@ def update(state: State, keys: mx.array, values: mx.array) -> State:
     r = state.static_rows
     if r is not None:  # a plain cache: static slots, which reuse the buffer
         positions = mx.broadcast_to(mx.arange(r, r + n, dtype=mx.int32), (*keys.shape[:2], n))
+        return state.replace(
+            keys=_write(state.keys, keys, r),
+            values=_write(state.values, values, r),
+            positions=_write(state.positions, positions, r),
+            offset=state.offset + n,
+            rows=state.rows + n,
+            max_rows=bound,
+        )
+    slots = state.rows + mx.arange(n, dtype=mx.int32)
+    positions = state.offset[:, None, None] + mx.arange(n, dtype=mx.int32)
+    return append_at(state, keys, values, slots, positions, state.offset + n, state.rows + n, bound)
 
-        def write(buffer, rows):
-            return _write(buffer, rows, r)
 
-    else:
-        slots = state.rows + mx.arange(n, dtype=mx.int32)
-        positions = state.offset[:, None, None] + mx.arange(n, dtype=mx.int32)
-
-        def write(buffer, rows):
-            return _scatter(buffer, rows, slots)
-
+def append_at(state: State, keys, values, slots, positions, offset, rows, max_rows=None) -> State:
+    """``update`` with its derived arrays given: the slots (n,) and true positions (B, 1, n) of
+    the new rows, and the new ``offset`` and ``rows``. Layers that move in lockstep share them
+    (``FunctionalModel`` computes them once a call, not once a layer)."""
     return state.replace(
-        keys=write(state.keys, keys),
-        values=write(state.values, values),
-        positions=write(state.positions, positions),
-        offset=state.offset + n,
-        rows=state.rows + n,
-        max_rows=bound,
+        keys=_scatter(state.keys, keys, slots),
+        values=_scatter(state.values, values, slots),
+        positions=_scatter(state.positions, positions, slots),
+        offset=offset,
+        rows=rows,
+        max_rows=max_rows,
     )
 
 

@@ -46,9 +46,29 @@ class QuerySlice:
 
 
 class _Call:
-    """What the layers of one forward call share: whether the model asked for array masks."""
+    """What the layers of one forward call share: whether the model asked for array masks, and
+    for layers in lockstep (packed, full attention, equal rows and capacity: the host knew it
+    before the call) the new rows' slots, positions, offset, rows and mask, computed once."""
 
-    return_array = False
+    def __init__(self, lockstep: bool = False):
+        self.return_array, self.lockstep = False, lockstep
+        self.shared: dict = {}
+
+    def in_lockstep(self, state: kv.State) -> bool:
+        return self.lockstep and state.packed and state.sliding_window is None
+
+    def derived(self, state: kv.State, n: int) -> dict:
+        """The arrays every lockstep layer derives alike, from the first one that asks."""
+        if n not in self.shared:
+            arange = mx.arange(n, dtype=mx.int32)
+            self.shared[n] = dict(
+                slots=state.rows + arange,
+                positions=state.offset[:, None, None] + arange,
+                offset=state.offset + n,
+                rows=state.rows + n,
+                mask=kv.packed_mask(state, n),
+            )
+        return self.shared[n]
 
 
 class _LayerAdapter:
@@ -75,6 +95,8 @@ class _LayerAdapter:
             if w is None and not self.call.return_array:
                 return "causal" if n > 1 else None
             return create_causal_mask(n, offset=r, window_size=w)
+        if self.call.in_lockstep(self.state):
+            return self.call.derived(self.state, n)["mask"]
         if self.state.packed and self.state.sliding_window is None:
             return kv.packed_mask(self.state, n)
         after = self.state.replace(
@@ -86,7 +108,12 @@ class _LayerAdapter:
 
     def update_and_fetch(self, keys, values):
         before, r = self.state.offset, self.state.static_rows
-        self.state = kv.update(self.state, keys, values)
+        if r is None and self.call.in_lockstep(self.state):
+            d = self.call.derived(self.state, keys.shape[2])
+            self.state = kv.append_at(self.state, keys, values, d["slots"], d["positions"],
+                                      d["offset"], d["rows"])  # fmt: skip
+        else:
+            self.state = kv.update(self.state, keys, values)
         if self.query_slice is not None:
             if self.queries is None:
                 raise RuntimeError("kvfn could not read this layer's queries (no rope call seen)")
@@ -302,8 +329,16 @@ class FunctionalModel:
         return tokens, tuple(grown(s, tokens.shape[1]) for s in states)
 
     # -- the pure forward pass ----------------------------------------------------------------
-    def _run(self, tokens, states, scores=None, queries: Optional[QuerySlice] = None):
-        adapters, call = [], _Call()
+    @staticmethod
+    def _lockstep(states) -> bool:
+        """Whether every packed full-attention layer holds the same rows and capacity (known on
+        the host: a packed state's row count is exact)."""
+        group = {(s.max_rows, s.capacity) for s in states if s.packed and s.sliding_window is None}
+        return len(group) == 1 and None not in next(iter(group))
+
+    def _run(self, tokens, states, scores=None, queries=None, lockstep=None):
+        lockstep = self._lockstep(states) if lockstep is None else lockstep
+        adapters, call = [], _Call(lockstep)
         for i, state in enumerate(states):
             scored = queries is not None and self.sliding_windows[i] is None
             adapters.append(_LayerAdapter(state, self.n_heads[i], call, self.scales[i],
@@ -370,13 +405,15 @@ class FunctionalModel:
         per capacity, and capacities grow in buckets."""
         tokens, states = self._prepare(tokens, states)
         flat, static = zip(*(kv.flatten(s) for s in states))
+        lockstep = self._lockstep(states)
 
         def run(tokens, flat):
             states_in = tuple(map(kv.unflatten, flat, static))
-            logits, out, _ = self._run(tokens, states_in)
+            logits, out, _ = self._run(tokens, states_in, lockstep=lockstep)
             return logits[:, -1], [kv.flatten(s)[0] for s in out]
 
-        fn = self._compiled_step(("step", self._signature(tokens, states, static)), run)
+        key = ("step", lockstep, self._signature(tokens, states, static))
+        fn = self._compiled_step(key, run)
         logits, out = fn(tokens, list(flat))
         n = tokens.shape[1]
         return logits, tuple(
@@ -396,14 +433,15 @@ class FunctionalModel:
         """Compiled ``scored_forward``: (logits of the last position, states, scores)."""
         tokens, states, scores = self._prepare_scored(tokens, states, scores, queries)
         flat, static = zip(*(kv.flatten(s) for s in states))
+        lockstep = self._lockstep(states)
 
         def run(tokens, flat, scores):
             states_in = tuple(map(kv.unflatten, flat, static))
-            logits, out, adapters = self._run(tokens, states_in, scores, queries)
+            logits, out, adapters = self._run(tokens, states_in, scores, queries, lockstep)
             flat_out = [kv.flatten(s)[0] for s in out]
             return logits[:, -1], flat_out, list(self._scores_out(adapters, scores))
 
-        key = ("scored", queries, self._signature(tokens, states, static, scores))
+        key = ("scored", queries, lockstep, self._signature(tokens, states, static, scores))
         logits, out, new_scores = self._compiled_step(key, run)(tokens, list(flat), list(scores))
         n = tokens.shape[1]
         new_states = tuple(

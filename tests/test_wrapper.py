@@ -9,6 +9,7 @@ from mlx_lm import generate
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvfn import cache as kv
+import kvfn
 from kvfn import compact_prompt_cache, prefill, scored_prefill
 from kvfn import FunctionalModel
 from tests.tiny import FAMILIES, tiny_model
@@ -204,3 +205,26 @@ def test_dense_prefill_equals_the_general_path(family):
     la, _ = fm.forward(mx.array([[5]]), fast)
     lb, _ = fm.forward(mx.array([[5]]), slow)
     assert mx.abs(la - lb).max().item() < 1e-4
+
+
+def test_layers_of_unequal_rows_do_not_share_lockstep_arrays():
+    """Packed layers share one slot/position/mask computation only when their rows are equal;
+    per-layer budgets (unequal rows) still decode exactly (the oracle)."""
+    fm = FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(5).integers(0, 97, 41).tolist()
+    full = prefill(fm, mx.array([ids[:-1]]), capacity=48)
+    rng = np.random.default_rng(6)
+    keep = [mx.array(np.sort(np.stack([rng.choice(40, k, replace=False) for _ in range(2)]))[None])
+            for k in (10, 17, 25)]  # fmt: skip
+    states, _ = kvfn.evict_prompt_cache(full, keep)
+    states = tuple(kv.reserve(s, s.capacity + 4) for s in states)
+    assert all(s.packed for s in states) and not fm._lockstep(states)
+    compacted, _ = compact_prompt_cache(fm, ids, budget=16, window=4, max_new_tokens=2)
+    assert fm._lockstep(compacted)
+    restricted = tuple(kv.restrict(f, k) for f, k in zip(full, keep))
+    token = mx.array([[ids[-1]]])
+    for _ in range(3):
+        a, states = fm.decode(token, states)
+        b, restricted = fm.decode(token, restricted)
+        assert mx.abs(a - b).max().item() < TOL
+        token = greedy(a)
