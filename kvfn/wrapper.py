@@ -7,10 +7,11 @@ a short-lived adapter that speaks mlx-lm's cache protocol (``offset``, ``update_
 
 The wrapper runs its own copy of the model's module tree down to the attention modules; every
 other module, and so every weight, is shared with the caller's model. Its attention modules are
-wrapped once, at construction: each is called with its own layer's mask (per layer and per KV
-head, from true positions) instead of the one mask an mlx-lm model builds from a single layer,
-and its ``rope`` is tapped so a scored call reads the queries after RoPE. The caller's model is
-never modified.
+wrapped once, at construction: each is called with its own layer's mask instead of the one
+mask an mlx-lm model builds from a single layer (none or "causal" for a dense state, as mlx-lm;
+a slot mask for a packed one, computed once for the layers in lockstep; otherwise per KV head
+from true positions), and its ``rope`` is tapped so a scored call reads the queries after
+RoPE. The caller's model is never modified.
 
 ``step`` / ``scored_step`` / ``decode`` are the ``mx.compile``'d versions. They take the
 model's parameters as inputs, so a weight changed after a trace is seen by the next call.
