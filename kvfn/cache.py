@@ -167,15 +167,24 @@ def update(state: State, keys: mx.array, values: mx.array) -> State:
             rows=state.rows + n,
             max_rows=bound,
         )
-    slots = state.rows + mx.arange(n, dtype=mx.int32)
-    positions = state.offset[:, None, None] + mx.arange(n, dtype=mx.int32)
-    return append_at(state, keys, values, slots, positions, state.offset + n, state.rows + n, bound)
+    return append_at(state, keys, values, **appended(state, n), max_rows=bound)
 
 
-def append_at(state: State, keys, values, slots, positions, offset, rows, max_rows=None) -> State:
-    """``update`` with its derived arrays given: the slots (n,) and true positions (B, 1, n) of
-    the new rows, and the new ``offset`` and ``rows``. Layers that move in lockstep share them
-    (``FunctionalModel`` computes them once a call, not once a layer)."""
+def appended(state: State, n: int) -> dict:
+    """What appending ``n`` rows derives from ``rows`` and ``offset``: the slots (n,) and true
+    positions (B, 1, n) of the new rows, and the new ``offset`` and ``rows``."""
+    arange = mx.arange(n, dtype=mx.int32)
+    return dict(
+        slots=state.rows + arange,
+        positions=state.offset[:, None, None] + arange,
+        offset=state.offset + n,
+        rows=state.rows + n,
+    )
+
+
+def append_at(state: State, keys, values, *, slots, positions, offset, rows, max_rows=None):
+    """``update`` with the ``appended`` arrays given, so layers that move in lockstep share one
+    computation of them (``FunctionalModel`` does it once a call, not once a layer)."""
     return state.replace(
         keys=_scatter(state.keys, keys, slots),
         values=_scatter(state.values, values, slots),

@@ -58,17 +58,11 @@ class _Call:
     def in_lockstep(self, state: kv.State) -> bool:
         return self.lockstep and state.packed and state.sliding_window is None
 
-    def derived(self, state: kv.State, n: int) -> dict:
-        """The arrays every lockstep layer derives alike, from the first one that asks."""
+    def derived(self, state: kv.State, n: int) -> tuple:
+        """``kv.appended`` and ``kv.packed_mask``, which every lockstep layer derives alike, from
+        the first one that asks."""
         if n not in self.shared:
-            arange = mx.arange(n, dtype=mx.int32)
-            self.shared[n] = dict(
-                slots=state.rows + arange,
-                positions=state.offset[:, None, None] + arange,
-                offset=state.offset + n,
-                rows=state.rows + n,
-                mask=kv.packed_mask(state, n),
-            )
+            self.shared[n] = (kv.appended(state, n), kv.packed_mask(state, n))
         return self.shared[n]
 
 
@@ -97,7 +91,7 @@ class _LayerAdapter:
                 return "causal" if n > 1 else None
             return create_causal_mask(n, offset=r, window_size=w)
         if self.call.in_lockstep(self.state):
-            return self.call.derived(self.state, n)["mask"]
+            return self.call.derived(self.state, n)[1]
         if self.state.packed and self.state.sliding_window is None:
             return kv.packed_mask(self.state, n)
         after = self.state.replace(
@@ -110,9 +104,8 @@ class _LayerAdapter:
     def update_and_fetch(self, keys, values):
         before, r = self.state.offset, self.state.static_rows
         if r is None and self.call.in_lockstep(self.state):
-            d = self.call.derived(self.state, keys.shape[2])
-            self.state = kv.append_at(self.state, keys, values, d["slots"], d["positions"],
-                                      d["offset"], d["rows"])  # fmt: skip
+            new_rows = self.call.derived(self.state, keys.shape[2])[0]
+            self.state = kv.append_at(self.state, keys, values, **new_rows)
         else:
             self.state = kv.update(self.state, keys, values)
         if self.query_slice is not None:
@@ -405,21 +398,7 @@ class FunctionalModel:
         Traced once per signature (shapes, dtypes, static layout): a decode loop traces once
         per capacity, and capacities grow in buckets."""
         tokens, states = self._prepare(tokens, states)
-        flat, static = zip(*(kv.flatten(s) for s in states))
-        lockstep = self._lockstep(states)
-
-        def run(tokens, flat):
-            states_in = tuple(map(kv.unflatten, flat, static))
-            logits, out, _ = self._run(tokens, states_in, lockstep=lockstep)
-            return logits[:, -1], [kv.flatten(s)[0] for s in out]
-
-        key = ("step", lockstep, self._signature(tokens, states, static))
-        fn = self._compiled_step(key, run)
-        logits, out = fn(tokens, list(flat))
-        n = tokens.shape[1]
-        return logits, tuple(
-            kv.unflatten(o, st, s.max_rows + n, s.dense) for o, st, s in zip(out, static, states)
-        )
+        return self._compiled_call(tokens, states)[:2]
 
     def decode(self, tokens, states) -> tuple:
         """``step`` for one new token per sequence: tokens (B, 1)."""
@@ -433,17 +412,21 @@ class FunctionalModel:
     def scored_step(self, tokens, states, scores, queries: QuerySlice) -> tuple:
         """Compiled ``scored_forward``: (logits of the last position, states, scores)."""
         tokens, states, scores = self._prepare_scored(tokens, states, scores, queries)
+        return self._compiled_call(tokens, states, scores, queries)
+
+    def _compiled_call(self, tokens, states, scores=(), queries=None) -> tuple:
         flat, static = zip(*(kv.flatten(s) for s in states))
         lockstep = self._lockstep(states)
 
         def run(tokens, flat, scores):
             states_in = tuple(map(kv.unflatten, flat, static))
             logits, out, adapters = self._run(tokens, states_in, scores, queries, lockstep)
-            flat_out = [kv.flatten(s)[0] for s in out]
-            return logits[:, -1], flat_out, list(self._scores_out(adapters, scores))
+            new_scores = self._scores_out(adapters, scores) if queries is not None else ()
+            return logits[:, -1], [kv.flatten(s)[0] for s in out], list(new_scores)
 
-        key = ("scored", queries, lockstep, self._signature(tokens, states, static, scores))
-        logits, out, new_scores = self._compiled_step(key, run)(tokens, list(flat), list(scores))
+        key = (queries, lockstep, self._signature(tokens, states, static, scores))
+        fn = self._compiled_step(key, run)
+        logits, out, new_scores = fn(tokens, list(flat), list(scores))
         n = tokens.shape[1]
         new_states = tuple(
             kv.unflatten(o, st, s.max_rows + n, s.dense) for o, st, s in zip(out, static, states)

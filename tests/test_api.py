@@ -179,14 +179,12 @@ def test_a_weight_changed_after_tracing_is_seen_by_decode():
     token = mx.array([[3]])
     before, _ = fm.decode(token, states)
     traces = fm.traces
-    w = model.lm_head.weight if "lm_head" in model else model.model.embed_tokens.weight
     model.update({"model": {"norm": {"weight": model.model.norm.weight * 0 + 2.0}}})
     after, _ = fm.decode(token, states)
     eager, _ = fm.forward(token, states)
     assert fm.traces == traces  # the same compiled step, new weights
     assert mx.abs(after - before).max().item() > 1e-3
     assert mx.abs(after - eager[:, -1]).max().item() < 1e-5
-    assert w is not None
 
 
 def test_wrapping_leaves_the_model_alone_and_wrappers_apart():
