@@ -226,7 +226,7 @@ def decode_rows(model, fm, lengths, budgets, chunk, steps, weights):
         del cache
         full = kvfn.prefill(fm, mx.array([tokens[:-1]]), capacity=L + steps + 8,
                             prefill_step_size=chunk)  # fmt: skip
-        full_kv = sum(kvfn.evict.stored_bytes(s, L - 1) for s in full)
+        full_kv = sum(kvfn.eviction.stored_bytes(s, L - 1) for s in full)
         t_full = median_ms(kvfn_step(full), steps)
         del full
         for R in budgets:

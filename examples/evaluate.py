@@ -4,7 +4,7 @@
 
 Per sample the context is prefilled once; every method and question reuses that state. Methods:
 full; any policy name kvfn.parse_policy takes (snapkv, snapkv-k15-avg-layer, streaming, random,
-...: evict to a budget of rows); kvB (mlx-lm KV quantization to B bits, every row kept);
+...: evict to a budget of rows; duo-r25 with --head-pattern: DuoAttention, 25% retrieval heads); kvB (mlx-lm KV quantization to B bits, every row kept);
 POLICY+kvB (evict, then quantize, keeping as many rows as fit in the budget's bytes). Writes OUT.json (records + summary; rewritten after every sample), OUT.md
 (tables) and OUT-MODE-LENGTH.png. --merge a.json b.json makes them from earlier runs' records.
 """
@@ -43,6 +43,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=32, help="SnapKV observation window")
     p.add_argument("--sink-tokens", type=int, default=4)
     p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--head-pattern", help="a DuoAttention pattern folder or .tsv, for duo "
+                   "methods (duo-r25: 25%% of KV heads retrieve; make one with `kvfn heads`)")  # fmt: skip
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                    help="cast the model's floating-point weights (and so its KV cache)")  # fmt: skip
     p.add_argument("--out", default="eval", help="output path prefix (default: ./eval)")
@@ -84,8 +86,10 @@ def run(args) -> dict:
     model, tokenizer = kvfn_models.load(args.model)
     if args.dtype:
         model.set_dtype(getattr(mx, args.dtype))
+    pattern = kvfn.HeadPattern.load(args.head_pattern) if args.head_pattern else None
     ev = Evaluator(model, tokenizer, window=args.window, sink_tokens=args.sink_tokens,
-                   prefill_step_size=args.prefill_step_size, seed=args.seed)  # fmt: skip
+                   prefill_step_size=args.prefill_step_size, seed=args.seed,
+                   head_pattern=pattern)  # fmt: skip
     count = token_counter(tokenizer)
     records, t0 = [], time.perf_counter()
     for length in args.lengths:

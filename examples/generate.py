@@ -93,21 +93,32 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0,
         help="prompts this short are never compacted",
     )
+    duo = p.add_argument_group("DuoAttention (--kv-eviction duo, or duo-snapkv to compress retrieval heads to --kv-budget)")
+    duo.add_argument("--kv-head-pattern", help="a DuoAttention pattern folder or .tsv (make one with `kvfn heads`)")
+    duo.add_argument("--kv-retrieval-ratio", type=probability, default=0.5,
+                     help="fraction of KV heads that keep the long context")  # fmt: skip
+    duo.add_argument("--kv-sink-size", type=non_negative_int, help="streaming heads' sink rows (default: the pattern's)")
+    duo.add_argument("--kv-recent-size", type=positive_int, help="streaming heads' recent rows (default: the pattern's)")
     args = p.parse_args(argv)
     if args.top_k < 0:
         p.error(f"argument --top-k: must be >= 0, got {args.top_k}")
     args.policy = None
     if args.kv_eviction != "none":
-        if args.kv_budget < args.kv_sink_tokens + args.kv_window:
-            p.error(
-                f"argument --kv-budget: {args.kv_budget} is below --kv-sink-tokens + --kv-window "
-                f"= {args.kv_sink_tokens} + {args.kv_window}"
-            )
-        try:
-            args.policy = kvfn.parse_policy(
-                args.kv_eviction, budget=args.kv_budget, window=args.kv_window,
-                sink_tokens=args.kv_sink_tokens, min_tokens=args.kv_min_tokens,
+        settings = dict(budget=args.kv_budget, window=args.kv_window,
+                        sink_tokens=args.kv_sink_tokens, min_tokens=args.kv_min_tokens)  # fmt: skip
+        if args.kv_head_pattern is not None:
+            try:
+                pattern = kvfn.HeadPattern.load(args.kv_head_pattern)
+            except (FileNotFoundError, ValueError) as e:
+                p.error(f"argument --kv-head-pattern: {e}")
+            settings.update(
+                pattern=pattern, ratio=round(100 * args.kv_retrieval_ratio),
+                sink_tokens=pattern.sink_size if args.kv_sink_size is None else args.kv_sink_size,
+                recent=args.kv_recent_size or pattern.recent_size,
             )  # fmt: skip
+        try:
+            args.policy = kvfn.parse_policy(args.kv_eviction, **settings)
+            getattr(args.policy, "heads", None)  # a duo policy without a pattern says so now
         except ValueError as e:
             p.error(f"argument --kv-eviction: {e}")
     elif args.compare:
@@ -157,36 +168,74 @@ def compact(fm, tokens: list[int], args) -> tuple:
     start = time.perf_counter()
     states, result = kvfn.compact(fm, tokens, args.policy, max_new_tokens=args.max_tokens,
                                   prefill_step_size=args.prefill_step_size, progress=progress)  # fmt: skip
-    caches = kvfn.to_mlx_cache(states)  # reads the rows: the compaction has run
+    mx.eval(kvfn.tree.arrays(states))
     seconds = time.perf_counter() - start
     report = {
         "prefill_tokens_per_s": round((len(tokens) - 1) / seconds, 1),
         "kv_rows_kept": f"{result.total_rows_after} / {result.total_rows_before}",
         "kv_bytes": f"{result.total_bytes_before / 1e6:.1f} MB -> {result.total_bytes_after / 1e6:.1f} MB",
     }
-    return mx.array(tokens[-1:]), {"prompt_cache": caches}, report
+    return states, report
+
+
+def kvfn_stream(fm, tokenizer, states, token: int, args, sampler):
+    """Decode with kvfn's compiled step (for states mlx-lm cannot hold: per-head groups)."""
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    start, n = time.perf_counter(), 0
+    token = mx.array([[token]])
+    for n in range(1, args.max_tokens + 1):
+        logits, states = fm.decode(token, states)
+        token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[:, None]
+        t = token.item()
+        if t in tokenizer.eos_token_ids:
+            break
+        detokenizer.add_token(t)
+        yield detokenizer.last_segment, None
+    detokenizer.finalize()
+    yield detokenizer.last_segment, {"generated_tokens": n,
+                                     "decode_tokens_per_s": round(n / (time.perf_counter() - start), 1)}  # fmt: skip
+
+
+def mlx_lm_stream(model, tokenizer, prompt, args, sampler, **extra):
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
+                                sampler=sampler, prefill_step_size=args.prefill_step_size,
+                                prompt_progress_callback=progress, **extra):  # fmt: skip
+        yield last.text, None
+    yield "", {"generated_tokens": last.generation_tokens,
+               "decode_tokens_per_s": round(last.generation_tps, 1),
+               "prefill_tokens_per_s": round(last.prompt_tps, 1)}  # fmt: skip
 
 
 def generate(model, tokenizer, tokens, args, sampler, fm=None) -> dict:
     """One generation (evicting when ``fm`` is given); prints the text unless --quiet."""
     mx.random.seed(args.seed)
     mx.reset_peak_memory()
-    text, last, eviction, prompt, extra = "", None, {}, tokens, {}
-    if fm is not None:
-        prompt, extra, eviction = compact(fm, tokens, args)
-    for last in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
-                                sampler=sampler, prefill_step_size=args.prefill_step_size,
-                                prompt_progress_callback=progress, **extra):  # fmt: skip
-        if not args.quiet:
+    text, eviction = "", {}
+    if fm is None:
+        stream = mlx_lm_stream(model, tokenizer, tokens, args, sampler)
+    else:
+        states, eviction = compact(fm, tokens, args)
+        if all(isinstance(s, kvfn.PositionPreservingKVCache) for s in states):
+            caches = kvfn.to_mlx_cache(states)  # mlx-lm decodes over the compacted rows
+            stream = mlx_lm_stream(model, tokenizer, mx.array(tokens[-1:]), args, sampler,
+                                   prompt_cache=caches)  # fmt: skip
+        else:
+            eviction["decoder"] = "kvfn (per-head groups)"
+            stream = kvfn_stream(fm, tokenizer, states, tokens[-1], args, sampler)
+    for piece, stats in stream:
+        if not args.quiet and piece:
             if not text:
                 print(file=sys.stderr)
-            print(last.text, end="", flush=True)
-        text += last.text
+            print(piece, end="", flush=True)
+        text += piece
+    prefill = eviction.pop("prefill_tokens_per_s", None) or stats.pop("prefill_tokens_per_s")
+    stats.pop("prefill_tokens_per_s", None)
     return {
         "prompt_tokens": len(tokens),
-        "prefill_tokens_per_s": eviction.pop("prefill_tokens_per_s", round(last.prompt_tps, 1)),
-        "generated_tokens": last.generation_tokens,
-        "decode_tokens_per_s": round(last.generation_tps, 1),
+        "prefill_tokens_per_s": prefill,
+        **stats,
         "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3),
         **eviction,
         "text": text,

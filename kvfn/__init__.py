@@ -10,7 +10,7 @@ from .blas import use_openblas
 
 use_openblas()  # before mlx.core is imported anywhere below
 
-from . import cache  # noqa: E402
+from . import cache, partitioned, ring, tree  # noqa: E402
 from .baselines import ChunkKV, RandomRows, StreamingLLM  # noqa: E402
 from .cache import (  # noqa: E402
     EMPTY,
@@ -33,7 +33,8 @@ from .compact import (  # noqa: E402
     prefill,
     scored_prefill,
 )
-from .evict import EvictionResult, evict_prompt_cache  # noqa: E402
+from .duo import Duo, HeadPattern  # noqa: E402
+from .eviction import EvictionResult, evict_prompt_cache, evict_prompt_cache_by_head  # noqa: E402
 from .interop import (  # noqa: E402
     CompactedKVCache,
     QuantizedCompactedKVCache,
@@ -41,7 +42,9 @@ from .interop import (  # noqa: E402
     load_prompt_cache,
     to_mlx_cache,
 )
+from .partitioned import HeadPartitionedEvictionResult, HeadPartitionedKVCache  # noqa: E402
 from .policy import Policy, parse_policy, register_policy  # noqa: E402
+from .ring import StreamingRing  # noqa: E402
 from .scores import window_attention_scores  # noqa: E402
 from .snapkv import SnapKV, snapkv_keep_indices  # noqa: E402
 from .wrapper import FunctionalModel, QuerySlice  # noqa: E402
@@ -63,12 +66,20 @@ __all__ = [
     "mask",
     "reserve",
     "stack",
+    # per-head states (DuoAttention)
+    "HeadPartitionedKVCache",
+    "StreamingRing",
+    "partitioned",
+    "ring",
+    "tree",
     # policies
     "Policy",
     "SnapKV",
     "StreamingLLM",
     "RandomRows",
     "ChunkKV",
+    "Duo",
+    "HeadPattern",
     "parse_policy",
     "register_policy",
     "snapkv_keep_indices",
@@ -83,6 +94,8 @@ __all__ = [
     "compact_prompt_cache",
     "evict_prompt_cache",
     "EvictionResult",
+    "evict_prompt_cache_by_head",
+    "HeadPartitionedEvictionResult",
     # mlx-lm interop
     "CompactedKVCache",
     "QuantizedCompactedKVCache",

@@ -12,7 +12,8 @@ import mlx.core as mx
 from typeguard import typechecked
 
 from . import cache as kv
-from .evict import EvictionResult, result_of
+from . import tree
+from .eviction import EvictionResult, result_of
 from .policy import Policy
 from .snapkv import SnapKV
 from .wrapper import FunctionalModel, QuerySlice
@@ -52,7 +53,7 @@ def _loop(fmodel, tokens, states, scores, window, prefill_step_size, progress, c
             # the next write could not reuse them
             states = step(tokens[:, start:stop], states)[1]
         if j + 1 < len(parts):  # bound the graph; the last chunk stays lazy
-            mx.eval(kv.arrays(states), scores)
+            mx.eval(tree.arrays(states), scores)
         if progress is not None:
             progress(stop, n)
     return states, scores
@@ -106,34 +107,37 @@ def scored_prefill(
     return _loop(fmodel, tokens, states, scores, window, prefill_step_size, progress, compiled)
 
 
-def _rows_after(policy: Policy, P: int, sliding_window: Optional[int]) -> int:
-    if sliding_window is not None:
-        return min(P, sliding_window)
-    return P if policy.keeps_whole(P) else policy.budget
+def _window_cut(state: kv.State, P: int, extra: int) -> kv.State:
+    """A sliding-window layer keeps the rows its window can still see (lossless)."""
+    B, H = state.keys.shape[:2]
+    k = min(P, state.sliding_window)
+    idx = mx.broadcast_to(mx.arange(P - k, P, dtype=mx.int32), (B, H, k))
+    state = kv.gather(state, idx, packed=state.packed)
+    return kv.reserve(state, max(state.capacity, k + extra))
 
 
 @lru_cache(maxsize=64)
 def _evictor(policy: Policy, P: int, extra: int, statics: tuple, compiled: bool):
+    """The compaction of one prompt length as a function of arrays; ``layout[0]`` holds, once
+    traced, each output layer's static part and host bounds (they depend only on the key)."""
+    layout = []
+
     def run(flat, scores):
-        out = []
+        out, shapes = [], []
         for i, (arrays, static) in enumerate(zip(flat, statics)):
             s = kv.unflatten(arrays, static)
-            w = s.sliding_window
-            B, H = s.keys.shape[:2]
-            k = _rows_after(policy, P, w)
-            if w is not None:
-                idx = mx.broadcast_to(mx.arange(P - k, P, dtype=mx.int32), (B, H, k))
-            elif k < P:
-                sc = scores[i][..., :P] if scores else None
-                idx = policy.keep_indices(sc, prompt_length=P, n_kv_heads=H, batch=B, layer=i)
+            if s.sliding_window is not None:
+                new = _window_cut(s, P, extra)
             else:
-                idx = None
-            if idx is not None:
-                s = kv.gather(s, idx, packed=s.packed)
-            out.append(kv.flatten(kv.reserve(s, max(s.capacity, k + extra)))[0])
+                sc = scores[i][..., :P] if scores else None
+                new = policy.compact_layer(s, sc, prompt_length=P, layer=i, reserve=extra)
+            arrays_out, static_out, host = tree.flatten(new)
+            out.append(arrays_out)
+            shapes.append((static_out, host))
+        layout[:] = [shapes]
         return out
 
-    return mx.compile(run) if compiled else run
+    return (mx.compile(run) if compiled else run), layout
 
 
 @typechecked
@@ -159,16 +163,18 @@ def compact_states(
         raise ValueError(f"reserve must be >= 0, got {reserve}")
     if policy.observation_window(P) and scores is None:
         raise ValueError(f"policy {policy.name!r} needs the scores of a scored_prefill")
+    policy.check_layers(tuple(None if s.sliding_window else s.keys.shape[1] for s in states))
     # a dense state holds exactly P rows, so every kept row is a stored one: still packed
     statics = tuple((s.sliding_window, s.dense) for s in states)
     flat = [kv.flatten(s)[0] for s in states]
-    out = _evictor(policy, P, reserve, statics, compiled)(flat, list(scores or ()))
-    after = [_rows_after(policy, P, w) for w, _ in statics]
+    run, layout = _evictor(policy, P, reserve, statics, compiled)
+    out = run(flat, list(scores or ()))
+    new = tuple(tree.unflatten(o, st, host) for o, (st, host) in zip(out, layout[0]))
     new = tuple(
-        kv.unflatten(o, st, k, dense=s.dense and k == P)
-        for o, st, k, s in zip(out, statics, after, states)
+        n.replace(dense=True) if isinstance(n, kv.State) and s.dense and n.max_rows == P else n
+        for n, s in zip(new, states)
     )
-    return new, result_of(states, [P] * len(states), after)
+    return new, result_of(states, [P] * len(states), new)
 
 
 def _prompt(tokens) -> mx.array:

@@ -20,6 +20,8 @@ from typing import ClassVar, Optional
 
 import mlx.core as mx
 
+from . import cache as kv
+
 POLICIES: dict[str, type] = {}
 
 
@@ -58,10 +60,16 @@ class Policy:
         self.validate()
 
     def validate(self) -> None:
+        self.check_ints()
+        self.check_budget()
+
+    def check_ints(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type in (int, "int") and (type(value) is not int or value < 0):
                 raise ValueError(f"{self.name} {f.name} must be a non-negative int, got {value!r}")
+
+    def check_budget(self) -> None:
         if self.budget < 1:
             raise ValueError(f"{self.name} budget must be >= 1, got {self.budget}")
         if self.budget < self.sink_tokens + self.window:
@@ -124,6 +132,27 @@ class Policy:
         keep = mx.argpartition(-s, kth=self.budget - 1, axis=-1)[..., : self.budget]
         keep = mx.sort(keep.astype(mx.int32), axis=-1)
         return mx.broadcast_to(keep, (batch, n_kv_heads, self.budget))
+
+    def rows_after(self, prompt_length: int) -> int:
+        """Rows each KV head of a full-attention layer keeps of a prompt this long."""
+        return prompt_length if self.keeps_whole(prompt_length) else self.budget
+
+    def check_layers(self, n_kv_heads: tuple[Optional[int], ...]) -> None:
+        """Raise a ValueError if the policy cannot apply to layers of these KV-head counts (one
+        per full-attention layer, None for a sliding-window layer); called before tracing."""
+
+    def compact_layer(self, state: kv.State, scores: Optional[mx.array], *, prompt_length: int,
+                      layer: int, reserve: int):  # fmt: skip
+        """A freshly prefilled full-attention layer (``prompt_length`` rows) compacted, with
+        room for ``reserve`` more rows. Traceable. The base keeps ``keep_indices``; a policy
+        that stores heads differently (``kvfn.Duo``) returns another state type."""
+        P = prompt_length
+        B, H = state.keys.shape[:2]
+        if not self.keeps_whole(P):
+            idx = self.keep_indices(scores, prompt_length=P, n_kv_heads=H, batch=B, layer=layer)
+            state = kv.gather(state, idx, packed=state.packed)
+        rows = self.rows_after(P)
+        return kv.reserve(state.replace(max_rows=rows), max(state.capacity, rows + reserve))
 
     @classmethod
     def options(cls, words: list[str]) -> dict:

@@ -9,10 +9,11 @@ from .cache import State
 
 @typechecked
 def window_attention_scores(
-    queries: mx.array, query_positions: mx.array, state: State, scale: float
+    queries: mx.array, query_positions: mx.array, state: State, scale: float, reduce: bool = True
 ) -> mx.array:
     """Summed softmax attention of ``queries`` (B, n_heads, w, D; after RoPE) over every slot of
-    ``state``: (B, n_heads, capacity), float32. Causal over true positions; O(w x capacity)."""
+    ``state``: (B, n_heads, capacity), float32; with ``reduce=False`` each query's row
+    (B, n_heads, w, capacity). Causal over true positions; O(w x capacity)."""
     chex.assert_rank([queries, query_positions], [4, 2])
     B, n_heads, w, D = queries.shape
     n_kv = state.keys.shape[1]
@@ -25,4 +26,6 @@ def window_attention_scores(
     visible = state.positions[:, :, None, None, :] <= query_positions[:, None, None, :, None]
     logits = mx.where(visible, logits, -mx.inf)
     weights = mx.softmax(logits, axis=-1, precise=True)
+    if not reduce:
+        return weights.reshape(B, n_heads, w, -1)
     return mx.sum(weights, axis=-2).reshape(B, n_heads, -1)

@@ -19,6 +19,7 @@ model's parameters as inputs, so a weight changed after a trace is seen by the n
 
 import contextvars
 import copy
+import types
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,6 +29,8 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from . import cache as kv
+from . import partitioned as part
+from . import tree
 from .scores import window_attention_scores
 
 ATTENTION_NAMES = ("self_attn", "attention", "attn")
@@ -101,6 +104,11 @@ class _LayerAdapter:
         rep = self.n_heads // m.shape[1]
         return mx.repeat(m, rep, axis=1) if rep > 1 else m
 
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks
+        )
+
     def update_and_fetch(self, keys, values):
         before, r = self.state.offset, self.state.static_rows
         if r is None and self.call.in_lockstep(self.state):
@@ -114,11 +122,66 @@ class _LayerAdapter:
             qs = self.query_slice
             q = self.queries[:, :, qs.start : qs.stop]
             qpos = before[:, None] + mx.arange(qs.start, qs.stop, dtype=mx.int32)[None]
-            self.scores = self.scores + window_attention_scores(q, qpos, self.state, self.scale)
+            rows = window_attention_scores(q, qpos, self.state, self.scale,
+                                           reduce=self.scores.ndim == 3)  # fmt: skip
+            self.scores = self.scores + rows
         if r is not None:
             end = r + keys.shape[2]
             return self.state.keys[:, :, :end], self.state.values[:, :, :end]
         return self.state.keys, self.state.values
+
+
+class _PartitionedAdapter:
+    """mlx-lm's cache protocol over one ``HeadPartitionedKVCache`` layer: the update goes to
+    each head group, and attention (through the model's own attention code, which calls
+    ``_attend``) runs per group over the group's own rows."""
+
+    def __init__(self, state, n_heads: int, call: _Call, scale=None, scores=None, queries=None):
+        self.state, self.before, self.query_slice, self.queries = state, None, None, None
+
+    @property
+    def offset(self):
+        return self.state.offset
+
+    def make_mask(self, n, return_array=False, window_size=None):
+        return None
+
+    def attention_mask(self, n: int):
+        return None
+
+    def update_and_fetch(self, keys, values):
+        self.before, self.state = self.state, part.update(self.state, keys, values)
+        return keys, values  # the new rows only: ``attend`` reads the groups
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        if sinks is not None:
+            raise TypeError("kvfn's head-partitioned states do not support attention sinks")
+        return part.attend(self.before, self.state, queries, keys, values, scale)
+
+
+ADAPTERS = {kv.State: _LayerAdapter, part.HeadPartitionedKVCache: _PartitionedAdapter}
+
+
+def _attend(queries, keys, values, cache, scale, mask, sinks=None):
+    """mlx-lm's ``scaled_dot_product_attention`` as the wrapper's attention modules see it: the
+    layer's adapter computes it (the same fused call for a plain state)."""
+    return cache.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+
+def _calling_attend(attn: nn.Module) -> bool:
+    """Make the (copied) attention module ``attn`` call ``_attend`` where its code calls mlx-lm's
+    ``scaled_dot_product_attention``: its class's ``__call__`` is rebuilt over a copy of its
+    module's globals, in a subclass of its own; the model's module and class are untouched.
+    False when the code does not call that function (it computes attention itself)."""
+    cls = type(attn)
+    fn = getattr(cls.__call__, "__func__", cls.__call__)
+    if "scaled_dot_product_attention" not in getattr(fn, "__code__", types.CodeType).co_names:
+        return False
+    scope = {**fn.__globals__, "scaled_dot_product_attention": _attend}
+    call = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    call.__kwdefaults__ = fn.__kwdefaults__
+    attn.__class__ = type(cls.__name__, (cls,), {"__call__": call})
+    return True
 
 
 class _MaskedAttention(nn.Module):
@@ -232,15 +295,19 @@ def _check_tokens(tokens, states) -> mx.array:
         )
     if not mx.issubdtype(tokens.dtype, mx.integer):
         raise TypeError(f"tokens must be integer ids, got dtype {tokens.dtype}")
-    batch = states[0].keys.shape[0]
+    batch = states[0].offset.shape[0]
     if tokens.shape[0] != batch:
         raise ValueError(f"tokens have batch {tokens.shape[0]} but the states hold {batch}")
     return tokens.astype(mx.int32)  # argmax gives uint32: one dtype, one trace
 
 
-def grown(state: kv.State, n: int) -> kv.State:
+def grown(state, n: int):
     """``state`` with room for ``n`` more rows: unchanged if they fit, else a capacity at least
-    double, in multiples of ``GROWTH`` (so a decode loop retraces O(log steps) times)."""
+    double, in multiples of ``GROWTH`` (so a decode loop retraces O(log steps) times). A
+    partitioned layer grows its groups of plain rows (a ring has a fixed size)."""
+    if isinstance(state, part.HeadPartitionedKVCache):
+        groups = tuple(grown(g, n) if isinstance(g, kv.State) else g for g in state.groups)
+        return state.replace(groups=groups)
     if state.max_rows is None:
         state = state.replace(max_rows=int(state.rows.item()))
     need = state.max_rows + n
@@ -273,6 +340,7 @@ class FunctionalModel:
             getattr(a, "head_dim", None) or a.k_proj.weight.shape[0] // h
             for a, h in zip(attn, self.n_kv_heads)
         ]
+        self._hooked = [False] * len(model.layers)
         self._model = _own_copy(model, self._wrap_layer)
         self._compiled: dict = {}
         self._dtype = None
@@ -281,6 +349,7 @@ class FunctionalModel:
         name = self._attn_names[index]
         attn = copy.copy(getattr(layer, name))
         attn.rope = _QueryTap(attn.rope)
+        self._hooked[index] = _calling_attend(attn)
         layer = copy.copy(layer)
         layer[name] = _MaskedAttention(attn)
         return layer
@@ -314,8 +383,15 @@ class FunctionalModel:
             n = len(states) if isinstance(states, (tuple, list)) else type(states).__name__
             raise ValueError(f"{n} states for a model of {len(self.sliding_windows)} layers")
         for i, s in enumerate(states):
-            if not isinstance(s, kv.State):
+            if type(s) not in ADAPTERS:
                 raise TypeError(f"state {i} is a {type(s).__name__}, not a kvfn state")
+            if isinstance(s, part.HeadPartitionedKVCache) and not self._hooked[i]:
+                raise TypeError(
+                    f"layer {i} holds a head-partitioned state, but its attention module "
+                    f"({type(self.model.layers[i]).__name__}) computes attention itself, not "
+                    "through mlx-lm's scaled_dot_product_attention: kvfn cannot run it per head "
+                    "group"
+                )
 
     def _prepare(self, tokens, states) -> tuple[mx.array, tuple]:
         self._check_states(states)
@@ -335,9 +411,10 @@ class FunctionalModel:
         adapters, call = [], _Call(lockstep)
         for i, state in enumerate(states):
             scored = queries is not None and self.sliding_windows[i] is None
-            adapters.append(_LayerAdapter(state, self.n_heads[i], call, self.scales[i],
-                                          scores[i] if scored else None,
-                                          queries if scored else None))  # fmt: skip
+            adapter = ADAPTERS[type(state)]
+            adapters.append(adapter(state, self.n_heads[i], call, self.scales[i],
+                                    scores[i] if scored else None,
+                                    queries if scored else None))  # fmt: skip
         logits = self._model(tokens, cache=adapters)
         return logits, tuple(a.state for a in adapters), adapters
 
@@ -358,11 +435,13 @@ class FunctionalModel:
         return tuple(a.scores if a.query_slice is not None else s for a, s in zip(adapters, scores))
 
     def _prepare_scored(self, tokens, states, scores, queries) -> tuple:
+        if any(not isinstance(s, kv.State) for s in states):
+            raise TypeError("a scored step needs plain states (score before partitioning)")
         old = [s.capacity for s in states] if isinstance(states, (tuple, list)) else None
         tokens, states = self._prepare(tokens, states)
         if old is not None and len(scores) == len(states):  # states grew: so do their scores
             scores = tuple(
-                mx.pad(s, [(0, 0), (0, 0), (0, st.capacity - c)]) if st.capacity > c else s
+                mx.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, st.capacity - c)]) if st.capacity > c else s
                 for s, st, c in zip(scores, states, old)
             )
         self._check_scoring(states, scores, queries, tokens.shape[1])
@@ -375,8 +454,11 @@ class FunctionalModel:
             raise ValueError(f"queries must be a QuerySlice within the {n} tokens, got {queries}")
         if len(scores) != len(states):
             raise ValueError(f"{len(scores)} score arrays for {len(states)} layers")
+        w = queries.stop - queries.start
         for i, (s, st) in enumerate(zip(scores, states)):
             want = (st.keys.shape[0], self.n_heads[i], st.capacity)
+            if s.ndim == 4:  # one row per query (kvfn.heads profiles heads with them)
+                want = (*want[:2], w, want[2])
             if tuple(s.shape) != want:
                 raise ValueError(f"scores[{i}] must have shape {want}, got {tuple(s.shape)}")
 
@@ -388,9 +470,8 @@ class FunctionalModel:
         return compiled
 
     @staticmethod
-    def _signature(tokens, states, static, scores=()) -> tuple:
-        # positions, offset and rows take their shapes and dtypes from keys by construction
-        arrays = [a for s in states for a in (s.keys, s.values)] + list(scores)
+    def _signature(tokens, flat, static, scores=()) -> tuple:
+        arrays = tree.leaves(flat) + list(scores)
         return (tokens.shape, static, tuple((a.shape, a.dtype) for a in arrays))
 
     def step(self, tokens, states) -> tuple:
@@ -415,20 +496,20 @@ class FunctionalModel:
         return self._compiled_call(tokens, states, scores, queries)
 
     def _compiled_call(self, tokens, states, scores=(), queries=None) -> tuple:
-        flat, static = zip(*(kv.flatten(s) for s in states))
+        flat, static, host = zip(*(tree.flatten(s) for s in states))
         lockstep = self._lockstep(states)
 
         def run(tokens, flat, scores):
-            states_in = tuple(map(kv.unflatten, flat, static))
+            states_in = tuple(map(tree.unflatten, flat, static))
             logits, out, adapters = self._run(tokens, states_in, scores, queries, lockstep)
             new_scores = self._scores_out(adapters, scores) if queries is not None else ()
-            return logits[:, -1], [kv.flatten(s)[0] for s in out], list(new_scores)
+            return logits[:, -1], [tree.flatten(s)[0] for s in out], list(new_scores)
 
-        key = (queries, lockstep, self._signature(tokens, states, static, scores))
+        key = (queries, lockstep, self._signature(tokens, flat, static, scores))
         fn = self._compiled_step(key, run)
         logits, out, new_scores = fn(tokens, list(flat), list(scores))
         n = tokens.shape[1]
         new_states = tuple(
-            kv.unflatten(o, st, s.max_rows + n, s.dense) for o, st, s in zip(out, static, states)
+            tree.unflatten(o, st, tree.advanced(st, h, n)) for o, st, h in zip(out, static, host)
         )
         return logits, new_states, tuple(new_scores)

@@ -167,16 +167,35 @@ def greedy(model, prompt: list[int], caches: list, max_tokens: int, eos: set) ->
     return out
 
 
-def needle_fraction(states: Sequence[kvfn.PositionPreservingKVCache], tokens) -> float:
+def head_positions(state) -> list:
+    """The kept positions of each KV head of the first sequence (any layer state)."""
+    groups = getattr(state, "groups", (state,))
+    return [p for g in groups for p in np.array(g.positions)[0]]
+
+
+def needle_fraction(states: Sequence, tokens) -> float:
     """Mean over full-attention layers and KV heads of the fraction of ``tokens`` (prompt
     positions) among the kept rows."""
     fractions = [
         np.isin(tokens, positions).mean()
         for s in states
         if s.sliding_window is None
-        for positions in np.array(s.positions)[0]
+        for positions in head_positions(s)
     ]
     return float(np.mean(fractions))
+
+
+def kvfn_greedy(fm, prompt: list[int], states, max_tokens: int, eos: set) -> list[int]:
+    """Greedy answer decoded by kvfn itself (eager steps), for states mlx-lm cannot hold."""
+    logits, states = fm.forward(mx.array([prompt]), states)
+    out = []
+    for _ in range(max_tokens):
+        token = int(mx.argmax(logits[0, -1]).item())
+        if token in eos:
+            break
+        out.append(token)
+        logits, states = fm.forward(mx.array([[token]]), states)
+    return out
 
 
 def kv_bytes(caches: Sequence, with_positions: bool) -> int:
@@ -191,8 +210,9 @@ class Evaluator:
 
     def __init__(self, model, tokenizer, *, window: int = 32, sink_tokens: int = 4,
                  prefill_step_size: int = 512, dtype: Optional[mx.Dtype] = None, seed: int = 0,
-                 compiled: bool = False):  # fmt: skip
+                 compiled: bool = False, head_pattern: Optional[kvfn.HeadPattern] = None):  # fmt: skip
         self.model, self.tokenizer = model, tokenizer
+        self.head_pattern = head_pattern
         self.fm = kvfn.FunctionalModel(model)
         self.window, self.sink_tokens, self.seed = window, sink_tokens, seed
         self.prefill_step_size, self.dtype = prefill_step_size, dtype or self.fm.dtype
@@ -206,8 +226,14 @@ class Evaluator:
     def policy(self, method: Method, rows: int, sample_seed: int) -> kvfn.Policy:
         settings = dict(window=self.window, sink_tokens=self.sink_tokens)
         probe = method.make_policy(rows, **settings)
-        if "seed" in {f.name for f in dataclasses.fields(probe)}:  # e.g. random rows: per sample
-            return probe.replace(seed=self.seed * 1_000_003 + sample_seed)
+        fields = {f.name for f in dataclasses.fields(probe)}
+        if "seed" in fields:  # e.g. random rows: per sample
+            probe = probe.replace(seed=self.seed * 1_000_003 + sample_seed)
+        if "pattern" in fields:  # DuoAttention: the head pattern's heads, sink and recent sizes
+            if self.head_pattern is None:
+                raise ValueError(f"method {method.name!r} needs a head pattern (--head-pattern)")
+            p = self.head_pattern
+            probe = probe.replace(pattern=p, sink_tokens=p.sink_size, recent=p.recent_size)
         return probe
 
     def compact(self, states, scores, method: Method, rows: Optional[int], sample_seed: int,
@@ -267,8 +293,14 @@ class Evaluator:
                     kept_states, evicted, kept = self.compact(states, scores, method, rows,
                                                               sample.seed, needles)  # fmt: skip
                     for q, tail in tails:  # every question on the one compacted state
-                        caches, nbytes = self.caches(kept_states, method, evicted)
-                        answer = greedy(self.model, tail, caches, n_new, self.eos)
+                        if all(isinstance(s, kvfn.PositionPreservingKVCache) for s in kept_states):
+                            caches, nbytes = self.caches(kept_states, method, evicted)
+                            answer = greedy(self.model, tail, caches, n_new, self.eos)
+                        else:  # per-head groups: kvfn decodes them itself
+                            if method.kv_bits is not None:
+                                raise ValueError(f"{method.name}: per-head states are not quantized")
+                            nbytes = sum(kvfn.eviction.kept(s)[1] for s in kept_states)
+                            answer = kvfn_greedy(self.fm, tail, kept_states, n_new, self.eos)
                         record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept)
 
         if "agnostic" in modes:

@@ -36,6 +36,13 @@ def test_import_kvfn_lists_the_api_and_imports_no_models_package():
         import sys, kvfn
         print(sorted(kvfn.__all__))
         assert all(hasattr(kvfn, n) for n in kvfn.__all__)
+        # a name means one thing: no submodule shadows a function of the API
+        import types
+        modules = {"cache", "partitioned", "ring", "tree"}
+        assert all(isinstance(getattr(kvfn, n), types.ModuleType) == (n in modules)
+                   for n in kvfn.__all__), [n for n in kvfn.__all__ if n not in modules and
+                                            isinstance(getattr(kvfn, n), types.ModuleType)]
+        assert kvfn.evict is kvfn.cache.evict
         assert not any(m == "models" or m.startswith(("models.", "kvfn_models", "kvfn_eval"))
                        for m in sys.modules), [m for m in sys.modules if "models" in m]
     """)

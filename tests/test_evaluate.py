@@ -144,3 +144,21 @@ def test_example_flags_are_checked(argv, message, capsys):
         evaluate_example.main(argv)
     said = capsys.readouterr().err + str(exit_.value.code)  # argparse prints; SystemExit carries
     assert message.replace("\\", "") in said
+
+
+def test_duo_runs_in_the_evaluator_with_a_head_pattern(smollm2, sample):
+    model, tokenizer = smollm2
+    scores = np.random.default_rng(0).random((30, 3))
+    pattern = kvfn.HeadPattern(scores=scores, sink_size=8, recent_size=32)
+    ev = Evaluator(model, tokenizer, window=16, head_pattern=pattern)
+    records = ev.run(sample, [Method.parse("full"), Method.parse("duo-r50")], budgets=[64],
+                     modes=["agnostic"])  # fmt: skip
+    duo = [r for r in records if r["method"] == "duo-r50"]
+    full = [r for r in records if r["method"] == "full"]
+    assert len(duo) == 2 and len(full) == 2
+    P = full[0]["prompt_tokens"] - 8  # about the context; its rows are kept by retrieval heads
+    # 45 of 90 heads keep every row, the others 8 + 32: between the two, and positions counted
+    assert 0.5 < duo[0]["kv_fraction"] < 0.5 + 40 / P + 0.1
+    assert 0 < duo[0]["needle_kept"] < 1
+    with pytest.raises(ValueError, match="head pattern"):
+        Evaluator(model, tokenizer).policy(Method.parse("duo-r50"), 64, 0)

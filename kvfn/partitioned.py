@@ -1,0 +1,258 @@
+"""HeadPartitionedKVCache: one layer's KV heads split into groups that each store only their
+own rows, so heads that keep little hold (and read) little.
+
+A group is a ``PositionPreservingKVCache`` over some of the layer's KV heads (heads that keep
+the same number of rows: a retrieval head's long context, or any per-head keep set) or a
+``StreamingRing`` (sinks + recent rows: DuoAttention's streaming heads). ``heads[g]`` names the
+KV heads of group g; together they are every head once. Nothing stores the union of the heads'
+rows: attention runs per group over the group's rows and the outputs are put back in head
+order, which is exact (a query head only ever reads its own KV head).
+
+Every group records each row's true position and the true ``offset`` (equal in all groups), so
+prefix trims and rollback stay exact, as for the plain state.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import chex
+import mlx.core as mx
+import numpy as np
+from typeguard import typechecked
+
+from . import cache as kv
+from . import ring as rg
+from .ring import StreamingRing
+
+GROUP_MODULES = {kv.State: kv, StreamingRing: rg}
+
+
+@chex.dataclass(frozen=True, repr=False)
+class HeadPartitionedKVCache:
+    groups: tuple
+    heads: tuple
+
+    @property
+    def offset(self) -> mx.array:
+        return self.groups[0].offset
+
+    @property
+    def n_kv_heads(self) -> int:
+        return sum(len(h) for h in self.heads)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
+    @property
+    def max_rows(self) -> Optional[int]:
+        """The most rows a group of plain rows may hold (known on the host), or None."""
+        bounds = [g.max_rows for g in self.groups if isinstance(g, kv.State)]
+        return None if None in bounds else max(bounds, default=0)
+
+    # what the model wrapper asks of any state
+    sliding_window = None
+    packed = False
+    dense = False
+    static_rows = None
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{list(h)}: {g!r}" for h, g in zip(self.heads, self.groups))
+        return f"HeadPartitionedKVCache({parts})"
+
+
+def _module(group):
+    try:
+        return GROUP_MODULES[type(group)]
+    except KeyError:
+        raise TypeError(f"a head group must be a kvfn state or ring, got {type(group).__name__}")
+
+
+def take_heads(state: kv.State, heads: Sequence[int]) -> kv.State:
+    """The plain state of a subset of ``state``'s KV heads."""
+    idx = mx.array(list(heads), mx.int32)
+    return state.replace(
+        keys=mx.take(state.keys, idx, axis=1),
+        values=mx.take(state.values, idx, axis=1),
+        positions=mx.take(state.positions, idx, axis=1),
+    )
+
+
+@typechecked
+def partition(groups: Sequence, heads: Sequence[Sequence[int]]) -> HeadPartitionedKVCache:
+    """A partitioned layer from its groups and the KV heads each one holds."""
+    if len(groups) != len(heads) or not groups:
+        raise ValueError(f"{len(groups)} groups for {len(heads)} head lists (need >= 1, equal)")
+    heads = tuple(tuple(int(h) for h in hs) for hs in heads)
+    flat = sorted(h for hs in heads for h in hs)
+    if flat != list(range(len(flat))) or any(not hs for hs in heads):
+        raise ValueError(f"head groups {heads} must cover heads 0..n-1 once each, none empty")
+    for g, hs in zip(groups, heads):
+        _module(g)
+        if g.keys.shape[1] != len(hs):
+            raise ValueError(f"a group holds {g.keys.shape[1]} heads but is given {list(hs)}")
+    return HeadPartitionedKVCache(groups=tuple(groups), heads=heads)
+
+
+@typechecked
+def from_keep_sets(state: kv.State, keep: Sequence) -> HeadPartitionedKVCache:
+    """Evict each KV head of a plain ``state`` to its own rows: ``keep[h]`` (B, k_h) sorted
+    unique slots of head h. Heads keeping equally many rows share a group. Eager and checked."""
+    H = state.keys.shape[1]
+    if len(keep) != H:
+        raise ValueError(f"{len(keep)} keep sets for a layer of {H} KV heads")
+    B = state.keys.shape[0]
+    keep = [mx.broadcast_to(mx.array(k), (B, mx.array(k).shape[-1])) for k in keep]
+    by_count: dict[int, list[int]] = {}
+    for h, k in enumerate(keep):
+        by_count.setdefault(k.shape[-1], []).append(h)
+    groups, heads = [], []
+    for count, hs in sorted(by_count.items(), reverse=True):
+        sub = take_heads(state, hs)
+        idx = mx.stack([keep[h] for h in hs], axis=1)
+        try:
+            groups.append(kv.evict(sub, idx))
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"heads {hs}: {e}") from None
+        heads.append(tuple(hs))
+    return partition(groups, heads)
+
+
+def _split(x: mx.array, heads: tuple) -> list:
+    return [mx.take(x, mx.array(list(hs), mx.int32), axis=1) for hs in heads]
+
+
+@typechecked
+def update(state: HeadPartitionedKVCache, keys: mx.array, values: mx.array):
+    """Append rows (B, n_kv_heads, n, head_dim) to every group."""
+    chex.assert_rank([keys, values], 4)
+    if keys.shape[1] != state.n_kv_heads:
+        raise ValueError(f"rows for {keys.shape[1]} heads, the layer has {state.n_kv_heads}")
+    ks, vs = _split(keys, state.heads), _split(values, state.heads)
+    groups = tuple(_module(g).update(g, k, v) for g, k, v in zip(state.groups, ks, vs))
+    return state.replace(groups=groups)
+
+
+@typechecked
+def prefix_trim(state: HeadPartitionedKVCache, length) -> HeadPartitionedKVCache:
+    """Keep exactly the rows of the first ``length`` tokens in every group."""
+    return state.replace(groups=tuple(_module(g).prefix_trim(g, length) for g in state.groups))
+
+
+@typechecked
+def trim(state: HeadPartitionedKVCache, n: int) -> HeadPartitionedKVCache:
+    """Drop the last ``n`` tokens (speculative rollback) in every group."""
+    if n < 0:
+        raise ValueError(f"trim needs n >= 0, got {n}")
+    return prefix_trim(state, mx.maximum(state.offset - n, 0))
+
+
+@typechecked
+def mask(state: HeadPartitionedKVCache, n_queries: int) -> tuple:
+    """Per group, the boolean mask (B, group heads, n_queries, group capacity) of its own rows
+    for the last ``n_queries`` tokens (exact for one query; see ``ring.mask``)."""
+    return tuple(_module(g).mask(g, n_queries) for g in state.groups)
+
+
+@typechecked
+def row_counts(state: HeadPartitionedKVCache) -> mx.array:
+    """(B, n_kv_heads) stored rows per KV head, in head order."""
+    counts = [mx.sum(g.positions != kv.EMPTY, axis=-1) for g in state.groups]
+    order = np.argsort([h for hs in state.heads for h in hs])
+    return mx.take(mx.concatenate(counts, axis=1), mx.array(order, mx.int32), axis=1)
+
+
+def _query_heads(heads: tuple, rep: int) -> list[int]:
+    return [h * rep + r for h in heads for r in range(rep)]
+
+
+def _group_rows(before, after, keys, values, n: int):
+    """Keys, values and the mask (B, heads, n, rows) one group attends over for n queries."""
+    if isinstance(after, StreamingRing):
+        if n == 1:  # the update pushed out only a row the query no longer sees
+            return after.keys, after.values, rg.mask(after, 1)
+        pos = after.offset[:, None, None] - n + mx.arange(n, dtype=mx.int32)
+        pos = mx.broadcast_to(pos, keys.shape[:3])
+        k = mx.concatenate([before.keys, keys.astype(before.keys.dtype)], axis=2)
+        v = mx.concatenate([before.values, values.astype(before.values.dtype)], axis=2)
+        positions = mx.concatenate([before.positions, pos], axis=2)
+        return k, v, rg.visible(after, positions, n)
+    return after.keys, after.values, kv.mask(after, n)
+
+
+def attend(before: HeadPartitionedKVCache, after: HeadPartitionedKVCache, queries: mx.array,
+           keys: mx.array, values: mx.array, scale: float) -> mx.array:  # fmt: skip
+    """Attention of ``queries`` (B, n_q_heads, n, D; the n tokens just appended: ``after`` =
+    ``update(before, keys, values)``) over each group's rows, in query-head order."""
+    B, Hq, n, _ = queries.shape
+    rep = Hq // after.n_kv_heads
+    ks, vs = _split(keys, after.heads), _split(values, after.heads)
+    outs, order = [], []
+    for b, a, hs, k, v in zip(before.groups, after.groups, after.heads, ks, vs):
+        qh = _query_heads(hs, rep)
+        q = mx.take(queries, mx.array(qh, mx.int32), axis=1)
+        gk, gv, m = _group_rows(b, a, k, v, n)
+        m = mx.repeat(m, rep, axis=1) if rep > 1 else m
+        outs.append(mx.fast.scaled_dot_product_attention(q, gk, gv, scale=scale, mask=m))
+        order += qh
+    out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+    if order == sorted(order):
+        return out
+    return mx.take(out, mx.array(np.argsort(order), mx.int32), axis=1)
+
+
+def flatten(state: HeadPartitionedKVCache) -> tuple[list, tuple]:
+    flat = [_module(g).flatten(g) for g in state.groups]
+    return [f[0] for f in flat], (state.heads, tuple((type(g), f[1]) for g, f in zip(state.groups, flat)))
+
+
+def unflatten(arrays: list, static: tuple, bounds: tuple) -> HeadPartitionedKVCache:
+    """``bounds``: each group's ``max_rows`` (None for a ring)."""
+    heads, kinds = static
+    groups = []
+    for a, (cls, st), bound in zip(arrays, kinds, bounds):
+        if cls is StreamingRing:
+            groups.append(rg.unflatten(a, st))
+        else:
+            groups.append(kv.unflatten(a, st, bound))
+    return HeadPartitionedKVCache(groups=tuple(groups), heads=heads)
+
+
+def bounds(state: HeadPartitionedKVCache, n: int = 0) -> tuple:
+    """Each group's ``max_rows`` after ``n`` more rows (None for a ring)."""
+    return tuple(
+        None if isinstance(g, StreamingRing) or g.max_rows is None else g.max_rows + n
+        for g in state.groups
+    )
+
+
+def arrays(state: HeadPartitionedKVCache) -> list:
+    return [a for d in flatten(state)[0] for a in d.values()]
+
+
+@dataclass(frozen=True)
+class HeadPartitionedEvictionResult:
+    """What a per-head eviction kept, per layer: the union of rows any head keeps (what a
+    union-plus-mask store would hold), each KV head's rows, and bytes before and after."""
+
+    union_rows: tuple[int, ...]
+    head_rows: tuple[tuple[int, ...], ...]
+    bytes_before: tuple[int, ...]
+    bytes_after: tuple[int, ...]
+
+    @property
+    def total_bytes_before(self) -> int:
+        return sum(self.bytes_before)
+
+    @property
+    def total_bytes_after(self) -> int:
+        return sum(self.bytes_after)
+
+    def __repr__(self) -> str:
+        before, after = self.total_bytes_before, self.total_bytes_after
+        rows = sum(sum(r) for r in self.head_rows)
+        return (
+            f"HeadPartitionedEvictionResult(layers={len(self.head_rows)}, head rows {rows}, "
+            f"bytes {before / 1e6:.2f} MB -> {after / 1e6:.2f} MB "
+            f"({100 * after / max(before, 1):.1f}%))"
+        )

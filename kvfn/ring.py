@@ -1,0 +1,166 @@
+"""StreamingRing: attention sinks plus a ring of the most recent rows, an immutable state of
+fixed size (DuoAttention's streaming heads).
+
+A query at true position q sees the rows at positions below ``sink`` and the last ``recent``
+positions (q - recent, q]. The state holds exactly those for the next query: position p lives at
+slot p when p < sink, else at slot ``sink + (p - sink) % recent``, so a write is a function of
+the position alone and a decode step never moves a row. Positions are recorded per slot (EMPTY
+where none), so a prefix trim is exact: it keeps what the ring held of the first tokens.
+
+Layout: keys/values (B, n_heads, sink + recent, head_dim); positions (B, n_heads, sink + recent)
+int32; offset (B,) int32, the next true position. Static: ``sink``, ``recent``.
+"""
+
+import chex
+import mlx.core as mx
+from typeguard import typechecked
+
+from .cache import EMPTY, State
+
+
+@chex.dataclass(frozen=True, repr=False)
+class StreamingRing:
+    keys: mx.array
+    values: mx.array
+    positions: mx.array
+    offset: mx.array
+    sink: int = 0
+    recent: int = 1
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes
+
+    def __repr__(self) -> str:
+        B, H, _, D = self.keys.shape
+        return (
+            f"StreamingRing(batch={B}, heads={H}, head_dim={D}, sink={self.sink}, "
+            f"recent={self.recent}, dtype={self.keys.dtype})"
+        )
+
+
+def _check_sizes(sink: int, recent: int) -> None:
+    if type(sink) is not int or sink < 0:
+        raise ValueError(f"sink must be an int >= 0, got {sink!r}")
+    if type(recent) is not int or recent < 1:
+        raise ValueError(f"recent must be an int >= 1, got {recent!r}")
+
+
+@typechecked
+def init(batch: int, n_heads: int, head_dim: int, *, sink: int, recent: int,
+         dtype: mx.Dtype = mx.float32, value_dim: int | None = None) -> StreamingRing:  # fmt: skip
+    """An empty ring."""
+    _check_sizes(sink, recent)
+    shape = (batch, n_heads, sink + recent)
+    return StreamingRing(
+        keys=mx.zeros((*shape, head_dim), dtype),
+        values=mx.zeros((*shape, value_dim or head_dim), dtype),
+        positions=mx.full(shape, EMPTY, mx.int32),
+        offset=mx.zeros((batch,), mx.int32),
+        sink=sink,
+        recent=recent,
+    )
+
+
+def _targets(ring: StreamingRing, n: int) -> tuple[mx.array, mx.array]:
+    """After ``n`` more rows: the position each slot holds (B, S), and which slots take a new
+    row (B, S)."""
+    sink, recent = ring.sink, ring.recent
+    j = mx.arange(sink + recent, dtype=mx.int32)[None]
+    last = (ring.offset + n - 1)[:, None]
+    last_slot = sink + (last - sink) % recent
+    p = mx.where(j < sink, j, last - (last_slot - j) % recent)
+    held = (p >= 0) & (p <= last) & ((j < sink) | (p >= sink))
+    return p, held & (p >= ring.offset[:, None])
+
+
+@typechecked
+def update(ring: StreamingRing, keys: mx.array, values: mx.array) -> StreamingRing:
+    """Append rows (B, n_heads, n, head_dim) at positions ``offset ...``; rows that fall out of
+    the ring are dropped. Any n, traceable (a gather of the rows that stay)."""
+    chex.assert_rank([keys, values], 4)
+    chex.assert_shape(keys, (*ring.keys.shape[:2], None, ring.keys.shape[3]))
+    n = keys.shape[2]
+    p, new = _targets(ring, n)
+    src = mx.clip(p - ring.offset[:, None], 0, n - 1)[:, None, :, None]
+    take = new[:, None, :, None]
+
+    def merged(old, rows):
+        shape = (*rows.shape[:2], src.shape[2], rows.shape[3])
+        picked = mx.take_along_axis(rows.astype(old.dtype), mx.broadcast_to(src, shape), axis=2)
+        return mx.where(take, picked, old)
+
+    return ring.replace(
+        keys=merged(ring.keys, keys),
+        values=merged(ring.values, values),
+        positions=mx.where(new[:, None, :], p[:, None, :], ring.positions),
+        offset=ring.offset + n,
+    )
+
+
+def visible(ring: StreamingRing, key_positions: mx.array, n_queries: int) -> mx.array:
+    """Mask (B, H, n, K) of keys at ``key_positions`` (B, H, K) for the last ``n_queries``
+    tokens before ``ring.offset``: causal, and a sink or one of the last ``recent`` positions."""
+    q = ring.offset[:, None] - n_queries + mx.arange(n_queries, dtype=mx.int32)[None]
+    q = q[:, None, :, None]
+    k = key_positions[:, :, None, :]
+    return (k <= q) & ((k < ring.sink) | (k > q - ring.recent))
+
+
+@typechecked
+def mask(ring: StreamingRing, n_queries: int) -> mx.array:
+    """Boolean mask (B, H, n_queries, sink + recent) of the ring's slots for its last
+    ``n_queries`` tokens. Exact for one query; a longer chunk also needs the rows its own
+    update pushed out (``kvfn.partitioned`` attends over the ring before the update plus the
+    chunk)."""
+    return visible(ring, ring.positions, n_queries)
+
+
+@typechecked
+def prefix_trim(ring: StreamingRing, length) -> StreamingRing:
+    """Keep the rows whose true position is below ``length`` (an int or (B,) array)."""
+    length = mx.broadcast_to(mx.array(length, mx.int32), ring.offset.shape)
+    keep = ring.positions < length[:, None, None]
+    return ring.replace(
+        positions=mx.where(keep, ring.positions, EMPTY), offset=mx.minimum(ring.offset, length)
+    )
+
+
+@typechecked
+def trim(ring: StreamingRing, n: int) -> StreamingRing:
+    """Drop the last ``n`` tokens (speculative rollback). Rows the ring had already pushed out
+    stay gone: afterwards the ring holds fewer than ``recent`` rows until new ones arrive."""
+    if n < 0:
+        raise ValueError(f"trim needs n >= 0, got {n}")
+    return prefix_trim(ring, mx.maximum(ring.offset - n, 0))
+
+
+@typechecked
+def from_state(state: State, rows: int, *, sink: int, recent: int) -> StreamingRing:
+    """The ring a plain prefilled state's heads keep of its first ``rows`` slots: the sinks and
+    the last ``recent`` rows. ``state`` must be dense (slot i holds position i), as a fresh
+    prefill is; traceable."""
+    _check_sizes(sink, recent)
+    B, H, _, D = state.keys.shape
+    ring = init(B, H, D, sink=sink, recent=recent, dtype=state.keys.dtype,
+                value_dim=state.values.shape[3])  # fmt: skip
+    P = rows
+    filled = update(ring, state.keys[:, :, :P], state.values[:, :, :P])
+    # a sequence of a batch may hold fewer rows (offset below P): its later slots are empty
+    return prefix_trim(filled, state.offset)
+
+
+ARRAY_FIELDS = ("keys", "values", "positions", "offset")
+
+
+def flatten(ring: StreamingRing) -> tuple[dict, tuple]:
+    return {f: getattr(ring, f) for f in ARRAY_FIELDS}, (ring.sink, ring.recent)
+
+
+def unflatten(arrays: dict, static: tuple) -> StreamingRing:
+    sink, recent = static
+    return StreamingRing(**arrays, sink=sink, recent=recent)

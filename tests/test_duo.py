@@ -1,0 +1,284 @@
+"""DuoAttention: the ring, head-partitioned states, the policy, head patterns; and the oracle:
+decoding from partitioned states equals one full-sequence forward pass of the unmodified model
+with attention masked per (layer, KV head) to the rows each head keeps."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvfn
+from kvfn import cache as kv
+from kvfn import partitioned as part
+from kvfn import ring as rg
+from kvfn.duo import Duo, HeadPattern
+from tests.tiny import tiny_model
+
+TOL = 1e-4
+
+
+def reference_logits(model, tokens, visible):
+    """Logits (T, vocab) of a llama-family ``model`` over ``tokens`` (1, T) in one pass, where
+    layer i's query heads see the keys ``visible(i)`` (1, n_heads, T, T) allows."""
+    inner = model.model
+    h = inner.embed_tokens(tokens)
+    for i, layer in enumerate(inner.layers):
+        h = layer(h, visible(i), cache=None)
+    h = inner.norm(h)
+    if getattr(model, "lm_head", None) is not None and not model.args.tie_word_embeddings:
+        return model.lm_head(h)[0]
+    return inner.embed_tokens.as_linear(h)[0]
+
+
+def duo_visibility(fm, states, P, T, policy):
+    """The per-head masks a Duo-compacted model should attend with: prompt queries (< P) see
+    causally all keys; a later query at q sees, in a retrieval head, the rows the head kept and
+    every position from P on, in a streaming head the sinks and positions (q - recent, q]."""
+    q = np.arange(T)[:, None]
+    k = np.arange(T)[None, :]
+    causal = k <= q
+    streaming = causal & ((k < policy.sink_tokens) | (k > q - policy.recent))
+
+    def visible(i):
+        n_kv, n_q = fm.n_kv_heads[i], fm.n_heads[i]
+        s = states[i]
+        heads = []
+        for h in range(n_kv):
+            if not policy.heads[i][h]:
+                rule = streaming
+            else:
+                kept = np.zeros(T, bool)
+                group = s if isinstance(s, kv.State) else s.groups[0]
+                col = s.heads[0].index(h) if not isinstance(s, kv.State) else h
+                pos = np.array(group.positions[0, col])
+                kept[pos[pos < P]] = True
+                rule = causal & (kept[None, :] | (k >= P))
+            heads.append(np.where(q < P, causal, rule))
+        m = np.repeat(np.stack(heads), n_q // n_kv, axis=0)
+        return mx.array(m[None])
+
+    return visible
+
+
+def duo_gap(fm, ids, policy, steps=6):
+    """Max |logit gap| of Duo decode against the reference, and against the full cache."""
+    states, result = kvfn.compact(fm, ids, policy, max_new_tokens=steps)
+    P = len(ids) - 1
+    token, tokens, logits = mx.array([[ids[-1]]]), list(ids), []
+    for _ in range(steps):
+        out, states = fm.decode(token, states)
+        logits.append(out[0])
+        token = mx.argmax(out, axis=-1)[:, None]
+        tokens.append(token.item())
+    T = len(tokens) - 1
+    seq = mx.array([tokens[:T]])
+    compacted0, _ = kvfn.compact(fm, ids, policy, max_new_tokens=steps)
+    ref = reference_logits(fm.model, seq, duo_visibility(fm, compacted0, P, T, policy))[P:]
+    full = reference_logits(fm.model, seq, lambda i: "causal")[P:]
+    got = mx.stack(logits)
+    return mx.abs(got - ref).max().item(), mx.abs(got - full).max().item(), states, result
+
+
+PATTERN = ((True, False), (False, True), (True, False))
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_duo_decode_equals_per_head_masked_full_attention(compress):
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(1).integers(0, 97, 70).tolist()
+    policy = Duo(retrieval=PATTERN, sink_tokens=2, recent=6, budget=24 if compress else 2**31 - 1,
+                 window=4, compress=compress)  # fmt: skip
+    gap, full_gap, states, result = duo_gap(fm, ids, policy, steps=10)  # the ring wraps
+    assert gap < TOL
+    assert full_gap > 100 * TOL  # streaming heads did lose rows: the oracle is not vacuous
+    ring = states[0].groups[1]
+    assert isinstance(ring, rg.StreamingRing) and ring.capacity == 2 + 6
+    assert result.total_bytes_after < result.total_bytes_before
+
+
+def test_duo_compiled_decode_traces_once_and_keeps_ring_size():
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(2).integers(0, 97, 50).tolist()
+    states, _ = kvfn.compact(fm, ids, Duo(retrieval=PATTERN, sink_tokens=2, recent=4),
+                             max_new_tokens=8)  # fmt: skip
+    token, before = mx.array([[ids[-1]]]), fm.traces
+    for _ in range(8):
+        out, states = fm.decode(token, states)
+        token = mx.argmax(out, axis=-1)[:, None]
+    assert fm.traces == before + 1
+    counts = part.row_counts(states[1])
+    assert counts.tolist() == [[2 + 4, 49 + 8]]  # head 0 streams, head 1 retrieves
+    assert int(states[1].offset.item()) == 49 + 8
+
+
+def test_smollm2_duo_decode_equals_reference(smollm2):
+    model, tokenizer = smollm2
+    fm = kvfn.FunctionalModel(model)
+    ids = tokenizer.encode("The lighthouse keeper counted ships every night. " * 12)[:120]
+    rng = np.random.default_rng(0)
+    pattern = tuple(tuple(bool(x) for x in rng.random(3) < 0.5) for _ in range(30))
+    policy = Duo(retrieval=pattern, sink_tokens=4, recent=16)
+    gap, full_gap, _, _ = duo_gap(fm, ids, policy, steps=4)
+    assert gap < 1e-3 and full_gap > 1e-2
+
+
+# -- the ring ------------------------------------------------------------------------------------
+
+
+def rows(n, H=2, D=3, start=0):
+    x = mx.arange(start, start + n, dtype=mx.float32)[None, None, :, None]
+    return mx.broadcast_to(x, (1, H, n, D)) * mx.array([1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize("chunks", [[20], [1] * 20, [3, 9, 1, 7], [2, 15, 3]])
+def test_ring_holds_sinks_and_last_recent_positions_whatever_the_chunks(chunks):
+    r = rg.init(1, 2, 3, sink=3, recent=5)
+    start = 0
+    for n in chunks:
+        r = rg.update(r, rows(n, start=start), rows(n, start=start))
+        start += n
+    pos = sorted(p for p in r.positions[0, 0].tolist())
+    assert pos == [0, 1, 2, 15, 16, 17, 18, 19]
+    # each slot's row is the row of its recorded position
+    assert np.array_equal(np.array(r.keys[0, 0, :, 0]), np.array(r.positions[0, 0], np.float32))
+    assert r.offset.tolist() == [20]
+
+
+def test_ring_prefix_trim_keeps_only_earlier_rows_and_rewrites_in_place():
+    r = rg.update(rg.init(1, 2, 3, sink=2, recent=4), rows(10), rows(10))
+    t = rg.trim(r, 3)  # positions 7, 8, 9 go
+    assert sorted(p for p in t.positions[0, 0].tolist() if p != kv.EMPTY) == [0, 1, 6]
+    assert t.offset.tolist() == [7]
+    again = rg.update(t, rows(3, start=7), rows(3, start=7))
+    assert np.array_equal(np.array(again.positions), np.array(r.positions))
+    assert np.array_equal(np.array(again.keys), np.array(r.keys))
+
+
+def test_ring_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="recent"):
+        rg.init(1, 1, 4, sink=2, recent=0)
+    with pytest.raises(ValueError, match="sink"):
+        rg.init(1, 1, 4, sink=-1, recent=3)
+
+
+# -- per-head keep sets --------------------------------------------------------------------------
+
+
+def test_from_keep_sets_groups_heads_by_count_and_stores_no_union():
+    s = kv.from_full(rows(12, H=3), rows(12, H=3))
+    keep = [mx.array([0, 5, 11]), mx.arange(12), mx.array([1, 2, 3])]
+    p = part.from_keep_sets(s, keep)
+    assert p.heads == ((1,), (0, 2))
+    assert part.row_counts(p).tolist() == [[3, 12, 3]]
+    assert p.nbytes < s.nbytes  # the union (all 12 rows) is not stored for heads 0 and 2
+    assert p.groups[1].positions[0].tolist() == [[0, 5, 11], [1, 2, 3]]
+    with pytest.raises(ValueError, match="heads"):
+        part.from_keep_sets(s, keep[:2])
+    with pytest.raises(ValueError, match="sorted"):
+        part.from_keep_sets(s, [mx.array([3, 1, 2]), mx.arange(12), mx.array([1, 2, 3])])
+
+
+def test_partition_checks_heads():
+    s = kv.from_full(rows(4, H=2), rows(4, H=2))
+    with pytest.raises(ValueError, match="cover"):
+        part.partition([s], [(0, 2)])
+    with pytest.raises(ValueError, match="holds 2 heads"):
+        part.partition([s], [(0,)])
+
+
+def test_evict_by_head_decodes_like_per_head_masked_full_attention():
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(3).integers(0, 97, 40).tolist()
+    P = len(ids) - 1
+    full = kvfn.prefill(fm, mx.array([ids[:-1]]))
+    rng = np.random.default_rng(4)
+    sets = [[np.sort(rng.choice(P, size=k, replace=False)) for k in (30, 7)] for _ in full]
+    states, result = kvfn.evict_prompt_cache_by_head(full, [[mx.array(x) for x in s] for s in sets])
+    assert result.head_rows == tuple((30, 7) for _ in full)
+    assert result.union_rows[0] == len(set(sets[0][0]) | set(sets[0][1]))
+    assert result.total_bytes_after < result.total_bytes_before
+    token, tokens, logits = mx.array([[ids[-1]]]), list(ids), []
+    for _ in range(4):
+        out, states = fm.decode(token, states)
+        logits.append(out[0])
+        token = mx.argmax(out, axis=-1)[:, None]
+        tokens.append(token.item())
+    T = len(tokens) - 1
+    q, k = np.arange(T)[:, None], np.arange(T)[None, :]
+
+    def visible(i):
+        heads = []
+        for h in range(2):
+            kept = np.zeros(T, bool)
+            kept[sets[i][h]] = True
+            heads.append(np.where(q < P, k <= q, (k <= q) & (kept[None] | (k >= P))))
+        return mx.array(np.repeat(np.stack(heads), 2, axis=0)[None])
+
+    ref = reference_logits(fm.model, mx.array([tokens[:T]]), visible)[P:]
+    assert mx.abs(mx.stack(logits) - ref).max().item() < TOL
+
+
+def test_evict_by_head_leaves_other_layers_and_checks_offset():
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    full = kvfn.prefill(fm, mx.array([list(range(20))]))
+    keep = [None, [mx.arange(5), mx.arange(20)], None]
+    states, result = kvfn.evict_prompt_cache_by_head(full, keep, true_offset=20)
+    assert states[0] is full[0] and states[2] is full[2]
+    assert isinstance(states[1], part.HeadPartitionedKVCache)
+    assert states[1].offset.tolist() == [20]
+    assert result.bytes_after[0] == result.bytes_before[0]
+    with pytest.raises(ValueError, match="true_offset"):
+        kvfn.evict_prompt_cache_by_head(full, keep, true_offset=19)
+    with pytest.raises(ValueError, match="layer 1"):
+        kvfn.evict_prompt_cache_by_head(full, [None, [mx.arange(5)], None])
+
+
+def test_query_head_keep_sets_merge_into_their_kv_head():
+    fm = kvfn.FunctionalModel(tiny_model("llama"))  # 4 query heads over 2 KV heads
+    full = kvfn.prefill(fm, mx.array([list(range(12))]))
+    q_sets = [mx.array([0, 1]), mx.array([1, 5]), mx.arange(12), mx.array([3])]
+    states, result = kvfn.evict_prompt_cache_by_head(full, [None, q_sets, None], query_heads=4)
+    assert part.row_counts(states[1]).tolist() == [[3, 12]]  # {0, 1, 5} and all
+
+
+# -- head patterns -------------------------------------------------------------------------------
+
+
+def test_head_pattern_reads_and_writes_duoattentions_format(tmp_path):
+    scores = np.array([[0.9, 0.1, 0.5], [0.0, 1.0, 0.2]])
+    (tmp_path / "full_attention_heads.tsv").write_text(
+        "\n".join("\t".join(str(x) for x in r) for r in scores) + "\n"
+    )
+    (tmp_path / "config.json").write_text('{"sink_size": 32, "recent_size": 128}')
+    p = HeadPattern.load(tmp_path)
+    assert p.shape == (2, 3) and (p.sink_size, p.recent_size) == (32, 128)
+    assert p.retrieval(threshold=0.5) == ((True, False, True), (False, True, False))
+    assert p.retrieval(ratio=0.5) == ((True, False, True), (False, True, False))
+    assert sum(map(sum, p.retrieval(ratio=1 / 3))) == 2
+    out = p.save(tmp_path / "copy", method="test")
+    again = HeadPattern.load(out)
+    assert again == p
+    policy = Duo.from_pattern(again, ratio=0.5)
+    assert policy.sink_tokens == 32 and policy.recent == 128
+    named = kvfn.parse_policy("duo-r50", pattern=again)
+    assert named.heads == policy.heads and named.ratio == 50
+    assert kvfn.parse_policy("duo-snapkv-r25", budget=256, pattern=again).compress
+
+
+def test_head_pattern_and_duo_reject_bad_values(tmp_path):
+    (tmp_path / "bad.tsv").write_text("0.1\tx\n")
+    with pytest.raises(ValueError, match="tab-separated"):
+        HeadPattern.load(tmp_path / "bad.tsv")
+    with pytest.raises(FileNotFoundError):
+        HeadPattern.load(tmp_path / "none")
+    with pytest.raises(ValueError, match="ratio"):
+        HeadPattern(scores=[[0.5]]).retrieval(ratio=1.5)
+    with pytest.raises(ValueError, match="head pattern"):
+        Duo().heads
+    with pytest.raises(ValueError, match="percent"):
+        Duo(ratio=150)
+    with pytest.raises(ValueError, match="budget"):
+        Duo(retrieval=((True,),), compress=True)
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    with pytest.raises(ValueError, match="3 layers"):
+        kvfn.compact(fm, list(range(400)), Duo(retrieval=((True, False),), sink_tokens=2,
+                                                recent=4))  # fmt: skip
