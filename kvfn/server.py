@@ -88,7 +88,13 @@ def make_policy(name: str, budget: int, window: int, sink_tokens: int, min_token
     if cls is not None:  # a policy without a window (or sinks) takes only its own settings
         fields = {f.name for f in dataclasses.fields(cls)}
         settings = {k: v for k, v in settings.items() if k in fields}
-    return kvfn.parse_policy(name, **settings)
+    policy = kvfn.parse_policy(name, **settings)
+    if "pattern" in {f.name for f in dataclasses.fields(policy)}:
+        raise ValueError(
+            f"{name!r} keeps per-head rows, which mlx-lm's batch decoding cannot hold; the "
+            "server does not serve DuoAttention yet (examples/generate.py and the evaluator do)"
+        )
+    return policy
 
 
 def build_parser() -> argparse.ArgumentParser:

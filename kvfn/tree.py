@@ -6,6 +6,8 @@ plus what the host knows (row bounds), and back.
 on. ``unflatten(arrays, static, host=None)`` rebuilds the state (``None``: inside a trace).
 """
 
+import mlx.core as mx
+
 from . import cache as kv
 from . import partitioned as part
 
@@ -82,3 +84,77 @@ def arrays(states) -> list:
     if type(states) in KINDS:
         return leaves(flatten(states)[0])
     return [a for s in states for a in arrays(s)]
+
+
+def _encode(static, host) -> dict:
+    cls, st = static
+    if cls is kv.State:
+        (window, packed), (max_rows, dense) = st, host
+        return dict(kind="plain", sliding_window=window, packed=packed, max_rows=max_rows,
+                    dense=dense)  # fmt: skip
+    heads, kinds = st
+    groups = []
+    for (gcls, gst), bound in zip(kinds, host):
+        if gcls is kv.State:
+            groups.append(dict(kind="plain", sliding_window=gst[0], packed=gst[1], max_rows=bound))
+        else:
+            groups.append(dict(kind="ring", sink=gst[0], recent=gst[1]))
+    return dict(kind="partitioned", heads=[list(h) for h in heads], groups=groups)
+
+
+def _decode(layout: dict) -> tuple:
+    if layout["kind"] == "plain":
+        static = (kv.State, (layout["sliding_window"], layout["packed"]))
+        return static, (layout["max_rows"], layout["dense"])
+    kinds, bounds = [], []
+    for g in layout["groups"]:
+        if g["kind"] == "plain":
+            kinds.append((kv.State, (g["sliding_window"], g["packed"])))
+            bounds.append(g["max_rows"])
+        else:
+            kinds.append((part.StreamingRing, (g["sink"], g["recent"])))
+            bounds.append(None)
+    heads = tuple(tuple(h) for h in layout["heads"])
+    return (part.HeadPartitionedKVCache, (heads, tuple(kinds))), tuple(bounds)
+
+
+def _named(prefix: str, arrays) -> dict:
+    if isinstance(arrays, dict):
+        return {f"{prefix}.{k}": v for k, v in arrays.items()}
+    return {k: v for i, a in enumerate(arrays) for k, v in _named(f"{prefix}.{i}", a).items()}
+
+
+def _unnamed(prefix: str, flat: dict, static) -> dict | list:
+    cls, st = static
+    if cls is part.HeadPartitionedKVCache:
+        return [_unnamed(f"{prefix}.{i}", flat, k) for i, k in enumerate(st[1])]
+    fields = kv.ARRAY_FIELDS if cls is kv.State else part.rg.ARRAY_FIELDS
+    return {f: flat[f"{prefix}.{f}"] for f in fields}
+
+
+def save(path, states, metadata: dict | None = None) -> None:
+    """Write layer states of any kind (plain, partitioned) to a .safetensors file, with what
+    rebuilds them (kinds, heads, sizes, host bounds) in its metadata."""
+    import json
+
+    arrays, layouts = {}, []
+    for i, s in enumerate(states):
+        flat, static, host = flatten(s)
+        arrays.update(_named(str(i), flat))
+        layouts.append(_encode(static, host))
+    meta = {"kvfn_states": json.dumps(layouts), **{k: str(v) for k, v in (metadata or {}).items()}}
+    mx.save_safetensors(str(path), arrays, metadata=meta)
+
+
+def load(path) -> tuple[tuple, dict]:
+    """The states ``save`` wrote, and the file's other metadata."""
+    import json
+
+    flat, meta = mx.load(str(path), return_metadata=True)
+    if "kvfn_states" not in meta:
+        raise ValueError(f"{path} holds no kvfn states (no 'kvfn_states' metadata)")
+    states = []
+    for i, layout in enumerate(json.loads(meta.pop("kvfn_states"))):
+        static, host = _decode(layout)
+        states.append(unflatten(_unnamed(str(i), flat, static), static, host))
+    return tuple(states), meta

@@ -202,6 +202,7 @@ def raw_post(port: int, path: str, body: bytes) -> tuple[int, dict]:
         (dict(max_tokens=10**9), 400, "exceeds the model's context of 8192"),
         (dict(max_tokens="ten"), 400, "max_tokens must be of type int"),
         (dict(extra_body={"kv_eviction": "no-such-policy"}), 400, "unknown policy"),
+        (dict(extra_body={"kv_eviction": "duo-r25"}), 400, "per-head rows"),
         (dict(extra_body={"kv_budget": 8}), 400, "budget 8 is below sink tokens + window = 4 + 8"),
         (dict(extra_body={"kv_budget": "big"}), 400, "kv_budget must be a positive integer"),
         (dict(messages="hello"), 400, "messages must be a non-empty list"),

@@ -1,0 +1,130 @@
+"""DuoAttention's savings, side by side in one process: KV bytes and decode step time of
+head-partitioned states vs the full cache and vs the union-plus-mask store (every row kept, the
+streaming heads' dropped rows only masked, as the seed designed it).
+
+    python examples/benchmark_duo.py --shape tiny --lengths 2048 8192 --ratios 0.25 0.5
+    python examples/benchmark_duo.py --shape 8b --lengths 8192 32768 --ratios 0.25 0.5   # GPU
+
+Random-weight llama shapes (see benchmark_decode.py) and a random head pattern at each
+retrieval ratio; streaming heads keep --sink + --recent rows. Step times are medians of kvfn's
+compiled decode from one state (the state is not advanced, so no capacity grows); mlx-lm's
+eager step over its own full KVCache is the reference.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from examples.benchmark_decode import SHAPES, median_ms, mlx_prefill, random_model  # noqa: E402
+from kvfn import cache as kv  # noqa: E402
+
+
+def union_plus_mask(full: tuple, policy, P: int) -> tuple:
+    """The full states with every row a streaming head dropped masked, nothing removed."""
+    out = []
+    for i, s in enumerate(full):
+        heads = np.array(policy.heads[i])
+        pos = np.arange(s.capacity)
+        ring = (pos < policy.sink_tokens) | ((pos >= P - policy.recent) & (pos < P))
+        keep = np.where(heads[:, None], pos[None] < P, ring[None])
+        positions = mx.where(mx.array(keep)[None], s.positions, kv.EMPTY)
+        out.append(s.replace(positions=positions, dense=False, packed=False))
+    return tuple(out)
+
+
+def step_ms(fm, states, steps: int) -> float:
+    token = mx.array([[1]])
+
+    def step():
+        logits, new = fm.decode(token, states)
+        mx.eval(logits, kvfn.tree.arrays(new))
+
+    return median_ms(step, steps)
+
+
+def mlx_step_ms(model, cache, steps: int) -> float:
+    token = mx.array([[1]])
+
+    def step():
+        mx.eval(model(token, cache=cache))
+        for c in cache:
+            c.trim(1)  # back to the prompt: every step reads the same rows
+
+    return median_ms(step, steps)
+
+
+def run(args) -> list:
+    dtype = getattr(mx, args.dtype)
+    model = random_model(args.shape, False, dtype)
+    fm = kvfn.FunctionalModel(model)
+    rng = np.random.default_rng(0)
+    rows = []
+    for L in args.lengths:
+        tokens = rng.integers(0, 32000, L).tolist()
+        cache = mlx_prefill(model, tokens[:-1], args.chunk)
+        full = kvfn.prefill(fm, mx.array([tokens[:-1]]), capacity=L + 8,
+                            prefill_step_size=args.chunk)  # fmt: skip
+        mx.eval(kvfn.tree.arrays(full))
+        P = L - 1
+        base = dict(mlx_lm_full=mlx_step_ms(model, cache, args.steps),
+                    kvfn_full=step_ms(fm, full, args.steps))  # fmt: skip
+        full_bytes = sum(kvfn.eviction.kept(s.replace(max_rows=P))[1] for s in full)
+        for ratio in args.ratios:
+            scores = rng.random((len(full), full[0].keys.shape[1]))
+            pattern = kvfn.HeadPattern(scores=scores, sink_size=args.sink, recent_size=args.recent)
+            policy = kvfn.Duo.from_pattern(pattern, ratio=ratio)
+            states, _ = kvfn.compact_states(full, None, policy, reserve=8)
+            duo_bytes = sum(kvfn.eviction.kept(s)[1] for s in states)
+            masked = union_plus_mask(full, policy, P)
+            row = dict(L=L, ratio=ratio, **base,
+                       union_mask=step_ms(fm, masked, args.steps),
+                       duo=step_ms(fm, states, args.steps),
+                       full_mb=full_bytes / 1e6, duo_mb=duo_bytes / 1e6)  # fmt: skip
+            rows.append(row)
+            print_row(row)
+    return rows
+
+
+def print_row(r: dict) -> None:
+    print(
+        f"L={r['L']:6d} ratio={r['ratio']:.2f} | KV MB full {r['full_mb']:8.1f} = union+mask, "
+        f"duo {r['duo_mb']:8.1f} ({r['duo_mb'] / r['full_mb']:.2f}x) | step ms: mlx-lm full "
+        f"{r['mlx_lm_full']:.2f}, kvfn full {r['kvfn_full']:.2f}, union+mask "
+        f"{r['union_mask']:.2f}, duo {r['duo']:.2f} | duo / mlx-lm full "
+        f"{r['duo'] / r['mlx_lm_full']:.2f}, duo / union+mask {r['duo'] / r['union_mask']:.2f}",
+        flush=True,
+    )
+
+
+def main(argv=None) -> list:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5])
+    p.add_argument("--sink", type=int, default=64)
+    p.add_argument("--recent", type=int, default=256)
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args(argv)
+    for r in args.ratios:
+        if not 0 <= r <= 1:
+            p.error(f"argument --ratios: must be in [0, 1], got {r}")
+    if min(args.lengths) <= args.sink + args.recent:
+        p.error(f"argument --lengths: must exceed --sink + --recent = {args.sink + args.recent}")
+    rows = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
