@@ -46,7 +46,7 @@ from .partitioned import HeadPartitionedEvictionResult, HeadPartitionedKVCache  
 from .policy import Policy, parse_policy, register_policy  # noqa: E402
 from .ring import StreamingRing  # noqa: E402
 from .scores import window_attention_scores  # noqa: E402
-from .snapkv import SnapKV, snapkv_keep_indices  # noqa: E402
+from .snapkv import PyramidKV, SnapKV, snapkv_keep_indices  # noqa: E402
 from .wrapper import FunctionalModel, QuerySlice  # noqa: E402
 
 __version__ = "0.2.0"
@@ -78,6 +78,7 @@ __all__ = [
     "StreamingLLM",
     "RandomRows",
     "ChunkKV",
+    "PyramidKV",
     "Duo",
     "HeadPattern",
     "parse_policy",

@@ -130,7 +130,8 @@ def _evictor(policy: Policy, P: int, extra: int, statics: tuple, compiled: bool)
                 new = _window_cut(s, P, extra)
             else:
                 sc = scores[i][..., :P] if scores else None
-                new = policy.compact_layer(s, sc, prompt_length=P, layer=i, reserve=extra)
+                layer_policy = policy.for_layer(i, len(statics))
+                new = layer_policy.compact_layer(s, sc, prompt_length=P, layer=i, reserve=extra)
             arrays_out, static_out, host = tree.flatten(new)
             out.append(arrays_out)
             shapes.append((static_out, host))

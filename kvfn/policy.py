@@ -137,6 +137,11 @@ class Policy:
         """Rows each KV head of a full-attention layer keeps of a prompt this long."""
         return prompt_length if self.keeps_whole(prompt_length) else self.budget
 
+    def for_layer(self, layer: int, n_layers: int) -> "Policy":
+        """The policy that compacts layer ``layer`` of ``n_layers`` (itself; PyramidKV gives
+        each layer its own budget)."""
+        return self
+
     def check_layers(self, n_kv_heads: tuple[Optional[int], ...]) -> None:
         """Raise a ValueError if the policy cannot apply to layers of these KV-head counts (one
         per full-attention layer, None for a sliding-window layer); called before tracing."""

@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 
 import kvfn
-from kvfn import ChunkKV, FunctionalModel, Policy, RandomRows, SnapKV, StreamingLLM, parse_policy
+from kvfn import (
+    ChunkKV,
+    FunctionalModel,
+    Policy,
+    PyramidKV,
+    RandomRows,
+    SnapKV,
+    StreamingLLM,
+    parse_policy,
+)
 from tests.tiny import tiny_model
 
 
@@ -32,6 +41,7 @@ POLICIES = [
     RandomRows(budget=20, window=6, sink_tokens=3, seed=5),
     ChunkKV(budget=20, window=6, sink_tokens=3, chunk_size=4),
     EveryOther(budget=20, window=6, sink_tokens=3),
+    PyramidKV(budget=20, window=6, sink_tokens=3, beta=4),
 ]
 IDS = [repr(p) for p in POLICIES]
 
@@ -75,15 +85,16 @@ def test_contract_compact_is_exact_for_every_policy(policy):
     ids = np.random.default_rng(1).integers(0, 97, 40).tolist()
     states, result = kvfn.compact(fm, ids, policy, max_new_tokens=3, prefill_step_size=16)
     full = kvfn.prefill(fm, mx.array([ids[:-1]]), capacity=len(ids) + 3)
-    restricted = tuple(kvfn.restrict(f, c.positions[:, :, : policy.budget])
-                       for f, c in zip(full, states))  # fmt: skip
+    rows = tuple(policy.for_layer(i, 3).rows_after(39) for i in range(3))
+    restricted = tuple(kvfn.restrict(f, c.positions[:, :, :r])
+                       for f, c, r in zip(full, states, rows))  # fmt: skip
     token = mx.array([[ids[-1]]])
     for _ in range(3):
         a, states = fm.decode(token, states)
         b, restricted = fm.decode(token, restricted)
         assert mx.abs(a - b).max().item() < 1e-4
         token = mx.argmax(a, axis=-1)[:, None]
-    assert result.rows_after == (policy.budget,) * 3 and result.rows_before == (39,) * 3
+    assert result.rows_after == rows and result.rows_before == (39,) * 3
 
 
 def test_parser_names_policies_and_options():
@@ -170,3 +181,20 @@ def test_chunkkv_keeps_whole_chunks_by_summed_score():
     assert parse_policy("chunkkv-c10", budget=64) == ChunkKV(budget=64, chunk_size=10)
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         ChunkKV(budget=64, chunk_size=0)
+
+
+def test_pyramidkv_budgets_fall_with_depth_and_average_the_budget():
+    p = PyramidKV(budget=256, window=32, sink_tokens=4, beta=20)
+    budgets = p.layer_budgets(24)
+    assert budgets == sorted(budgets, reverse=True) and budgets[0] > 256 > budgets[-1]
+    assert sum(budgets) == 24 * 256  # equal memory to a flat budget
+    assert budgets[-1] == (256 - 32) // 20 + 32
+    assert parse_policy("pyramidkv-b10", budget=256).beta == 10
+    fm = FunctionalModel(tiny_model("llama"))
+    ids = list(range(90))
+    small = PyramidKV(budget=40, window=4, sink_tokens=2, beta=4)
+    _, result = kvfn.compact(fm, ids, small)
+    assert result.rows_after == tuple(small.layer_budgets(3))
+    assert result.rows_after[0] > result.rows_after[2]
+    with pytest.raises(ValueError, match="beta"):
+        PyramidKV(budget=40, beta=0)
