@@ -11,6 +11,7 @@ from .blas import use_openblas
 use_openblas()  # before mlx.core is imported anywhere below
 
 from . import cache, partitioned, ring, tree  # noqa: E402
+from .adakv import AdaKV  # noqa: E402
 from .baselines import ChunkKV, RandomRows, StreamingLLM  # noqa: E402
 from .cache import (  # noqa: E402
     EMPTY,
@@ -79,6 +80,7 @@ __all__ = [
     "RandomRows",
     "ChunkKV",
     "PyramidKV",
+    "AdaKV",
     "Duo",
     "HeadPattern",
     "parse_policy",

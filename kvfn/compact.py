@@ -168,7 +168,7 @@ def compact_states(
     # a dense state holds exactly P rows, so every kept row is a stored one: still packed
     statics = tuple((s.sliding_window, s.dense) for s in states)
     flat = [kv.flatten(s)[0] for s in states]
-    run, layout = _evictor(policy, P, reserve, statics, compiled)
+    run, layout = _evictor(policy, P, reserve, statics, compiled and policy.traceable)
     out = run(flat, list(scores or ()))
     new = tuple(tree.unflatten(o, st, host) for o, (st, host) in zip(out, layout[0]))
     new = tuple(

@@ -51,6 +51,8 @@ class Policy:
 
     name: ClassVar[str] = "policy"
     needs_scores: ClassVar[bool] = False
+    # False: compact_layer reads values on the host (data-dependent shapes), so it runs eagerly
+    traceable: ClassVar[bool] = True
     # option word -> field values, for names like "snapkv-avg-layer"
     flags: ClassVar[dict] = {}
     # option prefix -> int field, for names like "snapkv-k15"

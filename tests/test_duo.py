@@ -324,3 +324,61 @@ def test_partitioned_states_trim_exactly():
     again, _ = fm.decode(mx.argmax(one, axis=-1)[:, None], rolled)
     redo, _ = fm.decode(mx.argmax(one, axis=-1)[:, None], after_one)
     assert mx.abs(again - redo).max().item() < TOL  # the lost ring row was out of view anyway
+
+
+# -- Ada-KV: per-head budgets, stored ragged ------------------------------------------------------
+
+
+def test_adakv_allocation_follows_scores_and_keeps_each_heads_floor():
+    policy = kvfn.AdaKV(budget=20, window=4, sink_tokens=2, kernel_size=1, floor=25)
+    P = 60
+    s = np.full((1, 2, P), 1e-3, np.float32)  # 2 KV heads, one query head each
+    s[0, 0, 10:40] = 1.0  # head 0 attends to 30 middle rows, head 1 to one row
+    s[0, 1, 30] = 5.0
+    keep = policy.allocation(mx.array(s), prompt_length=P, n_kv_heads=2)
+    assert sum(len(k) for k in keep) == 40  # the layer's budget, shared out
+    # head 1 keeps only its sinks, window and floor (25% of 20): 2 + 4 + 5 rows, its hot row
+    # among them; head 0 the rest: its sinks and window and 40 - 11 - 6 = 23 of its hot rows
+    assert len(keep[1]) == 11 and {0, 1, 30} | set(range(56, 60)) <= set(keep[1].tolist())
+    assert len(keep[0]) == 29 and len(set(range(10, 40)) & set(keep[0].tolist())) == 23
+    for k in keep:
+        assert k.tolist() == sorted(set(k.tolist()))
+
+
+def test_adakv_decodes_like_per_head_masked_full_attention():
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(7).integers(0, 97, 60).tolist()
+    policy = kvfn.parse_policy("adakv", budget=20, window=4, sink_tokens=2)
+    states, result = kvfn.compact(fm, ids, policy, max_new_tokens=4)
+    P = len(ids) - 1
+    kept = []  # per layer, per KV head: the positions it holds
+    for s in states:
+        groups = getattr(s, "groups", (s,))
+        heads = getattr(s, "heads", (tuple(range(2)),))
+        held = {h: np.array(g.positions[0, j]) for g, hs in zip(groups, heads)
+                for j, h in enumerate(hs)}  # fmt: skip
+        kept.append([held[h][held[h] < P] for h in range(2)])
+    assert any(len(k[0]) != len(k[1]) for k in kept)  # some layer is ragged
+    assert all(len(k[0]) + len(k[1]) == 40 for k in kept)
+    token, tokens, logits = mx.array([[ids[-1]]]), list(ids), []
+    for _ in range(4):
+        out, states = fm.decode(token, states)
+        logits.append(out[0])
+        token = mx.argmax(out, axis=-1)[:, None]
+        tokens.append(token.item())
+    T = len(tokens) - 1
+    q, k = np.arange(T)[:, None], np.arange(T)[None, :]
+
+    def visible(i):
+        heads = []
+        for h in range(2):
+            held = np.zeros(T, bool)
+            held[kept[i][h]] = True
+            heads.append(np.where(q < P, k <= q, (k <= q) & (held[None] | (k >= P))))
+        return mx.array(np.repeat(np.stack(heads), 2, axis=0)[None])
+
+    ref = reference_logits(fm.model, mx.array([tokens[:T]]), visible)[P:]
+    assert mx.abs(mx.stack(logits) - ref).max().item() < TOL
+    assert result.total_bytes_after < result.total_bytes_before
+    with pytest.raises(ValueError, match="per_head"):
+        kvfn.parse_policy("adakv-layer", budget=64)
