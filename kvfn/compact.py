@@ -30,10 +30,15 @@ def _start(fmodel, tokens, states, capacity, dtype) -> tuple:
     B, n = tokens.shape
     if states is None:
         return fmodel.init_states(B, max(capacity or 0, n), dtype)
-    bound = [s.max_rows if s.max_rows is not None else int(s.rows.item()) for s in states]
-    return tuple(
-        kv.reserve(s.replace(max_rows=r), max(s.capacity, r + n)) for s, r in zip(states, bound)
-    )
+    return tuple(_room(s, n) for s in states)
+
+
+def _room(state, n: int):
+    """A plain state with room for n more rows (a partitioned one grows in the wrapper)."""
+    if not isinstance(state, kv.State):
+        return state
+    r = state.max_rows if state.max_rows is not None else int(state.rows.item())
+    return kv.reserve(state.replace(max_rows=r), max(state.capacity, r + n))
 
 
 def _loop(fmodel, tokens, states, scores, window, prefill_step_size, progress, compiled):

@@ -382,3 +382,26 @@ def test_adakv_decodes_like_per_head_masked_full_attention():
     assert result.total_bytes_after < result.total_bytes_before
     with pytest.raises(ValueError, match="per_head"):
         kvfn.parse_policy("adakv-layer", budget=64)
+
+
+def test_a_chunk_after_duo_compaction_sees_what_each_head_keeps():
+    """A chunk longer than the ring (a follow-up turn): streaming heads attend over the ring
+    before the chunk plus the chunk itself, with the sink + recent rule per query."""
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    rng = np.random.default_rng(8)
+    ids = rng.integers(0, 97, 50).tolist()
+    policy = Duo(retrieval=PATTERN, sink_tokens=2, recent=6)
+    states, _ = kvfn.compact(fm, ids, policy)
+    follow = rng.integers(0, 97, 15).tolist()
+    chunk = [ids[-1]] + follow
+    logits, after = fm.forward(mx.array([chunk]), states)
+    P = len(ids) - 1
+    T = P + len(chunk)
+    ref = reference_logits(fm.model, mx.array([ids[:-1] + chunk]),
+                           duo_visibility(fm, states, P, T, policy))[P:]  # fmt: skip
+    assert mx.abs(logits[0] - ref).max().item() < TOL
+    ring = after[0].groups[1]
+    held = sorted(p for p in np.array(ring.positions).ravel().tolist() if p != kv.EMPTY)
+    assert held == [0, 1] + list(range(T - 6, T))
+    more, _ = kvfn.prefill(fm, mx.array([follow[:3]]), states=states), None
+    assert int(more[0].offset.item()) == P + 3
