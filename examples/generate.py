@@ -95,8 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     duo = p.add_argument_group("DuoAttention (--kv-eviction duo, or duo-snapkv to compress retrieval heads to --kv-budget)")
     duo.add_argument("--kv-head-pattern", help="a DuoAttention pattern folder or .tsv (make one with `kvfn heads`)")
-    duo.add_argument("--kv-retrieval-ratio", type=probability, default=0.5,
-                     help="fraction of KV heads that keep the long context")  # fmt: skip
+    duo.add_argument("--kv-retrieval-ratio", type=probability,
+                     help="fraction of KV heads that keep the long context (default: the "
+                     "pattern's config.json sparsity or threshold, else 0.5)")  # fmt: skip
     duo.add_argument("--kv-sink-size", type=non_negative_int, help="streaming heads' sink rows (default: the pattern's)")
     duo.add_argument("--kv-recent-size", type=positive_int, help="streaming heads' recent rows (default: the pattern's)")
     args = p.parse_args(argv)
@@ -104,6 +105,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"argument --top-k: must be >= 0, got {args.top_k}")
     args.policy = None
     if args.kv_eviction != "none":
+        if args.kv_budget < args.kv_sink_tokens + args.kv_window:
+            p.error(
+                f"argument --kv-budget: {args.kv_budget} is below --kv-sink-tokens + --kv-window "
+                f"= {args.kv_sink_tokens} + {args.kv_window}"
+            )
         settings = dict(budget=args.kv_budget, window=args.kv_window,
                         sink_tokens=args.kv_sink_tokens, min_tokens=args.kv_min_tokens)  # fmt: skip
         if args.kv_head_pattern is not None:
@@ -112,7 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             except (FileNotFoundError, ValueError) as e:
                 p.error(f"argument --kv-head-pattern: {e}")
             settings.update(
-                pattern=pattern, ratio=round(100 * args.kv_retrieval_ratio),
+                pattern=pattern,
+                ratio=None if args.kv_retrieval_ratio is None else round(100 * args.kv_retrieval_ratio),
                 sink_tokens=pattern.sink_size if args.kv_sink_size is None else args.kv_sink_size,
                 recent=args.kv_recent_size or pattern.recent_size,
             )  # fmt: skip

@@ -36,6 +36,8 @@ class HeadPattern:
     scores: tuple
     sink_size: int = 64
     recent_size: int = 256
+    threshold: Optional[float] = None  # config.json's binarization, when it gives one
+    sparsity: Optional[float] = None
 
     def __post_init__(self):
         a = np.asarray(self.scores, dtype=np.float64)
@@ -57,8 +59,16 @@ class HeadPattern:
                   threshold: Optional[float] = None) -> tuple:  # fmt: skip
         """Which KV heads retrieve, per layer: the ``ratio`` highest-scoring heads of the model
         (ties by layer then head, so exactly round(ratio x heads) of them), or those scoring at
-        least ``threshold``. DuoAttention's ``sparsity`` is 1 - ratio."""
+        least ``threshold``. DuoAttention's ``sparsity`` is 1 - ratio. With neither, the
+        pattern's own config (sparsity, else threshold)."""
         a = np.clip(np.asarray(self.scores), 0.0, 1.0)
+        if ratio is None and threshold is None:
+            if self.sparsity is None and self.threshold is None:
+                raise ValueError("give a ratio or threshold (the pattern's config sets neither)")
+            if self.sparsity is not None:
+                ratio = 1.0 - self.sparsity
+            else:
+                threshold = self.threshold
         if (ratio is None) == (threshold is None):
             raise ValueError("give exactly one of ratio and threshold")
         if ratio is not None:
@@ -88,7 +98,8 @@ class HeadPattern:
         settings = {}
         if config is not None and config.is_file():
             raw = json.loads(config.read_text())
-            settings = {k: raw[k] for k in ("sink_size", "recent_size") if k in raw}
+            keys = ("sink_size", "recent_size", "threshold", "sparsity")
+            settings = {k: raw[k] for k in keys if raw.get(k) is not None}
         return cls(scores=scores, **settings)
 
     def save(self, folder, **extra) -> Path:
@@ -98,6 +109,8 @@ class HeadPattern:
         folder.mkdir(parents=True, exist_ok=True)
         np.savetxt(folder / TSV, np.asarray(self.scores), delimiter="\t", fmt="%.6f")
         config = dict(sink_size=self.sink_size, recent_size=self.recent_size, **extra)
+        config.update({k: getattr(self, k) for k in ("threshold", "sparsity")
+                       if getattr(self, k) is not None})  # fmt: skip
         (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         return folder
 
@@ -109,15 +122,15 @@ class Duo(Policy):
     ``budget``; streaming heads keep ``sink_tokens`` + ``recent`` rows, a ring during decode.
 
     Which heads retrieve: ``retrieval`` (per layer, a bool per KV head) if given, else the
-    ``ratio`` percent best-scoring heads of ``pattern``. Names: "duo", "duo-r25" (ratio 25),
-    "duo-snapkv" (compress)."""
+    ``ratio`` percent best-scoring heads of ``pattern`` (None: the pattern's own sparsity or
+    threshold, else 50%). Names: "duo", "duo-r25" (ratio 25), "duo-snapkv" (compress)."""
 
     budget: int = ALL
     window: int = 32
     sink_tokens: int = 64
     min_tokens: int = 0
     recent: int = 256
-    ratio: int = 50
+    ratio: Optional[int] = None
     pattern: Optional[HeadPattern] = None
     retrieval: tuple = ()
     compress: bool = False
@@ -142,7 +155,7 @@ class Duo(Policy):
             self.check_budget()
         if self.recent < 1:
             raise ValueError(f"duo recent must be >= 1, got {self.recent}")
-        if self.ratio > 100:
+        if self.ratio is not None and not 0 <= self.ratio <= 100:
             raise ValueError(f"duo ratio is a percent of KV heads, <= 100; got {self.ratio}")
         if self.pattern is not None and not isinstance(self.pattern, HeadPattern):
             raise ValueError(f"duo pattern must be a HeadPattern, got {type(self.pattern).__name__}")
@@ -159,6 +172,10 @@ class Duo(Policy):
         if self.pattern is None:
             raise ValueError("duo needs a head pattern (pattern=HeadPattern.load(...)) or "
                              "retrieval=(per layer, a bool per KV head)")  # fmt: skip
+        if self.ratio is None:
+            if self.pattern.sparsity is None and self.pattern.threshold is None:
+                return self.pattern.retrieval(ratio=0.5)
+            return self.pattern.retrieval()
         return self.pattern.retrieval(ratio=self.ratio / 100)
 
     @property

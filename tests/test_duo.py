@@ -259,6 +259,10 @@ def test_head_pattern_reads_and_writes_duoattentions_format(tmp_path):
     assert again == p
     policy = Duo.from_pattern(again, ratio=0.5)
     assert policy.sink_tokens == 32 and policy.recent == 128
+    (tmp_path / "config.json").write_text('{"sink_size": 32, "recent_size": 128, "sparsity": 0.5}')
+    released = HeadPattern.load(tmp_path)
+    assert released.sparsity == 0.5 and released.retrieval() == p.retrieval(ratio=0.5)
+    assert Duo(pattern=released).heads == p.retrieval(ratio=0.5)
     named = kvfn.parse_policy("duo-r50", pattern=again)
     assert named.heads == policy.heads and named.ratio == 50
     assert kvfn.parse_policy("duo-snapkv-r25", budget=256, pattern=again).compress

@@ -59,3 +59,28 @@ def test_example_rejects_a_budget_below_sinks_and_window(capsys):
     assert (
         "--kv-budget: 10 is below --kv-sink-tokens + --kv-window = 4 + 8" in capsys.readouterr().err
     )
+
+
+def test_example_runs_duo_from_a_pattern_folder(tmp_path, capsys):
+    import numpy as np
+
+    import kvfn
+
+    scores = np.random.default_rng(0).random((30, 3))
+    kvfn.HeadPattern(scores=scores, sink_size=8, recent_size=32).save(tmp_path)
+    report = generate.main(["--context-tokens", "300", "--max-tokens", "4", "--quiet",
+                            "--kv-eviction", "duo", "--kv-head-pattern", str(tmp_path),
+                            "--kv-retrieval-ratio", "0.25"])  # fmt: skip
+    rows_after, rows_before = map(int, report["kv_rows_kept"].split(" / "))
+    P = report["prompt_tokens"] - 1
+    # a quarter of the 90 KV heads (22) keep all P rows, the rest 8 + 32; reported as the
+    # per-head mean of each layer (3 KV heads), summed over layers
+    k = round(0.25 * 90)
+    assert abs(rows_after - (k * P + (90 - k) * 40) / 3) <= 30
+    assert report["generated_tokens"] >= 1 and "kvfn" in report["decoder"]
+    with pytest.raises(SystemExit):
+        generate.parse_args(["--kv-eviction", "duo"])
+    assert "head pattern" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        generate.parse_args(["--kv-eviction", "snapkv", "--kv-head-pattern", str(tmp_path)])
+    assert "has no setting" in capsys.readouterr().err
