@@ -177,6 +177,8 @@ def _group_rows(before, after, keys, values, n: int):
         v = mx.concatenate([before.values, values.astype(before.values.dtype)], axis=2)
         positions = mx.concatenate([before.positions, pos], axis=2)
         return k, v, rg.visible(after, positions, n)
+    if before.packed and before.sliding_window is None:  # one (1, 1, n, C) mask for all heads
+        return after.keys, after.values, kv.packed_mask(before, n)
     return after.keys, after.values, kv.mask(after, n)
 
 
@@ -192,7 +194,7 @@ def attend(before: HeadPartitionedKVCache, after: HeadPartitionedKVCache, querie
         qh = _query_heads(hs, rep)
         q = mx.take(queries, mx.array(qh, mx.int32), axis=1)
         gk, gv, m = _group_rows(b, a, k, v, n)
-        m = mx.repeat(m, rep, axis=1) if rep > 1 else m
+        m = mx.repeat(m, rep, axis=1) if rep > 1 and m.shape[1] > 1 else m
         outs.append(mx.fast.scaled_dot_product_attention(q, gk, gv, scale=scale, mask=m))
         order += qh
     out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
