@@ -21,6 +21,7 @@ import numpy as np
 from typeguard import typechecked
 
 from . import cache as kv
+from . import kernels
 from . import ring as rg
 from .ring import StreamingRing
 
@@ -178,6 +179,8 @@ def _group_rows(before, after, keys, values, n: int):
         positions = mx.concatenate([before.positions, pos], axis=2)
         return k, v, rg.visible(after, positions, n)
     if before.packed and before.sliding_window is None:  # one (1, 1, n, C) mask for all heads
+        if n == 1:  # the length, for the fused kernel where there is one
+            return after.keys, after.values, after.rows
         return after.keys, after.values, kv.packed_mask(before, n)
     return after.keys, after.values, kv.mask(after, n)
 
@@ -194,8 +197,11 @@ def attend(before: HeadPartitionedKVCache, after: HeadPartitionedKVCache, querie
         qh = _query_heads(hs, rep)
         q = mx.take(queries, mx.array(qh, mx.int32), axis=1)
         gk, gv, m = _group_rows(b, a, k, v, n)
-        m = mx.repeat(m, rep, axis=1) if rep > 1 and m.shape[1] > 1 else m
-        outs.append(mx.fast.scaled_dot_product_attention(q, gk, gv, scale=scale, mask=m))
+        if m.dtype == mx.int32:  # a row count: valid slots [0, m)
+            outs.append(kernels.ragged_decode_attention(q, gk, gv, m, scale=scale))
+        else:
+            m = mx.repeat(m, rep, axis=1) if rep > 1 and m.shape[1] > 1 else m
+            outs.append(mx.fast.scaled_dot_product_attention(q, gk, gv, scale=scale, mask=m))
         order += qh
     out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
     if order == sorted(order):

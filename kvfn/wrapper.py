@@ -29,6 +29,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from . import cache as kv
+from . import kernels
 from . import partitioned as part
 from . import tree
 from .scores import window_attention_scores
@@ -105,6 +106,16 @@ class _LayerAdapter:
         return mx.repeat(m, rep, axis=1) if rep > 1 else m
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        s = self.state
+        if (
+            sinks is None
+            and queries.shape[2] == 1
+            and s.static_rows is None
+            and s.packed
+            and s.sliding_window is None
+            and kernels.fused(queries, keys, values)
+        ):  # one query over a packed state: the fused kernel reads slots [0, rows), no mask
+            return kernels.ragged_decode_attention(queries, keys, values, s.rows, scale=scale)
         return mx.fast.scaled_dot_product_attention(
             queries, keys, values, scale=scale, mask=mask, sinks=sinks
         )

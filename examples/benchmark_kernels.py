@@ -1,0 +1,263 @@
+"""Ragged decode attention on the GPU: the split-K kernel against MLX's SDPA.
+
+Loads kvfn/kernels.py by file path, so it runs while the rest of kvfn is being edited.
+For one layer (B=1, 32 query / 8 KV heads, D=128, bf16) and capacities 1K-128K it checks the
+kernel against masked SDPA, then times, interleaved in one process (median over iterations,
+mx.eval each): the kernel over the valid rows, fused SDPA with mask=None over exactly the
+valid rows (the ideal), and masked SDPA over the whole capacity (kvfn today). With --layers N
+it also times a compiled function making N such calls.
+
+    python examples/benchmark_kernels.py [--iters 200] [--layers 32] [--sweep] [--check]
+"""
+
+import argparse
+import importlib.util
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+HEADS, KV_HEADS, DIM = 32, 8, 128
+CAPACITIES = (1024, 4096, 32768, 131072)
+RAGGED = (1, 1 / 8, 1 / 2, 1 / 4, 1, 1 / 16, 3 / 4, 1 / 2)  # per-KV-head share of C
+
+
+def load_kernels():
+    path = Path(__file__).resolve().parent.parent / "kvfn" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("kvfn_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def operands(capacity, dim=DIM, heads=HEADS, kv_heads=KV_HEADS, batch=1, dtype=mx.bfloat16):
+    q = mx.random.normal((batch, heads, 1, dim)).astype(dtype)
+    k = mx.random.normal((batch, kv_heads, capacity, dim)).astype(dtype)
+    v = mx.random.normal((batch, kv_heads, capacity, dim)).astype(dtype)
+    mx.eval(q, k, v)
+    return q, k, v
+
+
+def cases(capacity):
+    """(name, lengths, rows the ideal attends to)."""
+    ragged = [max(1, int(capacity * share)) for share in RAGGED]
+    return [
+        ("full", mx.array(capacity, dtype=mx.int32), capacity),
+        ("half", mx.array(capacity // 2, dtype=mx.int32), capacity // 2),
+        ("ragged", mx.array([ragged], dtype=mx.int32), max(ragged)),
+    ]
+
+
+def without_prefetch(kk, fn):
+    kk.PREFETCH = False
+    try:
+        return fn()
+    finally:
+        kk.PREFETCH = True
+
+
+def variants(kk, q, k, v, lengths, rows):
+    scale = q.shape[-1] ** -0.5
+    kernel = lambda: kk.ragged_decode_attention(q, k, v, lengths, scale=scale)  # noqa: E731
+    return {
+        "kernel": kernel,
+        "no prefetch": lambda: without_prefetch(kk, kernel),
+        "ideal": lambda: mx.fast.scaled_dot_product_attention(
+            q, k[:, :, :rows], v[:, :, :rows], scale=scale
+        ),
+        "masked": lambda: kk._masked_attention(q, k, v, lengths, scale),
+    }
+
+
+def max_error(a, b):
+    return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))))
+
+
+def timed(fns, iters, repeat=1):
+    """Median microseconds per call of each fn, interleaved; repeat calls share one eval."""
+    for fn in fns.values():
+        mx.eval([fn() for _ in range(repeat)])
+    times = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            mx.eval([fn() for _ in range(repeat)])
+            times[name].append((time.perf_counter() - start) / repeat)
+    return {name: 1e6 * statistics.median(t) for name, t in times.items()}
+
+
+def compiled_layers(kk, capacity, lengths, rows, layers):
+    """A compiled function making `layers` calls over distinct K/V buffers, per variant."""
+    q, _, _ = operands(16)
+    kvs = [operands(capacity)[1:] for _ in range(layers)]
+    scale = DIM**-0.5
+
+    def step(attend):
+        def run(q, lengths, kvs):
+            return sum(attend(q, k, v, lengths) for k, v in kvs)
+
+        return mx.compile(run)
+
+    attends = {
+        "kernel": lambda q, k, v, n: kk.ragged_decode_attention(q, k, v, n, scale=scale),
+        "ideal": lambda q, k, v, n: mx.fast.scaled_dot_product_attention(
+            q, k[:, :, :rows], v[:, :, :rows], scale=scale
+        ),
+        "masked": lambda q, k, v, n: kk._masked_attention(q, k, v, n, scale),
+    }
+    fns = {name: step(a) for name, a in attends.items()}
+    out = {name: (lambda f=f: f(q, lengths, kvs)) for name, f in fns.items()}
+    err = max_error(out["kernel"](), out["masked"]())
+    return out, err
+
+
+def row(cells):
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def one_layer_table(kk, capacities, iters):
+    print("\nOne layer, B=1, 32 q / 8 KV heads, D=128, bf16; us per call (median, mx.eval each)")
+    head = ["C", "rows", "err vs masked", "err vs f32", "kernel", "ideal", "masked"]
+    head += [
+        "kernel/ideal",
+        "masked/kernel",
+        "kernel GB/s",
+        "kernel x20",
+        "no prefetch x20",
+        "ideal x20",
+        "masked x20",
+    ]
+    print(row(head))
+    print(row(["---"] * len(head)))
+    for capacity in capacities:
+        q, k, v = operands(capacity)
+        for name, lengths, rows in cases(capacity):
+            fns = variants(kk, q, k, v, lengths, rows)
+            got, masked = fns["kernel"](), fns["masked"]()
+            exact = kk._masked_attention(
+                *(x.astype(mx.float32) for x in (q, k, v)), lengths, DIM**-0.5
+            )
+            errors = (max_error(got, masked), max_error(got, exact))
+            t = timed(fns, iters)
+            t20 = timed(fns, max(10, iters // 10), repeat=20)
+            read = 2 * DIM * 2 * float(mx.sum(mx.broadcast_to(lengths, (1, KV_HEADS))))
+            print(
+                row(
+                    [capacity, f"{name} {rows}", f"{errors[0]:.1e}", f"{errors[1]:.1e}"]
+                    + [f"{t[n]:.1f}" for n in ("kernel", "ideal", "masked")]
+                    + [
+                        f"{t['kernel'] / t['ideal']:.2f}",
+                        f"{t['masked'] / t['kernel']:.2f}",
+                        f"{read / t20['kernel'] / 1e3:.0f}",
+                    ]
+                    + [f"{t20[n]:.1f}" for n in ("kernel", "no prefetch", "ideal", "masked")]
+                )
+            )
+        del q, k, v
+
+
+def compiled_table(kk, capacities, layers, iters):
+    print(f"\nCompiled, {layers} calls (layers) per step, distinct K/V each; ms per step (median)")
+    head = ["C", "rows", "err", "kernel", "ideal", "masked", "kernel/ideal", "masked/kernel"]
+    print(row(head))
+    print(row(["---"] * len(head)))
+    for capacity in capacities:
+        for name, lengths, rows in cases(capacity)[:2]:
+            fns, err = compiled_layers(kk, capacity, lengths, rows, layers)
+            t = {n: us / 1e3 for n, us in timed(fns, iters).items()}
+            print(
+                row(
+                    [capacity, f"{name} {rows}", f"{err:.1e}"]
+                    + [f"{t[n]:.3f}" for n in ("kernel", "ideal", "masked")]
+                    + [f"{t['kernel'] / t['ideal']:.2f}", f"{t['masked'] / t['kernel']:.2f}"]
+                )
+            )
+            del fns
+            mx.clear_cache()
+
+
+def sweep(kk, capacities, iters):
+    print("\nSplit sweep (kernel only, us per call, x20 per eval)")
+    plan = kk.plan
+    for capacity in capacities:
+        q, k, v = operands(capacity)
+        for name, lengths, rows in cases(capacity):
+            results = []
+            for splits in (8, 16, 24, 32, 49, 66, 98, 132, 196):
+                if splits * 64 > capacity:
+                    continue
+                kk.plan = lambda *a, s=splits: plan(*a)[:2] + (s,)
+                fn = {"k": lambda: kk.ragged_decode_attention(q, k, v, lengths, scale=0.1)}
+                results.append(f"{splits}:{timed(fn, max(10, iters // 10), repeat=20)['k']:.1f}")
+            kk.plan = plan
+            print(capacity, name, " ".join(results))
+
+
+def check(kk):
+    """Kernel (with and without prefetch) against float32 masked SDPA; prints each mismatch."""
+    worst, failures = 0.0, 0
+    shapes = [(mx.bfloat16, d, h, c, b) for d in (64, 128) for h, c, b in ((32, 8, 1), (14, 2, 3))]
+    for dtype, dim, heads, kv_heads, batch in shapes + [(mx.float32, 128, 32, 8, 1)]:
+        for capacity in (37, 5000):
+            q, k, v = operands(capacity, dim, heads, kv_heads, batch, dtype)
+            for lengths in check_lengths(capacity, batch, kv_heads):
+                for prefetch in (True, False):
+                    kk.PREFETCH = prefetch
+                    err = check_one(kk, q, k, v, lengths)
+                    if not err <= (1e-4 if dtype == mx.float32 else 2e-2):
+                        failures += 1
+                        print(
+                            f"MISMATCH {dtype} D={dim} {heads}/{kv_heads} B={batch} C={capacity} "
+                            f"prefetch={prefetch} lengths={lengths.tolist()}: err {err}"
+                        )
+                    elif dtype != mx.float32:
+                        worst = max(worst, err)
+    kk.PREFETCH = True
+    print(f"check: {failures} mismatches; worst half-precision error {worst:.1e}")
+
+
+def check_lengths(capacity, batch, kv_heads):
+    return (
+        mx.array(capacity, dtype=mx.int32),
+        mx.array(0, dtype=mx.int32),
+        mx.random.randint(0, capacity + 1, (batch, kv_heads)).astype(mx.int32),
+        mx.random.randint(-2, capacity + 9, (batch,)).astype(mx.int32),
+        mx.random.randint(0, capacity + 1, (1, kv_heads)).astype(mx.int32),
+        mx.random.randint(0, capacity + 1, (batch, 1)).astype(mx.int32),
+    )
+
+
+def check_one(kk, q, k, v, lengths):
+    """Max abs error against float32 masked SDPA; NaN counts as infinite."""
+    scale = q.shape[-1] ** -0.5
+    got = kk.ragged_decode_attention(q, k, v, lengths, scale=scale)
+    f32 = (x.astype(mx.float32) for x in (q, k, v))
+    want = kk._masked_attention(*f32, lengths, scale)
+    if bool(mx.any(mx.isnan(got))):
+        return float("inf")
+    return max_error(got, want)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--capacities", type=int, nargs="+", default=CAPACITIES)
+    parser.add_argument("--layers", type=int, default=32, help="0 skips the compiled table")
+    parser.add_argument("--sweep", action="store_true", help="time other split counts")
+    parser.add_argument("--check", action="store_true", help="check many shapes first")
+    args = parser.parse_args()
+    kk = load_kernels()
+    print("device", mx.default_device(), "cuda", mx.cuda.is_available(), "mlx", mx.__version__)
+    if args.check:
+        check(kk)
+    one_layer_table(kk, args.capacities, args.iters)
+    if args.layers:
+        compiled_table(kk, args.capacities, args.layers, max(10, args.iters // 4))
+    if args.sweep:
+        sweep(kk, args.capacities, args.iters)
+
+
+if __name__ == "__main__":
+    main()

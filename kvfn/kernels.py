@@ -1,0 +1,438 @@
+"""Decode attention over the valid prefix of a fixed-capacity KV state.
+
+``ragged_decode_attention`` attends one query token to the slots ``[0, lengths)`` of each
+(batch, KV head). On MLX's CUDA backend it runs a split-K ("flash-decoding") kernel that reads
+only the valid rows; elsewhere it falls back to ``mx.fast.scaled_dot_product_attention`` with a
+boolean mask. This module imports nothing from kvfn, so it can be loaded by file path.
+"""
+
+import math
+from functools import lru_cache
+
+import mlx.core as mx
+
+LOG2E = 1.0 / math.log(2.0)
+THREADS = 128  # four warps per block of the split kernel (W in the CUDA source)
+SMS = 132  # multiprocessors of an H100 / H200: the split count aims at a few waves of them
+BLOCKS_PER_SM = 3  # resident blocks of the split kernel (~142 registers a thread at D=128 bf16)
+MIN_KEYS_PER_SPLIT = 64
+MAX_SPLITS = 256
+MAX_HEADS_PER_BLOCK = 8
+PREFETCH = True
+KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+HEADER = r"""
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+template <typename T, int N>
+__device__ __forceinline__ void unpack(const uint4& raw, float (&out)[N]) {
+  static_assert(sizeof(T) * N == 16, "one 16-byte vector per lane");
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    out[i] = static_cast<float>(e[i]);
+  }
+}
+
+template <typename T, int U, int D>
+__device__ __forceinline__ void load_rows(
+    const T* k, const T* v, size_t base, int j0, int stop, uint4 (&kr)[U], uint4 (&vr)[U]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    kr[u] = make_uint4(0, 0, 0, 0);
+    vr[u] = make_uint4(0, 0, 0, 0);
+    if (j0 + u < stop) {
+      kr[u] = *reinterpret_cast<const uint4*>(k + base + (size_t)(j0 + u) * D);
+      vr[u] = *reinterpret_cast<const uint4*>(v + base + (size_t)(j0 + u) * D);
+    }
+  }
+}
+
+// Merges a second online-softmax state (m2, l2, acc2) into (m, l, acc); exponents are base 2.
+template <int N>
+__device__ __forceinline__ void merge(
+    float& m, float& l, float (&acc)[N], float m2, float l2, const float (&acc2)[N]) {
+  const float mn = fmaxf(m, m2);
+  if (mn == neg_inf()) {
+    return;
+  }
+  const float c1 = exp2f(m - mn);
+  const float c2 = exp2f(m2 - mn);
+  l = l * c1 + l2 * c2;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    acc[i] = acc[i] * c1 + acc2[i] * c2;
+  }
+  m = mn;
+}
+"""
+
+# One block per (key split, batch x KV head x head tile). Template constants: T (dtype), D
+# (head_dim), G (query heads per block), GT (query heads per KV head), NT = GT / G, NS (splits),
+# C (capacity), HKV (KV heads), LSB / LSH (lengths' batch / head strides, 0 where broadcast),
+# P (load the next step's rows before this step's math). Each lane holds 16 bytes of a row; LPK lanes hold one row; a warp step covers
+# KPW groups x U consecutive keys. Scores are in base 2 (q is scaled by scale * log2(e)).
+SPLIT_SOURCE = r"""
+  constexpr int W = 4;
+  constexpr int EPT = 16 / sizeof(T);
+  constexpr int LPK = D / EPT;
+  constexpr int KPW = 32 / LPK;
+  constexpr int U = G <= 4 ? 4 : 2;
+  constexpr int STEP = W * KPW * U;
+  static_assert(LPK * EPT == D && LPK <= 32 && 32 % LPK == 0, "unsupported head_dim");
+
+  __shared__ float sm_m[W][G];
+  __shared__ float sm_l[W][G];
+  __shared__ float sm_acc[W][G][D];
+
+  const int split = blockIdx.x;
+  const int row = blockIdx.y;
+  const int bh = row / NT;
+  const int head0 = bh * GT + (row % NT) * G;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int part = lane % LPK;
+  const int group = warp * KPW + lane / LPK;
+
+  const int len = min(max(lengths[(bh / HKV) * LSB + (bh % HKV) * LSH], 0), C);
+  int chunk = (len + NS - 1) / NS;
+  chunk = (chunk + STEP - 1) / STEP * STEP;
+  const int start = min(split * chunk, len);
+  const int stop = min(start + chunk, len);
+
+  const float qscale = scale[0];
+  float qf[G][EPT];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int e = 0; e < EPT; ++e) {
+      qf[g][e] = static_cast<float>(q[(size_t)(head0 + g) * D + part * EPT + e]) * qscale;
+    }
+  }
+
+  float m[G];
+  float l[G];
+  float acc[G][EPT];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = neg_inf();
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < EPT; ++e) {
+      acc[g][e] = 0.f;
+    }
+  }
+
+  const size_t base = (size_t)bh * C * D + part * EPT;
+  uint4 kraw[U];
+  uint4 vraw[U];
+  if (P) {
+    load_rows<T, U, D>(k, v, base, start + group * U, stop, kraw, vraw);
+  }
+  for (int s0 = start; s0 < stop; s0 += STEP) {
+    const int j0 = s0 + group * U;
+    uint4 knext[U];
+    uint4 vnext[U];
+    if (P) {
+      load_rows<T, U, D>(k, v, base, j0 + STEP, stop, knext, vnext);
+    } else {
+      load_rows<T, U, D>(k, v, base, j0, stop, kraw, vraw);
+    }
+    float s[U][G];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float kf[EPT];
+      unpack<T>(kraw[u], kf);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+          dot += qf[g][e] * kf[e];
+        }
+        s[u][g] = dot;
+      }
+    }
+#pragma unroll
+    for (int off = LPK / 2; off > 0; off /= 2) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], off);
+        }
+      }
+    }
+    float vf[U][EPT];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      unpack<T>(vraw[u], vf[u]);
+      if (j0 + u >= stop) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          s[u][g] = neg_inf();
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float mn = m[g];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        mn = fmaxf(mn, s[u][g]);
+      }
+      if (mn == neg_inf()) {
+        continue;
+      }
+      const float corr = exp2f(m[g] - mn);
+      l[g] *= corr;
+#pragma unroll
+      for (int e = 0; e < EPT; ++e) {
+        acc[g][e] *= corr;
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float p = exp2f(s[u][g] - mn);
+        l[g] += p;
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+          acc[g][e] += p * vf[u][e];
+        }
+      }
+      m[g] = mn;
+    }
+    if (P) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        kraw[u] = knext[u];
+        vraw[u] = vnext[u];
+      }
+    }
+  }
+
+  // Merge the key groups of a warp (lanes LPK apart), then the warps through shared memory.
+#pragma unroll
+  for (int off = LPK; off < 32; off *= 2) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m[g], off);
+      const float l2 = __shfl_xor_sync(0xffffffffu, l[g], off);
+      float acc2[EPT];
+#pragma unroll
+      for (int e = 0; e < EPT; ++e) {
+        acc2[e] = __shfl_xor_sync(0xffffffffu, acc[g][e], off);
+      }
+      merge<EPT>(m[g], l[g], acc[g], m2, l2, acc2);
+    }
+  }
+  if (lane < LPK) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int e = 0; e < EPT; ++e) {
+        sm_acc[warp][g][part * EPT + e] = acc[g][e];
+      }
+      if (lane == 0) {
+        sm_m[warp][g] = m[g];
+        sm_l[warp][g] = l[g];
+      }
+    }
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < G * D; t += W * 32) {
+    const int g = t / D;
+    const int d = t % D;
+    float mm = neg_inf();
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      mm = fmaxf(mm, sm_m[w][g]);
+    }
+    float ll = 0.f;
+    float aa = 0.f;
+    if (mm != neg_inf()) {
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        const float c = exp2f(sm_m[w][g] - mm);
+        ll += sm_l[w][g] * c;
+        aa += sm_acc[w][g][d] * c;
+      }
+    }
+    const size_t at = (size_t)(head0 + g) * NS + split;
+    o_part[at * D + d] = ll > 0.f ? aa / ll : 0.f;
+    if (d == 0) {
+      lse[at] = ll > 0.f ? mm + log2f(ll) : neg_inf();
+    }
+  }
+"""
+
+# One block per query head (batch-flattened), one thread per dimension: the splits' partial
+# outputs weighted by 2^lse. No valid key at all gives zeros.
+COMBINE_SOURCE = r"""
+  const int r = blockIdx.x;
+  const int d = threadIdx.x;
+  float mm = neg_inf();
+  for (int s = 0; s < NS; ++s) {
+    mm = fmaxf(mm, lse[r * NS + s]);
+  }
+  float ll = 0.f;
+  float aa = 0.f;
+  if (mm != neg_inf()) {
+    for (int s = 0; s < NS; ++s) {
+      const float c = exp2f(lse[r * NS + s] - mm);
+      ll += c;
+      aa += c * o_part[((size_t)r * NS + s) * D + d];
+    }
+  }
+  out[(size_t)r * D + d] = static_cast<T>(ll > 0.f ? aa / ll : 0.f);
+"""
+
+
+def ragged_decode_attention(q, k, v, lengths, *, scale):
+    """Attention of one query token to the first ``lengths`` slots of each (batch, KV head).
+
+    q: (B, n_q_heads, 1, D); k, v: (B, n_kv_heads, C, D), n_q_heads a multiple of n_kv_heads
+    (query head i reads KV head i // (n_q_heads // n_kv_heads)); lengths: int32 of shape (),
+    (B,) or (B, n_kv_heads) (size-1 axes broadcast), slots ``[0, lengths)`` valid, clipped to
+    [0, C]. Returns (B, n_q_heads, 1, D) in q's dtype; the softmax runs in float32. Equals
+    ``mx.fast.scaled_dot_product_attention`` masked to ``slot < lengths``, except that a length
+    of 0 gives zeros (not NaN). Slots at or past the length do not change the result as long as
+    they are finite (the CUDA kernel never reads them; the fallback masks them). On CUDA, supported shapes run a split-K kernel; everything else
+    (CPU, Metal, other head_dims or dtypes) uses the masked SDPA.
+    """
+    lengths = _checked(q, k, v, lengths)
+    if _kernel_applies(q, k, v):
+        return _kernel_attention(q, k, v, lengths, float(scale))
+    return _masked_attention(q, k, v, lengths, scale)
+
+
+def _checked(q, k, v, lengths):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, mx.array) or x.ndim != 4:
+            raise ValueError(
+                f"{name} must be an mx.array (B, heads, length, head_dim); got {x!r:.80}"
+            )
+        if not mx.issubdtype(x.dtype, mx.floating):
+            raise ValueError(f"{name} must be floating; got {x.dtype}")
+    if q.shape[2] != 1:
+        raise ValueError(f"q must hold one query token; got q.shape={q.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {q.shape} and k {k.shape} differ in batch or head_dim")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"n_q_heads={q.shape[1]} is not a multiple of n_kv_heads={k.shape[1]}")
+    return _checked_lengths(lengths, k.shape[0], k.shape[1])
+
+
+def _checked_lengths(lengths, batch, kv_heads):
+    if isinstance(lengths, int) and not isinstance(lengths, bool):
+        lengths = mx.array(lengths, dtype=mx.int32)
+    if not isinstance(lengths, mx.array):
+        raise ValueError(f"lengths must be an int32 mx.array; got {type(lengths).__name__}")
+    if lengths.dtype != mx.int32:
+        raise ValueError(f"lengths must be int32; got {lengths.dtype}")
+    allowed = ((), ((1, batch),), ((1, batch), (1, kv_heads)))
+    if lengths.ndim > 2 or any(n not in ok for n, ok in zip(lengths.shape, allowed[lengths.ndim])):
+        raise ValueError(
+            f"lengths.shape={lengths.shape} is not (), ({batch},) or ({batch}, {kv_heads})"
+        )
+    return lengths
+
+
+def _masked_attention(q, k, v, lengths, scale):
+    """kvfn's masked SDPA over slot < lengths, with zeros where no slot is valid."""
+    limit = _per_query_head(lengths, q.shape[1] // k.shape[1])
+    mask = mx.arange(k.shape[2], dtype=mx.int32) < limit
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return mx.where(limit > 0, out, mx.array(0, dtype=out.dtype))
+
+
+def _per_query_head(lengths, group):
+    """lengths as (B or 1, n_q_heads or 1, 1, 1)."""
+    limit = lengths.reshape(lengths.shape + (1,) * (4 - lengths.ndim))
+    if lengths.ndim == 1:
+        return limit
+    if lengths.ndim == 2 and lengths.shape[1] > 1 and group > 1:
+        return mx.repeat(limit, group, axis=1)
+    return limit
+
+
+def _kernel_applies(q, k, v) -> bool:
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        return False
+    if not (q.dtype == k.dtype == v.dtype) or k.dtype not in KERNEL_DTYPES:
+        return False
+    lanes = q.shape[3] * k.dtype.size // 16  # lanes holding one row, 16 bytes each
+    return k.shape[2] > 0 and lanes * 16 == q.shape[3] * k.dtype.size and lanes in (2, 4, 8, 16, 32)
+
+
+def plan(batch, q_heads, kv_heads, capacity):
+    """(query heads per block, head tiles per KV head, key splits) for the split kernel."""
+    group = q_heads // kv_heads
+    tile = max(g for g in range(1, MAX_HEADS_PER_BLOCK + 1) if group % g == 0)
+    rows = batch * kv_heads * (group // tile)
+    wanted = BLOCKS_PER_SM * SMS // rows  # rounded down: one wave, no straggling partial wave
+    splits = max(1, min(wanted, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    return tile, group // tile, splits
+
+
+def _kernel_attention(q, k, v, lengths, scale):
+    batch, q_heads, _, dim = q.shape
+    kv_heads, capacity = k.shape[1], k.shape[2]
+    tile, tiles, splits = plan(batch, q_heads, kv_heads, capacity)
+    lb, lh = lengths.shape + (1,) * (2 - lengths.ndim)
+    split_kernel, combine_kernel = _kernels()
+    o_part, lse = split_kernel(
+        inputs=[q, k, v, lengths.reshape(-1), mx.array([scale * LOG2E], dtype=mx.float32)],
+        template=[
+            ("T", k.dtype),
+            ("D", dim),
+            ("G", tile),
+            ("GT", q_heads // kv_heads),
+            ("NT", tiles),
+            ("NS", splits),
+            ("C", capacity),
+            ("HKV", kv_heads),
+            ("LSB", lh if lb > 1 else 0),
+            ("LSH", 1 if lh > 1 else 0),
+            ("P", PREFETCH),
+        ],
+        grid=(splits * THREADS, batch * kv_heads * tiles, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(batch * q_heads * splits * dim,), (batch * q_heads * splits,)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    (out,) = combine_kernel(
+        inputs=[o_part, lse],
+        template=[("T", q.dtype), ("D", dim), ("NS", splits)],
+        grid=(batch * q_heads * dim, 1, 1),
+        threadgroup=(dim, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    )
+    return out
+
+
+@lru_cache(maxsize=None)
+def _kernels():
+    split = mx.fast.cuda_kernel(
+        name="kvfn_ragged_decode_split",
+        input_names=["q", "k", "v", "lengths", "scale"],
+        output_names=["o_part", "lse"],
+        source=SPLIT_SOURCE,
+        header=HEADER,
+    )
+    combine = mx.fast.cuda_kernel(
+        name="kvfn_ragged_decode_combine",
+        input_names=["o_part", "lse"],
+        output_names=["out"],
+        source=COMBINE_SOURCE,
+        header=HEADER,
+    )
+    return split, combine
+
+
+def fused(q, k, v) -> bool:
+    """Whether ``ragged_decode_attention`` runs the fused kernel for these arrays (MLX's CUDA
+    backend, a supported dtype and head_dim); elsewhere it is the masked SDPA."""
+    return _kernel_applies(q, k, v)

@@ -1,0 +1,142 @@
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvfn.kernels import plan, ragged_decode_attention
+
+B, KV, C = 2, 2, 16
+
+
+def make(q_heads, dim, dtype, seed=0):
+    mx.random.seed(seed)
+    q = mx.random.normal((B, q_heads, 1, dim)).astype(dtype)
+    k = mx.random.normal((B, KV, C, dim)).astype(dtype)
+    v = mx.random.normal((B, KV, C, dim)).astype(dtype)
+    return q, k, v
+
+
+def reference(q, k, v, lengths, scale):
+    q, k, v = (np.array(x.astype(mx.float32), dtype=np.float64) for x in (q, k, v))
+    n = np.array(lengths)
+    n = np.broadcast_to(n.reshape(-1, 1) if n.ndim == 1 else n, (B, KV))
+    group = q.shape[1] // KV
+    out = np.zeros(q.shape)
+    for b in range(B):
+        for h in range(q.shape[1]):
+            rows = min(max(int(n[b, h // group]), 0), C)
+            if rows == 0:
+                continue
+            keys, values = k[b, h // group, :rows], v[b, h // group, :rows]
+            s = keys @ q[b, h, 0] * scale
+            p = np.exp(s - s.max())
+            out[b, h, 0] = p @ values / p.sum()
+    return out
+
+
+def tolerance(dtype):
+    return 2e-2 if dtype == mx.bfloat16 else 1e-5
+
+
+LENGTHS = [
+    mx.array(5, dtype=mx.int32),
+    mx.array(C, dtype=mx.int32),
+    mx.array(0, dtype=mx.int32),
+    mx.array([3, C], dtype=mx.int32),
+    mx.array([[0, 7], [C, 1]], dtype=mx.int32),
+    mx.array([[4, 9]], dtype=mx.int32),
+]
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda x: str(x.tolist()))
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+def test_matches_reference(lengths, group, dim, dtype):
+    q, k, v = make(KV * group, dim, dtype)
+    scale = dim**-0.5
+    out = ragged_decode_attention(q, k, v, lengths, scale=scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    expected = reference(q, k, v, lengths, scale)
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, atol=tolerance(dtype))
+
+
+def test_zero_length_gives_zeros_not_nan():
+    q, k, v = make(4, 64, mx.float32)
+    out = np.array(ragged_decode_attention(q, k, v, mx.array([0, 2], dtype=mx.int32), scale=0.1))
+    assert not np.isnan(out).any()
+    assert (out[0] == 0).all() and (out[1] != 0).any()
+
+
+def test_slots_past_length_are_ignored():
+    q, k, v = make(4, 64, mx.float32)
+    lengths = mx.array([[3, 8], [1, 16]], dtype=mx.int32)
+    slot = mx.arange(C)[None, None, :, None]
+    limit = lengths[:, :, None, None]
+    k2 = mx.where(slot < limit, k, 1e4)  # finite: the masked SDPA fallback multiplies them by 0
+    v2 = mx.where(slot < limit, v, -1e4)
+    out = ragged_decode_attention(q, k, v, lengths, scale=0.1)
+    out2 = ragged_decode_attention(q, k2, v2, lengths, scale=0.1)
+    np.testing.assert_allclose(np.array(out2), np.array(out), atol=1e-6)
+
+
+def test_per_head_lengths_differ_from_shared():
+    q, k, v = make(8, 64, mx.float32)
+    per_head = ragged_decode_attention(q, k, v, mx.array([[2, 9], [2, 9]], mx.int32), scale=0.1)
+    shared = ragged_decode_attention(q, k, v, mx.array(2, mx.int32), scale=0.1)
+    same = np.isclose(np.array(per_head), np.array(shared), atol=1e-6).all(axis=-1)
+    assert same[:, :4].all() and not same[:, 4:].any()  # q heads 4-7 read KV head 1
+
+
+def test_compiled_follows_traced_lengths():
+    q, k, v = make(8, 128, mx.bfloat16)
+    traces = []
+
+    def step(q, k, v, lengths):
+        traces.append(1)
+        return ragged_decode_attention(q, k, v, lengths, scale=0.125)
+
+    compiled = mx.compile(step)
+    for lengths in ([[1, 2], [3, 4]], [[16, 0], [9, 12]]):
+        lengths = mx.array(lengths, dtype=mx.int32)
+        got = np.array(compiled(q, k, v, lengths).astype(mx.float32))
+        np.testing.assert_allclose(got, reference(q, k, v, lengths, 0.125), atol=2e-2)
+    assert len(traces) == 1
+
+
+def test_python_int_length():
+    q, k, v = make(4, 64, mx.float32)
+    out = ragged_decode_attention(q, k, v, 6, scale=0.1)
+    np.testing.assert_allclose(np.array(out), reference(q, k, v, 6, 0.1), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda q, k, v, n: (q[0], k, v, n), "q must be"),
+        (lambda q, k, v, n: (mx.concatenate([q, q], axis=2), k, v, n), "one query token"),
+        (lambda q, k, v, n: (q, k, v[:, :, :4], n), "k and v shapes differ"),
+        (lambda q, k, v, n: (q[:, :3], k, v, n), "not a multiple of n_kv_heads=2"),
+        (lambda q, k, v, n: (q[..., :32], k, v, n), "batch or head_dim"),
+        (lambda q, k, v, n: (q, k, v, n.astype(mx.int64)), "int32; got mlx.core.int64"),
+        (lambda q, k, v, n: (q, k, v, n.astype(mx.float32)), "int32"),
+        (lambda q, k, v, n: (q, k, v, mx.zeros((3,), mx.int32)), r"lengths.shape=\(3,\)"),
+        (lambda q, k, v, n: (q, k, v, mx.zeros((2, 3), mx.int32)), r"\(2, 2\)"),
+        (lambda q, k, v, n: (q, k, v, mx.zeros((2, 2, 1), mx.int32)), "lengths.shape"),
+        (lambda q, k, v, n: (q, k, v, [1, 2]), "lengths must be an int32 mx.array"),
+        (lambda q, k, v, n: (q.astype(mx.int32), k, v, n), "q must be floating"),
+    ],
+)
+def test_validation(change, message):
+    q, k, v = make(4, 64, mx.float32)
+    args = change(q, k, v, mx.array([1, 2], dtype=mx.int32))
+    with pytest.raises(ValueError, match=message):
+        ragged_decode_attention(*args, scale=0.1)
+
+
+def test_plan_fills_the_gpu_and_tiles_heads():
+    tile, tiles, small = plan(1, 32, 8, 1024)
+    assert (tile, tiles) == (4, 1) and small == 1024 // 64
+    assert plan(1, 32, 8, 131072)[2] > small
+    assert plan(64, 32, 8, 131072)[2] == 1  # enough (batch, head) rows already
+    assert plan(1, 64, 4, 4096)[:2] == (8, 2)
+    assert plan(1, 14, 2, 4096)[:2] == (7, 1)
