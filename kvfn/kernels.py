@@ -7,6 +7,7 @@ boolean mask. This module imports nothing from kvfn, so it can be loaded by file
 """
 
 import math
+import os
 from functools import lru_cache
 
 import mlx.core as mx
@@ -19,6 +20,8 @@ MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 256
 MAX_HEADS_PER_BLOCK = 8
 PREFETCH = True
+# KVFN_DECODE_KERNEL=0 turns the CUDA kernel off (every call takes the masked SDPA)
+ENABLED = os.environ.get("KVFN_DECODE_KERNEL", "1") != "0"
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 HEADER = r"""
@@ -358,7 +361,7 @@ def _per_query_head(lengths, group):
 
 
 def _kernel_applies(q, k, v) -> bool:
-    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+    if not ENABLED or mx.default_device() != mx.gpu or not mx.cuda.is_available():
         return False
     if not (q.dtype == k.dtype == v.dtype) or k.dtype not in KERNEL_DTYPES:
         return False
