@@ -162,7 +162,7 @@ def main(argv: Optional[list] = None) -> None:
     p = argparse.ArgumentParser(prog="kvfn heads", description=main.__doc__)
     p.add_argument("--model", help="a .gguf file, mlx-lm folder or kvfn_models name "
                    "(default: embedded SmolLM2)")  # fmt: skip
-    p.add_argument("--method", choices=METHODS, default="retrieval")
+    p.add_argument("--method", choices=METHODS, default="mass")
     p.add_argument("--length", type=int, default=1024, help="probe prompt tokens")
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
