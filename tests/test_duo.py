@@ -24,7 +24,7 @@ def reference_logits(model, tokens, visible):
     for i, layer in enumerate(inner.layers):
         h = layer(h, visible(i), cache=None)
     h = inner.norm(h)
-    if getattr(model, "lm_head", None) is not None and not model.args.tie_word_embeddings:
+    if not getattr(model.args, "tie_word_embeddings", True):
         return model.lm_head(h)[0]
     return inner.embed_tokens.as_linear(h)[0]
 
@@ -81,11 +81,13 @@ def duo_gap(fm, ids, policy, steps=6):
 PATTERN = ((True, False), (False, True), (True, False))
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("compress", [False, True])
-def test_duo_decode_equals_per_head_masked_full_attention(compress):
-    fm = kvfn.FunctionalModel(tiny_model("llama"))
+def test_duo_decode_equals_per_head_masked_full_attention(compress, family):
+    fm = kvfn.FunctionalModel(tiny_model(family))
     ids = np.random.default_rng(1).integers(0, 97, 70).tolist()
-    policy = Duo(retrieval=PATTERN, sink_tokens=2, recent=6, budget=24 if compress else 2**31 - 1,
+    pattern = PATTERN[: len(fm.n_kv_heads)]
+    policy = Duo(retrieval=pattern, sink_tokens=2, recent=6, budget=24 if compress else 2**31 - 1,
                  window=4, compress=compress)  # fmt: skip
     gap, full_gap, states, result = duo_gap(fm, ids, policy, steps=10)  # the ring wraps
     assert gap < TOL
