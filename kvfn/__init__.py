@@ -10,7 +10,7 @@ from .blas import use_openblas
 
 use_openblas()  # before mlx.core is imported anywhere below
 
-from . import cache  # noqa: E402
+from . import cache, distributed  # noqa: E402
 from .baselines import ChunkKV, RandomRows, StreamingLLM  # noqa: E402
 from .cache import (  # noqa: E402
     EMPTY,
@@ -90,4 +90,6 @@ __all__ = [
     "from_mlx_cache",
     "load_prompt_cache",
     "use_openblas",
+    # tensor-parallel models under mlx.launch
+    "distributed",
 ]

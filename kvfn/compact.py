@@ -12,6 +12,7 @@ import mlx.core as mx
 from typeguard import typechecked
 
 from . import cache as kv
+from .distributed import keep_indices
 from .evict import EvictionResult, result_of
 from .policy import Policy
 from .snapkv import SnapKV
@@ -113,7 +114,7 @@ def _rows_after(policy: Policy, P: int, sliding_window: Optional[int]) -> int:
 
 
 @lru_cache(maxsize=64)
-def _evictor(policy: Policy, P: int, extra: int, statics: tuple, compiled: bool):
+def _evictor(policy: Policy, P: int, extra: int, statics: tuple, compiled: bool, group):
     def run(flat, scores):
         out = []
         for i, (arrays, static) in enumerate(zip(flat, statics)):
@@ -125,7 +126,8 @@ def _evictor(policy: Policy, P: int, extra: int, statics: tuple, compiled: bool)
                 idx = mx.broadcast_to(mx.arange(P - k, P, dtype=mx.int32), (B, H, k))
             elif k < P:
                 sc = scores[i][..., :P] if scores else None
-                idx = policy.keep_indices(sc, prompt_length=P, n_kv_heads=H, batch=B, layer=i)
+                idx = keep_indices(policy, sc, prompt_length=P, n_kv_heads=H, batch=B, layer=i,
+                                   group=group)  # fmt: skip
             else:
                 idx = None
             if idx is not None:
@@ -144,11 +146,14 @@ def compact_states(
     *,
     reserve: int = 0,
     compiled: bool = True,
+    group: Optional[mx.distributed.Group] = None,
 ) -> tuple[tuple, EvictionResult]:
     """Apply ``policy`` to freshly prefilled ``states`` of one prompt length (and its
     ``scored_prefill`` scores, if it needs them): select, gather and reserve room for
     ``reserve`` more rows, in one compiled step for a static policy and prompt length.
-    Sliding-window layers are cut to their window (lossless)."""
+    Sliding-window layers are cut to their window (lossless). ``group``: the states hold this
+    rank's slice of every layer's heads, split evenly over the group (``FunctionalModel.group``
+    of a sharded model); every rank then keeps the rows one process would keep."""
     bounds = {s.max_rows if s.max_rows is not None else int(s.rows.item()) for s in states}
     if len(bounds) != 1:
         raise ValueError(f"compact_states takes states of one prompt length, got rows {bounds}")
@@ -162,7 +167,7 @@ def compact_states(
     # a dense state holds exactly P rows, so every kept row is a stored one: still packed
     statics = tuple((s.sliding_window, s.dense) for s in states)
     flat = [kv.flatten(s)[0] for s in states]
-    out = _evictor(policy, P, reserve, statics, compiled)(flat, list(scores or ()))
+    out = _evictor(policy, P, reserve, statics, compiled, group)(flat, list(scores or ()))
     after = [_rows_after(policy, P, w) for w, _ in statics]
     new = tuple(
         kv.unflatten(o, st, k, dense=s.dense and k == P)
@@ -199,7 +204,8 @@ def compact(
     window), keep the policy's rows in every full-attention layer and reserve room for
     ``max_new_tokens`` (decoding further grows the states), the eviction compiled unless
     ``compiled=False``. The caller decodes from the last prompt token. Takes one prompt (a list
-    of ints) or a batch of equal-length prompts (B, n)."""
+    of ints) or a batch of equal-length prompts (B, n). On a sharded model (every rank runs
+    this alike) each rank keeps its heads' share of the single-process selection."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     context = _prompt(prompt_tokens)[:, :-1]
@@ -211,7 +217,8 @@ def compact(
         states, scores = scored_prefill(fmodel, context, window=window, **kwargs)
     else:
         states, scores = prefill(fmodel, context, **kwargs), None
-    return compact_states(states, scores, policy, reserve=max_new_tokens + 1, compiled=compiled)
+    return compact_states(states, scores, policy, reserve=max_new_tokens + 1, compiled=compiled,
+                          group=fmodel.group)  # fmt: skip
 
 
 def compact_prompt_cache(

@@ -49,6 +49,9 @@ class Policy:
 
     name: ClassVar[str] = "policy"
     needs_scores: ClassVar[bool] = False
+    # True when a KV head's rows depend only on its own query heads' scores: a rank of a
+    # tensor-parallel model then selects without the other ranks' scores (kvfn.distributed)
+    head_local: ClassVar[bool] = False
     # option word -> field values, for names like "snapkv-avg-layer"
     flags: ClassVar[dict] = {}
     # option prefix -> int field, for names like "snapkv-k15"

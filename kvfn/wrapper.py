@@ -28,6 +28,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from . import cache as kv
+from .distributed import head_group
 from .scores import window_attention_scores
 
 ATTENTION_NAMES = ("self_attn", "attention", "attn")
@@ -280,6 +281,8 @@ class FunctionalModel:
             getattr(a, "head_dim", None) or a.k_proj.weight.shape[0] // h
             for a, h in zip(attn, self.n_kv_heads)
         ]
+        # the group of a tensor-parallel model (mlx-lm's Model.shard); None when unsharded
+        self.group = head_group(attn, self.n_heads, self.n_kv_heads, self.head_dims)
         self._model = _own_copy(model, self._wrap_layer)
         self._compiled: dict = {}
         self._dtype = None
