@@ -4,9 +4,14 @@ kvfn_models.load takes).
 python examples/generate.py --kv-eviction snapkv --compare   # evicted beside the full cache
 python examples/generate.py --prompt-file doc.txt --kv-eviction streaming --kv-budget 256
 cat doc.txt | python examples/generate.py --prompt-file -     # no eviction: plain mlx-lm
+
+Tensor parallel over 2 local processes (ring backend; only rank 0 prints, KV bytes are per rank;
+give the venv's python by its own path, not a resolved symlink):
+mlx.launch --backend ring -n 2 .venv/bin/python examples/generate.py --kv-eviction snapkv
 """
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -130,6 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"argument --kv-eviction: {e}")
     elif args.compare:
         p.error("argument --compare: needs --kv-eviction POLICY")
+    args.progress = progress
     return args
 
 
@@ -174,7 +180,7 @@ def compact(fm, tokens: list[int], args) -> tuple:
     """Compact all but the last prompt token with the policy; mlx-lm decodes from the last one."""
     start = time.perf_counter()
     states, result = kvfn.compact(fm, tokens, args.policy, max_new_tokens=args.max_tokens,
-                                  prefill_step_size=args.prefill_step_size, progress=progress)  # fmt: skip
+                                  prefill_step_size=args.prefill_step_size, progress=args.progress)  # fmt: skip
     mx.eval(kvfn.tree.arrays(states))
     seconds = time.perf_counter() - start
     report = {
@@ -208,7 +214,7 @@ def mlx_lm_stream(model, tokenizer, prompt, args, sampler, **extra):
     last = None
     for last in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
                                 sampler=sampler, prefill_step_size=args.prefill_step_size,
-                                prompt_progress_callback=progress, **extra):  # fmt: skip
+                                prompt_progress_callback=args.progress, **extra):  # fmt: skip
         yield last.text, None
     yield "", {"generated_tokens": last.generation_tokens,
                "decode_tokens_per_s": round(last.generation_tps, 1),
@@ -249,12 +255,27 @@ def generate(model, tokenizer, tokens, args, sampler, fm=None) -> dict:
     }
 
 
+def tensor_parallel(model, args):
+    """Under mlx.launch (every rank runs this script): shard the model over the ranks and
+    silence all but rank 0. None in a single process."""
+    group = mx.distributed.init()
+    if group.size() == 1:
+        return None
+    heads = kvfn.distributed.shard(model, group)
+    if group.rank() != 0:
+        args.quiet, args.progress = True, None
+        sys.stdout = open(os.devnull, "w")
+    what = "heads and MLPs" if heads else "MLPs only (the heads do not split evenly)"
+    return f"{group.size()} ranks, {what} sharded; KV bytes are per rank"
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     try:
         model, tokenizer = kvfn_models.load(args.model)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: --model: {e}")
+    parallel = tensor_parallel(model, args)
     tokens = encode(tokenizer, read_prompt(args, tokenizer), args.no_chat_template)
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     fm = kvfn.FunctionalModel(model) if args.policy is not None else None
@@ -267,6 +288,8 @@ def main(argv=None) -> dict:
             print(f"\n--- {args.kv_eviction} ---", file=sys.stderr)
     report = generate(model, tokenizer, tokens, args, sampler, fm)
     report["blas"] = loaded_openblas() or "bundled"
+    if parallel:
+        report["tensor_parallel"] = parallel
     if args.compare:
         full = runs["full cache"]
         report["full_cache"] = {k: v for k, v in full.items()}

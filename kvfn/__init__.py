@@ -10,7 +10,7 @@ from .blas import use_openblas
 
 use_openblas()  # before mlx.core is imported anywhere below
 
-from . import cache, partitioned, ring, tree  # noqa: E402
+from . import cache, distributed, partitioned, ring, tree  # noqa: E402
 from .adakv import AdaKV  # noqa: E402
 from .baselines import ChunkKV, RandomRows, StreamingLLM  # noqa: E402
 from .cache import (  # noqa: E402
@@ -106,4 +106,6 @@ __all__ = [
     "from_mlx_cache",
     "load_prompt_cache",
     "use_openblas",
+    # tensor-parallel models under mlx.launch
+    "distributed",
 ]

@@ -59,7 +59,11 @@ class AdaKV(SnapKV):
         heads, rows = np.divmod(flat, P)
         return [np.sort(rows[heads == h]).astype(np.int32) for h in range(H)]
 
-    def compact_layer(self, state, scores, *, prompt_length: int, layer: int, reserve: int):
+    def compact_layer(self, state, scores, *, prompt_length: int, layer: int, reserve: int,
+                      group=None):  # fmt: skip
+        if group is not None and group.size() > 1:
+            raise ValueError("adakv allocates across all of a layer's heads: a tensor-parallel "
+                             "model is not supported yet")  # fmt: skip
         P = prompt_length
         B, H = state.keys.shape[:2]
         if self.keeps_whole(P):

@@ -122,7 +122,7 @@ def _window_cut(state: kv.State, P: int, extra: int) -> kv.State:
 
 
 @lru_cache(maxsize=64)
-def _evictor(policy: Policy, P: int, extra: int, statics: tuple, compiled: bool):
+def _evictor(policy: Policy, P: int, extra: int, statics: tuple, compiled: bool, group):
     """The compaction of one prompt length as a function of arrays; ``layout[0]`` holds, once
     traced, each output layer's static part and host bounds (they depend only on the key)."""
     layout = []
@@ -136,7 +136,8 @@ def _evictor(policy: Policy, P: int, extra: int, statics: tuple, compiled: bool)
             else:
                 sc = scores[i][..., :P] if scores else None
                 layer_policy = policy.for_layer(i, len(statics))
-                new = layer_policy.compact_layer(s, sc, prompt_length=P, layer=i, reserve=extra)
+                new = layer_policy.compact_layer(s, sc, prompt_length=P, layer=i, reserve=extra,
+                                                 group=group)  # fmt: skip
             arrays_out, static_out, host = tree.flatten(new)
             out.append(arrays_out)
             shapes.append((static_out, host))
@@ -154,11 +155,14 @@ def compact_states(
     *,
     reserve: int = 0,
     compiled: bool = True,
+    group: Optional[mx.distributed.Group] = None,
 ) -> tuple[tuple, EvictionResult]:
     """Apply ``policy`` to freshly prefilled ``states`` of one prompt length (and its
     ``scored_prefill`` scores, if it needs them): select, gather and reserve room for
     ``reserve`` more rows, in one compiled step for a static policy and prompt length.
-    Sliding-window layers are cut to their window (lossless)."""
+    Sliding-window layers are cut to their window (lossless). ``group``: the states hold this
+    rank's slice of every layer's heads, split evenly over the group (``FunctionalModel.group``
+    of a sharded model); every rank then keeps the rows one process would keep."""
     bounds = {s.max_rows if s.max_rows is not None else int(s.rows.item()) for s in states}
     if len(bounds) != 1:
         raise ValueError(f"compact_states takes states of one prompt length, got rows {bounds}")
@@ -173,7 +177,7 @@ def compact_states(
     # a dense state holds exactly P rows, so every kept row is a stored one: still packed
     statics = tuple((s.sliding_window, s.dense) for s in states)
     flat = [kv.flatten(s)[0] for s in states]
-    run, layout = _evictor(policy, P, reserve, statics, compiled and policy.traceable)
+    run, layout = _evictor(policy, P, reserve, statics, compiled and policy.traceable, group)
     out = run(flat, list(scores or ()))
     new = tuple(tree.unflatten(o, st, host) for o, (st, host) in zip(out, layout[0]))
     new = tuple(
@@ -211,7 +215,8 @@ def compact(
     window), keep the policy's rows in every full-attention layer and reserve room for
     ``max_new_tokens`` (decoding further grows the states), the eviction compiled unless
     ``compiled=False``. The caller decodes from the last prompt token. Takes one prompt (a list
-    of ints) or a batch of equal-length prompts (B, n)."""
+    of ints) or a batch of equal-length prompts (B, n). On a sharded model (every rank runs
+    this alike) each rank keeps its heads' share of the single-process selection."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     context = _prompt(prompt_tokens)[:, :-1]
@@ -223,7 +228,8 @@ def compact(
         states, scores = scored_prefill(fmodel, context, window=window, **kwargs)
     else:
         states, scores = prefill(fmodel, context, **kwargs), None
-    return compact_states(states, scores, policy, reserve=max_new_tokens + 1, compiled=compiled)
+    return compact_states(states, scores, policy, reserve=max_new_tokens + 1, compiled=compiled,
+                          group=fmodel.group)  # fmt: skip
 
 
 def compact_prompt_cache(

@@ -203,7 +203,9 @@ class Duo(Policy):
         raise TypeError("duo keeps ragged per-head rows: use kvfn.compact (compact_layer)")
 
     def compact_layer(self, state: kv.State, scores: Optional[mx.array], *, prompt_length: int,
-                      layer: int, reserve: int):  # fmt: skip
+                      layer: int, reserve: int, group=None):  # fmt: skip
+        if group is not None and group.size() > 1:
+            raise ValueError("duo on a tensor-parallel model is not supported yet")
         P = prompt_length
         if self.keeps_whole(P):
             return super().compact_layer(state, scores, prompt_length=P, layer=layer,

@@ -21,6 +21,7 @@ from typing import ClassVar, Optional
 import mlx.core as mx
 
 from . import cache as kv
+from .distributed import keep_indices as rank_keep_indices
 
 POLICIES: dict[str, type] = {}
 
@@ -53,6 +54,9 @@ class Policy:
     needs_scores: ClassVar[bool] = False
     # False: compact_layer reads values on the host (data-dependent shapes), so it runs eagerly
     traceable: ClassVar[bool] = True
+    # True when a KV head's rows depend only on its own query heads' scores: a rank of a
+    # tensor-parallel model then selects without the other ranks' scores (kvfn.distributed)
+    head_local: ClassVar[bool] = False
     # option word -> field values, for names like "snapkv-avg-layer"
     flags: ClassVar[dict] = {}
     # option prefix -> int field, for names like "snapkv-k15"
@@ -149,14 +153,16 @@ class Policy:
         per full-attention layer, None for a sliding-window layer); called before tracing."""
 
     def compact_layer(self, state: kv.State, scores: Optional[mx.array], *, prompt_length: int,
-                      layer: int, reserve: int):  # fmt: skip
+                      layer: int, reserve: int, group=None):  # fmt: skip
         """A freshly prefilled full-attention layer (``prompt_length`` rows) compacted, with
         room for ``reserve`` more rows. Traceable. The base keeps ``keep_indices``; a policy
-        that stores heads differently (``kvfn.Duo``) returns another state type."""
+        that stores heads differently (``kvfn.Duo``) returns another state type. ``group``: the
+        state holds this rank's heads of a tensor-parallel model (``kvfn.distributed``)."""
         P = prompt_length
         B, H = state.keys.shape[:2]
         if not self.keeps_whole(P):
-            idx = self.keep_indices(scores, prompt_length=P, n_kv_heads=H, batch=B, layer=layer)
+            idx = rank_keep_indices(self, scores, prompt_length=P, n_kv_heads=H, batch=B,
+                                    layer=layer, group=group)  # fmt: skip
             state = kv.gather(state, idx, packed=state.packed)
         rows = self.rows_after(P)
         return kv.reserve(state.replace(max_rows=rows), max(state.capacity, rows + reserve))

@@ -48,6 +48,10 @@ class SnapKV(Policy):
     }
     numbers: ClassVar[dict] = {"k": "kernel_size"}
 
+    @property
+    def head_local(self) -> bool:
+        return self.per_head
+
     def validate(self) -> None:
         super().validate()
         if self.window < 1:

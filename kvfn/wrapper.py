@@ -32,6 +32,7 @@ from . import cache as kv
 from . import kernels
 from . import partitioned as part
 from . import tree
+from .distributed import head_group
 from .scores import window_attention_scores
 
 ATTENTION_NAMES = ("self_attn", "attention", "attn")
@@ -352,6 +353,8 @@ class FunctionalModel:
             for a, h in zip(attn, self.n_kv_heads)
         ]
         self._hooked = [False] * len(model.layers)
+        # the group of a tensor-parallel model (mlx-lm's Model.shard); None when unsharded
+        self.group = head_group(attn, self.n_heads, self.n_kv_heads, self.head_dims)
         self._model = _own_copy(model, self._wrap_layer)
         self._compiled: dict = {}
         self._dtype = None
