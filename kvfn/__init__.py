@@ -35,7 +35,12 @@ from .compact import (  # noqa: E402
     scored_prefill,
 )
 from .duo import Duo, HeadPattern  # noqa: E402
-from .eviction import EvictionResult, evict_prompt_cache, evict_prompt_cache_by_head  # noqa: E402
+from .eviction import (  # noqa: E402
+    EvictionResult,
+    HeadPartitionedEvictionResult,
+    evict_prompt_cache,
+    evict_prompt_cache_by_head,
+)
 from .interop import (  # noqa: E402
     CompactedKVCache,
     QuantizedCompactedKVCache,
@@ -43,7 +48,7 @@ from .interop import (  # noqa: E402
     load_prompt_cache,
     to_mlx_cache,
 )
-from .partitioned import HeadPartitionedEvictionResult, HeadPartitionedKVCache  # noqa: E402
+from .partitioned import HeadPartitionedKVCache  # noqa: E402
 from .policy import Policy, parse_policy, register_policy  # noqa: E402
 from .ring import StreamingRing  # noqa: E402
 from .scores import window_attention_scores  # noqa: E402

@@ -11,8 +11,20 @@ from . import cache as kv
 from . import partitioned as part
 
 
+class _Bytes:
+    """Totals of per-layer ``bytes_before`` / ``bytes_after``."""
+
+    @property
+    def total_bytes_before(self) -> int:
+        return sum(self.bytes_before)
+
+    @property
+    def total_bytes_after(self) -> int:
+        return sum(self.bytes_after)
+
+
 @dataclass(frozen=True)
-class EvictionResult:
+class EvictionResult(_Bytes):
     """Stored rows and bytes per layer, before and after, and their totals."""
 
     rows_before: tuple[int, ...]
@@ -27,14 +39,6 @@ class EvictionResult:
     @property
     def total_rows_after(self) -> int:
         return sum(self.rows_after)
-
-    @property
-    def total_bytes_before(self) -> int:
-        return sum(self.bytes_before)
-
-    @property
-    def total_bytes_after(self) -> int:
-        return sum(self.bytes_after)
 
     def __repr__(self) -> str:
         before, after = self.total_bytes_before, self.total_bytes_after
@@ -53,6 +57,26 @@ def row_bytes(state: kv.State) -> float:
 def stored_bytes(state: kv.State, rows: int) -> int:
     """Bytes of ``rows`` stored rows of every head (keys, values, positions)."""
     return int(row_bytes(state) * rows)
+
+
+@dataclass(frozen=True)
+class HeadPartitionedEvictionResult(_Bytes):
+    """What a per-head eviction kept, per layer: the union of rows any head keeps (what a
+    union-plus-mask store would hold), each KV head's rows, and bytes before and after."""
+
+    union_rows: tuple[int, ...]
+    head_rows: tuple[tuple[int, ...], ...]
+    bytes_before: tuple[int, ...]
+    bytes_after: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        before, after = self.total_bytes_before, self.total_bytes_after
+        rows = sum(sum(r) for r in self.head_rows)
+        return (
+            f"HeadPartitionedEvictionResult(layers={len(self.head_rows)}, head rows {rows}, "
+            f"bytes {before / 1e6:.2f} MB -> {after / 1e6:.2f} MB "
+            f"({100 * after / max(before, 1):.1f}%))"
+        )
 
 
 def kept(state) -> tuple[int, int]:
@@ -128,7 +152,7 @@ def evict_prompt_cache_by_head(
     *,
     true_offset: Optional[int] = None,
     query_heads: Optional[int] = None,
-) -> tuple[tuple, part.HeadPartitionedEvictionResult]:
+) -> tuple[tuple, HeadPartitionedEvictionResult]:
     """Evict each KV head of each layer to its own rows: ``head_keep_indices[i]`` is None (layer
     i untouched) or one sorted unique slot array per KV head (or per query head with
     ``query_heads``: a KV head keeps the union of its query heads' rows). Heads keeping equally
@@ -164,7 +188,7 @@ def evict_prompt_cache_by_head(
         union.append(len(kept))
         head_rows.append(tuple(int(c) for c in counts.max(axis=0).tolist()))
         after.append(kept_bytes(p))
-    return tuple(new), part.HeadPartitionedEvictionResult(
+    return tuple(new), HeadPartitionedEvictionResult(
         union_rows=tuple(union), head_rows=tuple(head_rows), bytes_before=tuple(before),
         bytes_after=tuple(after)
     )  # fmt: skip

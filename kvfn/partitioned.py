@@ -12,7 +12,6 @@ Every group records each row's true position and the true ``offset`` (equal in a
 prefix trims and rollback stay exact, as for the plain state.
 """
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import chex
@@ -236,31 +235,3 @@ def bounds(state: HeadPartitionedKVCache, n: int = 0) -> tuple:
 
 def arrays(state: HeadPartitionedKVCache) -> list:
     return [a for d in flatten(state)[0] for a in d.values()]
-
-
-@dataclass(frozen=True)
-class HeadPartitionedEvictionResult:
-    """What a per-head eviction kept, per layer: the union of rows any head keeps (what a
-    union-plus-mask store would hold), each KV head's rows, and bytes before and after."""
-
-    union_rows: tuple[int, ...]
-    head_rows: tuple[tuple[int, ...], ...]
-    bytes_before: tuple[int, ...]
-    bytes_after: tuple[int, ...]
-
-    @property
-    def total_bytes_before(self) -> int:
-        return sum(self.bytes_before)
-
-    @property
-    def total_bytes_after(self) -> int:
-        return sum(self.bytes_after)
-
-    def __repr__(self) -> str:
-        before, after = self.total_bytes_before, self.total_bytes_after
-        rows = sum(sum(r) for r in self.head_rows)
-        return (
-            f"HeadPartitionedEvictionResult(layers={len(self.head_rows)}, head rows {rows}, "
-            f"bytes {before / 1e6:.2f} MB -> {after / 1e6:.2f} MB "
-            f"({100 * after / max(before, 1):.1f}%))"
-        )
