@@ -226,17 +226,12 @@ class Duo(Policy):
         return part.partition(groups, heads)
 
     def _retrieval_group(self, state, scores, heads, P, layer, reserve) -> kv.State:
+        """The retrieval heads' plain state: every row, or with ``compress`` SnapKV's."""
         sub = part.take_heads(state, heads)
-        if self.compress and P > self.budget:
-            snap = self._snapkv()
+        if self.compress:
             n_q = scores.shape[1] // state.keys.shape[1]
             qh = mx.array([h * n_q + r for h in heads for r in range(n_q)], mx.int32)
-            B = state.keys.shape[0]
-            idx = snap.keep_indices(mx.take(scores, qh, axis=1), prompt_length=P,
-                                    n_kv_heads=len(heads), batch=B, layer=layer)  # fmt: skip
-            sub = kv.gather(sub, idx, packed=state.packed)
-            rows = self.budget
-        else:
-            rows = P
-        return kv.reserve(sub.replace(max_rows=rows), max(sub.capacity, rows + reserve))
+            return self._snapkv().compact_layer(sub, mx.take(scores, qh, axis=1), prompt_length=P,
+                                                layer=layer, reserve=reserve)  # fmt: skip
+        return kv.reserve(sub.replace(max_rows=P), max(sub.capacity, P + reserve))
 

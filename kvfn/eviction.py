@@ -183,16 +183,12 @@ def evict_prompt_cache_by_head(
         except (ValueError, TypeError) as e:
             raise type(e)(f"layer {i}: {e}") from None
         counts = part.row_counts(p)
-        kept = set().union(*(np.array(x).ravel().tolist() for x in sets))
+        any_head = set().union(*(np.array(x).ravel().tolist() for x in sets))
         new.append(p)
-        union.append(len(kept))
+        union.append(len(any_head))
         head_rows.append(tuple(int(c) for c in counts.max(axis=0).tolist()))
-        after.append(kept_bytes(p))
+        after.append(kept(p)[1])
     return tuple(new), HeadPartitionedEvictionResult(
         union_rows=tuple(union), head_rows=tuple(head_rows), bytes_before=tuple(before),
         bytes_after=tuple(after)
     )  # fmt: skip
-
-
-def kept_bytes(state) -> int:
-    return kept(state)[1]

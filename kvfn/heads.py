@@ -137,7 +137,7 @@ def profile_heads(model, tokenizer=None, *, method: str = "retrieval", length: i
 
 def _sample_scores(fm, tokenizer, method, length, rng) -> np.ndarray:
     if method == "razor":
-        vocab = fm.model.model.embed_tokens.weight.shape[0] if _has_embed(fm) else 1000
+        vocab = getattr(getattr(fm.model, "args", None), "vocab_size", 1000)
         half = length // 2
         seq = rng.integers(0, min(vocab, 30000), half).tolist()
         tokens = seq + seq
@@ -148,11 +148,6 @@ def _sample_scores(fm, tokenizer, method, length, rng) -> np.ndarray:
     rows = attention_rows(fm, tokens, start, len(tokens) - 1)
     hit, mass = copy_scores(rows, tokens, needle, copy_start, start)
     return hit if method == "retrieval" else mass
-
-
-def _has_embed(fm) -> bool:
-    inner = getattr(fm.model, "model", None)
-    return getattr(getattr(inner, "embed_tokens", None), "weight", None) is not None
 
 
 def main(argv: Optional[list] = None) -> None:

@@ -12,7 +12,7 @@ Every group records each row's true position and the true ``offset`` (equal in a
 prefix trims and rollback stay exact, as for the plain state.
 """
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import chex
 import mlx.core as mx
@@ -43,12 +43,6 @@ class HeadPartitionedKVCache:
     @property
     def nbytes(self) -> int:
         return sum(g.nbytes for g in self.groups)
-
-    @property
-    def max_rows(self) -> Optional[int]:
-        """The most rows a group of plain rows may hold (known on the host), or None."""
-        bounds = [g.max_rows for g in self.groups if isinstance(g, kv.State)]
-        return None if None in bounds else max(bounds, default=0)
 
     # what the model wrapper asks of any state
     sliding_window = None
@@ -123,14 +117,25 @@ def _split(x: mx.array, heads: tuple) -> list:
 
 
 @typechecked
-def update(state: HeadPartitionedKVCache, keys: mx.array, values: mx.array):
-    """Append rows (B, n_kv_heads, n, head_dim) to every group."""
+def split_rows(state: HeadPartitionedKVCache, keys: mx.array, values: mx.array) -> tuple:
+    """New rows (B, n_kv_heads, n, head_dim) as each group's: (keys per group, values per
+    group), for ``update_split`` and ``attend``."""
     chex.assert_rank([keys, values], 4)
     if keys.shape[1] != state.n_kv_heads:
         raise ValueError(f"rows for {keys.shape[1]} heads, the layer has {state.n_kv_heads}")
-    ks, vs = _split(keys, state.heads), _split(values, state.heads)
-    groups = tuple(_module(g).update(g, k, v) for g, k, v in zip(state.groups, ks, vs))
+    return _split(keys, state.heads), _split(values, state.heads)
+
+
+def update_split(state: HeadPartitionedKVCache, keys: list, values: list):
+    """``update`` with the rows already split per group (``split_rows``)."""
+    groups = tuple(_module(g).update(g, k, v) for g, k, v in zip(state.groups, keys, values))
     return state.replace(groups=groups)
+
+
+@typechecked
+def update(state: HeadPartitionedKVCache, keys: mx.array, values: mx.array):
+    """Append rows (B, n_kv_heads, n, head_dim) to every group."""
+    return update_split(state, *split_rows(state, keys, values))
 
 
 @typechecked
@@ -185,12 +190,12 @@ def _group_rows(before, after, keys, values, n: int):
 
 
 def attend(before: HeadPartitionedKVCache, after: HeadPartitionedKVCache, queries: mx.array,
-           keys: mx.array, values: mx.array, scale: float) -> mx.array:  # fmt: skip
-    """Attention of ``queries`` (B, n_q_heads, n, D; the n tokens just appended: ``after`` =
-    ``update(before, keys, values)``) over each group's rows, in query-head order."""
+           ks: list, vs: list, scale: float) -> mx.array:  # fmt: skip
+    """Attention of ``queries`` (B, n_q_heads, n, D) of the n tokens just appended, whose rows
+    per group are ``ks``, ``vs`` (``split_rows``; ``after = update_split(before, ks, vs)``),
+    over each group's rows, in query-head order."""
     B, Hq, n, _ = queries.shape
     rep = Hq // after.n_kv_heads
-    ks, vs = _split(keys, after.heads), _split(values, after.heads)
     outs, order = [], []
     for b, a, hs, k, v in zip(before.groups, after.groups, after.heads, ks, vs):
         qh = _query_heads(hs, rep)
@@ -225,13 +230,6 @@ def unflatten(arrays: list, static: tuple, bounds: tuple) -> HeadPartitionedKVCa
     return HeadPartitionedKVCache(groups=tuple(groups), heads=heads)
 
 
-def bounds(state: HeadPartitionedKVCache, n: int = 0) -> tuple:
-    """Each group's ``max_rows`` after ``n`` more rows (None for a ring)."""
-    return tuple(
-        None if isinstance(g, StreamingRing) or g.max_rows is None else g.max_rows + n
-        for g in state.groups
-    )
-
-
-def arrays(state: HeadPartitionedKVCache) -> list:
-    return [a for d in flatten(state)[0] for a in d.values()]
+def bounds(state: HeadPartitionedKVCache) -> tuple:
+    """Each group's ``max_rows`` (None for a ring)."""
+    return tuple(getattr(g, "max_rows", None) for g in state.groups)

@@ -27,13 +27,8 @@ class StreamingRing:
     sink: int = 0
     recent: int = 1
 
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[2]
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes
+    capacity = State.capacity  # slots, and bytes of keys, values and positions: as a state's
+    nbytes = State.nbytes
 
     def __repr__(self) -> str:
         B, H, _, D = self.keys.shape
@@ -148,8 +143,7 @@ def from_state(state: State, rows: int, *, sink: int, recent: int) -> StreamingR
     B, H, _, D = state.keys.shape
     ring = init(B, H, D, sink=sink, recent=recent, dtype=state.keys.dtype,
                 value_dim=state.values.shape[3])  # fmt: skip
-    P = rows
-    filled = update(ring, state.keys[:, :, :P], state.values[:, :, :P])
+    filled = update(ring, state.keys[:, :, :rows], state.values[:, :, :rows])
     # a sequence of a batch may hold fewer rows (offset below P): its later slots are empty
     return prefix_trim(filled, state.offset)
 

@@ -149,7 +149,8 @@ class _PartitionedAdapter:
     ``_attend``) runs per group over the group's own rows."""
 
     def __init__(self, state, n_heads: int, call: _Call, scale=None, scores=None, queries=None):
-        self.state, self.before, self.query_slice, self.queries = state, None, None, None
+        self.state, self.before, self.rows = state, None, None
+        self.query_slice, self.queries = None, None
 
     @property
     def offset(self):
@@ -162,13 +163,14 @@ class _PartitionedAdapter:
         return None
 
     def update_and_fetch(self, keys, values):
-        self.before, self.state = self.state, part.update(self.state, keys, values)
+        self.rows = part.split_rows(self.state, keys, values)  # split once, for both
+        self.before, self.state = self.state, part.update_split(self.state, *self.rows)
         return keys, values  # the new rows only: ``attend`` reads the groups
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if sinks is not None:
             raise TypeError("kvfn's head-partitioned states do not support attention sinks")
-        return part.attend(self.before, self.state, queries, keys, values, scale)
+        return part.attend(self.before, self.state, queries, *self.rows, scale)
 
 
 ADAPTERS = {kv.State: _LayerAdapter, part.HeadPartitionedKVCache: _PartitionedAdapter}

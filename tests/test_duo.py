@@ -134,6 +134,10 @@ def test_duo_compiled_decode_traces_once_and_keeps_ring_size():
     assert fm.traces == before + 1
     counts = part.row_counts(states[1])
     assert counts.tolist() == [[2 + 4, 49 + 8]]  # head 0 streams, head 1 retrieves
+    plain, ring = part.mask(states[1], 1)  # what the last token saw, per group
+    assert ring.shape == (1, 1, 1, 6) and bool(ring.all())  # the full ring: sinks + recent
+    assert plain.shape[-1] == states[1].groups[0].capacity
+    assert int(plain.sum()) == 49 + 8  # every stored retrieval row, no empty slot
     assert int(states[1].offset.item()) == 49 + 8
 
 
