@@ -50,14 +50,17 @@ def tiny_case():
     return tiny_model("llama"), prompt, tiny_policies(), forced
 
 
-def smollm2_prompt(tokenizer) -> list:
-    text = (
+def smollm2_prompt_text() -> str:
+    return (
         "The lighthouse keeper logged the ships that passed each night. On Monday the Aurora "
         "went north with timber; on Tuesday the Bell came south with salt and the Corsair "
         "anchored off the point until dawn. "
     ) * 4 + "Which ship anchored off the point?"
+
+
+def smollm2_prompt(tokenizer) -> list:
     return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True
+        [{"role": "user", "content": smollm2_prompt_text()}], add_generation_prompt=True
     )
 
 

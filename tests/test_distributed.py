@@ -10,9 +10,11 @@ processes) against the single-process run of the same models, policies and promp
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,6 +23,7 @@ import pytest
 
 import kvfn
 from tests import distributed_ranks as ranks_script
+from tests import test_server
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
@@ -136,3 +139,43 @@ def test_head_local_policies():
     assert not kvfn.SnapKV(budget=64, per_head=False).head_local
     assert not kvfn.ChunkKV(budget=64).head_local
     assert not kvfn.Policy.head_local
+
+
+def launch_server(flags: list) -> tuple:
+    """kvfn-server under mlx.launch (2 ranks) and the port rank 0 prints; killed after TIMEOUT."""
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", str(RANKS), sys.executable, "-m",
+           "kvfn.server", *test_server.COMMON, *flags]  # fmt: skip
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    proc.deadline = threading.Timer(TIMEOUT, os.killpg, (proc.pid, signal.SIGKILL))
+    proc.deadline.start()
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        match = re.search(r"listening on http://[^:]+:(\d+)", line)
+        if match:
+            return proc, int(match.group(1))
+    proc.deadline.cancel()
+    pytest.skip(f"kvfn-server did not start under mlx.launch:\n{''.join(seen)[-2000:]}")
+
+
+def test_server_under_mlx_launch_answers_as_one_process(launched):
+    """Rank 0 serves HTTP, rank 1 follows; a compacted request gets the single-process answer."""
+    question = ranks_script.smollm2_prompt_text()
+    single, port = test_server.start(test_server.EVICT)
+    try:
+        want = test_server.Server(port).chat(question, max_tokens=12)
+    finally:
+        single.terminate()
+        single.wait(30)
+    proc, port = launch_server(test_server.EVICT)
+    try:
+        got = test_server.Server(port).chat(question, max_tokens=12)
+    finally:
+        proc.deadline.cancel()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.usage.kv_eviction == want.usage.kv_eviction
+    assert want.usage.kv_eviction["rows_kept"] < want.usage.kv_eviction["rows_total"]
