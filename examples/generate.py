@@ -209,8 +209,10 @@ def tensor_parallel(model, args):
     if group.rank() != 0:
         args.quiet, args.progress = True, None
         sys.stdout = open(os.devnull, "w")
-    what = "heads and MLPs" if heads else "MLPs only (the heads do not split evenly)"
-    return f"{group.size()} ranks, {what} sharded; KV bytes are per rank"
+    what = (
+        "heads and MLPs sharded" if heads else "MLPs sharded, attention whole (heads do not split)"
+    )
+    return f"{group.size()} ranks, {what}; KV bytes are per rank"
 
 
 def main(argv=None) -> dict:
