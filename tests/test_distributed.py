@@ -1,8 +1,8 @@
 """Eviction on tensor-parallel models: 2 ranks under ``mlx.launch --backend ring`` (local CPU
 processes) against the single-process run of the same models, policies and prompts.
 
-- Tiny random llama (4 query / 2 KV heads): ``kvfn.distributed.shard`` is mlx-lm's
-  ``Model.shard``, so each rank holds 2 query heads and 1 KV head.
+- Tiny random llama, qwen2 and qwen3 (4 query / 2 KV heads): ``kvfn.distributed.shard`` is
+  mlx-lm's ``Model.shard``, so each rank holds 2 query heads and 1 KV head.
 - The embedded SmolLM2 (9 query / 3 KV heads): the heads do not split over 2 ranks, so only
   its MLPs are sharded and every rank holds all 3 KV heads (mlx-lm's own shard would cut
   heads apart: see ``test_uneven_heads_are_refused``).
@@ -67,10 +67,11 @@ def rank_results(out: Path, case: str) -> list:
     return [dict(np.load(out / f"{case}-rank{r}.npz")) for r in range(RANKS)]
 
 
-@pytest.fixture(scope="module")
-def tiny_reference() -> dict:
-    model, prompt, policies, forced = ranks_script.tiny_case()
-    return ranks_script.run(kvfn.FunctionalModel(model), prompt, policies, forced)
+@pytest.fixture(scope="module", params=ranks_script.TINY)
+def tiny(request) -> tuple:
+    """(family, its single-process reference)."""
+    model, prompt, policies, forced = ranks_script.tiny_case(request.param)
+    return request.param, ranks_script.run(kvfn.FunctionalModel(model), prompt, policies, forced)
 
 
 @pytest.fixture(scope="module")
@@ -92,18 +93,18 @@ def check_rank(mine: dict, single: dict, name: str, rank: int, sharded: bool) ->
         assert int(mine[f"{name}/{key}"]) * share == single[f"{name}/{key}"], (name, key)
 
 
-def test_tiny_llama_two_ranks_keep_the_single_process_rows(launched, tiny_reference):
-    results = rank_results(launched, "tiny")
-    for rank, mine in enumerate(results):
+def test_tiny_two_ranks_keep_the_single_process_rows(launched, tiny):
+    family, single = tiny
+    for rank, mine in enumerate(rank_results(launched, f"tiny-{family}")):
         assert mine["heads_sharded"] and mine["group_found"]
         for name in ranks_script.tiny_policies():
-            check_rank(mine, tiny_reference, name, rank, sharded=True)
+            check_rank(mine, single, name, rank, sharded=True)
 
 
-def test_layer_shared_policies_need_every_rank_s_scores(launched, tiny_reference):
+def test_layer_shared_policies_need_every_rank_s_scores(launched, tiny):
     """A rank selecting from its own heads' scores alone keeps other rows than one process:
     the all-gather is what makes the test above pass."""
-    for rank, mine in enumerate(rank_results(launched, "tiny")):
+    for rank, mine in enumerate(rank_results(launched, f"tiny-{tiny[0]}")):
         for name in ranks_script.SHARED:
             assert not np.array_equal(mine[f"{name}/alone"], mine[f"{name}/positions"]), name
 
