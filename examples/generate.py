@@ -162,7 +162,8 @@ def compact(fm, tokens: list[int], args) -> tuple:
     """Compact all but the last prompt token with the policy; mlx-lm decodes from the last one."""
     start = time.perf_counter()
     states, result = kvfn.compact(fm, tokens, args.policy, max_new_tokens=args.max_tokens,
-                                  prefill_step_size=args.prefill_step_size, progress=args.progress)  # fmt: skip
+                                  prefill_step_size=args.prefill_step_size,
+                                  progress=args.progress)  # fmt: skip
     caches = kvfn.to_mlx_cache(states)  # reads the rows: the compaction has run
     seconds = time.perf_counter() - start
     report = {
