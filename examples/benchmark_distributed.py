@@ -28,7 +28,7 @@ import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 
 from examples.benchmark_decode import SHAPES, VOCAB, random_model  # noqa: E402
-from kvfn.evict import stored_bytes  # noqa: E402
+from kvfn.eviction import stored_bytes  # noqa: E402
 
 
 def timed(fn, repeat: int = 1) -> float:

@@ -180,7 +180,8 @@ def compact(fm, tokens: list[int], args) -> tuple:
     """Compact all but the last prompt token with the policy; mlx-lm decodes from the last one."""
     start = time.perf_counter()
     states, result = kvfn.compact(fm, tokens, args.policy, max_new_tokens=args.max_tokens,
-                                  prefill_step_size=args.prefill_step_size, progress=args.progress)  # fmt: skip
+                                  prefill_step_size=args.prefill_step_size,
+                                  progress=args.progress)  # fmt: skip
     mx.eval(kvfn.tree.arrays(states))
     seconds = time.perf_counter() - start
     report = {
@@ -265,8 +266,10 @@ def tensor_parallel(model, args):
     if group.rank() != 0:
         args.quiet, args.progress = True, None
         sys.stdout = open(os.devnull, "w")
-    what = "heads and MLPs" if heads else "MLPs only (the heads do not split evenly)"
-    return f"{group.size()} ranks, {what} sharded; KV bytes are per rank"
+    what = (
+        "heads and MLPs sharded" if heads else "MLPs sharded, attention whole (heads do not split)"
+    )
+    return f"{group.size()} ranks, {what}; KV bytes are per rank"
 
 
 def main(argv=None) -> dict:

@@ -134,22 +134,32 @@ def _shard_mlp(mlp: nn.Module, group: mx.distributed.Group) -> None:
 def shard(model: nn.Module, group: Optional[mx.distributed.Group] = None) -> bool:
     """Tensor-parallel ``model`` over ``group`` in place: mlx-lm's own ``model.shard(group)``
     when every layer's heads split evenly, else only the MLPs (attention stays whole on every
-    rank; mlx-lm's shard would cut heads apart). True when the heads were sharded."""
+    rank; mlx-lm's shard would cut heads apart). True when the heads were sharded. The
+    sharded weights are evaluated: the full ones are freed, and no lazy slice is left for
+    another thread (mlx-lm's server generates on its own) to evaluate without this stream."""
     group = group or mx.distributed.init()
     if group.size() == 1:
         return False
     if not hasattr(model, "shard"):
         raise TypeError(f"{type(model).__module__} has no shard(group) (llama, qwen2, qwen3 do)")
-    if heads_divide(model, group.size()):
+    heads = heads_divide(model, group.size())
+    if heads:
         model.shard(group)
-        return True
-    for i, layer in enumerate(model.layers):
-        mlp = getattr(layer, "mlp", None)
+    else:
+        _shard_mlps(model, group)
+    mx.eval(model.parameters())
+    return heads
+
+
+def _shard_mlps(model: nn.Module, group: mx.distributed.Group) -> None:
+    """Every layer's MLP, after checking that all of them split (nothing is changed if not)."""
+    mlps = [getattr(layer, "mlp", None) for layer in model.layers]
+    for i, mlp in enumerate(mlps):
         widths = [_out_features(mlp[n]) for n in MLP_IN] if mlp is not None else []
         if not widths or not all(_divides(w, group.size()) for w in widths):
             raise ValueError(
                 f"layer {i}: neither its heads nor its MLP width {widths} split over "
                 f"{group.size()} ranks"
             )
+    for mlp in mlps:
         _shard_mlp(mlp, group)
-    return False

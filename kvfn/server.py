@@ -3,6 +3,8 @@
     kvfn-server                                   # embedded SmolLM2, no eviction: mlx_lm.server
     kvfn-server --kv-eviction snapkv --kv-budget 256 --port 0
     python -m kvfn.server --model path/to/model.gguf --kv-eviction streaming
+    mlx.launch --backend ring -n 2 .venv/bin/python -m kvfn.server --kv-eviction snapkv
+        # tensor parallel (kvfn.distributed.shard): rank 0 serves HTTP, KV bytes are per rank
 
 Endpoints, flags, sampling, chat templates, continuous batching and the prompt cache are
 mlx-lm's own (``mlx_lm.server``): this module subclasses its ``ModelProvider``,
@@ -184,6 +186,10 @@ class KVModelProvider(ModelProvider):
         gc.collect()
         mx.clear_cache()
         model, tokenizer = kvfn_models.load(model_path)
+        if self.pipeline_group is not None:
+            raise ValueError("kvfn-server runs tensor parallel under mlx.launch, not --pipeline")
+        if self.tensor_group is not None:
+            kvfn.distributed.shard(model, self.tensor_group)
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
         if self.cli_args.chat_template:
             hf.chat_template = self.cli_args.chat_template
@@ -483,8 +489,8 @@ class KVAPIHandler(APIHandler):
 
 
 # -- startup ------------------------------------------------------------------------------------
-def make_server(args) -> tuple:
-    """(HTTP server, response generator) with the model loaded; the port is bound."""
+def make_generator(args) -> KVResponseGenerator:
+    """The generation thread, started, with the model loaded (sharded under mlx.launch)."""
     provider = KVModelProvider(args)
     try:
         provider.load("default_model")
@@ -492,7 +498,12 @@ def make_server(args) -> tuple:
         raise SystemExit(f"error: --model {args.model}: {e}")
     # mlx-lm's generation loop builds its BatchGenerator by this module-level name.
     mlx_server.BatchGenerator = TrackedBatchGenerator
-    generator = KVResponseGenerator(provider, EvictingPromptCache(provider, args.prompt_cache_size))
+    return KVResponseGenerator(provider, EvictingPromptCache(provider, args.prompt_cache_size))
+
+
+def make_server(args) -> tuple:
+    """(HTTP server, response generator) with the model loaded; the port is bound."""
+    generator = make_generator(args)
     # mlx-lm's _run_http_server neither takes a handler class from run() nor reports the port
     # it bound, which a server on --port 0 must print.
     family, _, _, _, address = socket.getaddrinfo(
@@ -510,6 +521,9 @@ def make_server(args) -> tuple:
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(message)s")
+    if mx.distributed.init().rank() != 0:
+        # under mlx.launch rank 0 serves HTTP; the others run each request it shares with them
+        return make_generator(args).join()
     httpd, generator = make_server(args)
     host, port = httpd.server_address[:2]
     print(f"kvfn-server listening on http://{host}:{port} (kv-eviction {args.kv_eviction})",

@@ -40,24 +40,31 @@ def smollm2_policies() -> dict:
     }
 
 
-def tiny_case():
+# tiny families with Model.shard (tests/tiny.py: 4 query / 2 KV heads)
+TINY = ("llama", "qwen2", "qwen3")
+
+
+def tiny_case(family: str = "llama"):
     from tiny import tiny_model
 
     prompt = mx.random.randint(0, 97, (160,), key=mx.random.key(7)).tolist()
     # random weights fall into a one-token loop under greedy decoding: feed a fixed
     # continuation instead, so every step sees a new token
     forced = mx.random.randint(0, 97, (STEPS,), key=mx.random.key(8)).tolist()
-    return tiny_model("llama"), prompt, tiny_policies(), forced
+    return tiny_model(family), prompt, tiny_policies(), forced
 
 
-def smollm2_prompt(tokenizer) -> list:
-    text = (
+def smollm2_prompt_text() -> str:
+    return (
         "The lighthouse keeper logged the ships that passed each night. On Monday the Aurora "
         "went north with timber; on Tuesday the Bell came south with salt and the Corsair "
         "anchored off the point until dawn. "
     ) * 4 + "Which ship anchored off the point?"
+
+
+def smollm2_prompt(tokenizer) -> list:
     return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True
+        [{"role": "user", "content": smollm2_prompt_text()}], add_generation_prompt=True
     )
 
 
@@ -133,7 +140,8 @@ def main(out_dir: str) -> None:
     (out / f"started-rank{rank}.json").write_text(json.dumps({"size": group.size()}))
     if group.size() == 1:
         return
-    for case, build in (("tiny", tiny_case), ("smollm2", smollm2_case)):
+    cases = [(f"tiny-{f}", lambda f=f: tiny_case(f)) for f in TINY]
+    for case, build in (*cases, ("smollm2", smollm2_case)):
         model, prompt, policies, forced = build()
         sharded = kvfn.distributed.shard(model, group)
         fm = kvfn.FunctionalModel(model)

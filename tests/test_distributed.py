@@ -1,8 +1,8 @@
 """Eviction on tensor-parallel models: 2 ranks under ``mlx.launch --backend ring`` (local CPU
 processes) against the single-process run of the same models, policies and prompts.
 
-- Tiny random llama (4 query / 2 KV heads): ``kvfn.distributed.shard`` is mlx-lm's
-  ``Model.shard``, so each rank holds 2 query heads and 1 KV head.
+- Tiny random llama, qwen2 and qwen3 (4 query / 2 KV heads): ``kvfn.distributed.shard`` is
+  mlx-lm's ``Model.shard``, so each rank holds 2 query heads and 1 KV head.
 - The embedded SmolLM2 (9 query / 3 KV heads): the heads do not split over 2 ranks, so only
   its MLPs are sharded and every rank holds all 3 KV heads (mlx-lm's own shard would cut
   heads apart: see ``test_uneven_heads_are_refused``).
@@ -10,9 +10,11 @@ processes) against the single-process run of the same models, policies and promp
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,6 +23,7 @@ import pytest
 
 import kvfn
 from tests import distributed_ranks as ranks_script
+from tests import test_server
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
@@ -64,10 +67,11 @@ def rank_results(out: Path, case: str) -> list:
     return [dict(np.load(out / f"{case}-rank{r}.npz")) for r in range(RANKS)]
 
 
-@pytest.fixture(scope="module")
-def tiny_reference() -> dict:
-    model, prompt, policies, forced = ranks_script.tiny_case()
-    return ranks_script.run(kvfn.FunctionalModel(model), prompt, policies, forced)
+@pytest.fixture(scope="module", params=ranks_script.TINY)
+def tiny(request) -> tuple:
+    """(family, its single-process reference)."""
+    model, prompt, policies, forced = ranks_script.tiny_case(request.param)
+    return request.param, ranks_script.run(kvfn.FunctionalModel(model), prompt, policies, forced)
 
 
 @pytest.fixture(scope="module")
@@ -89,18 +93,18 @@ def check_rank(mine: dict, single: dict, name: str, rank: int, sharded: bool) ->
         assert int(mine[f"{name}/{key}"]) * share == single[f"{name}/{key}"], (name, key)
 
 
-def test_tiny_llama_two_ranks_keep_the_single_process_rows(launched, tiny_reference):
-    results = rank_results(launched, "tiny")
-    for rank, mine in enumerate(results):
+def test_tiny_two_ranks_keep_the_single_process_rows(launched, tiny):
+    family, single = tiny
+    for rank, mine in enumerate(rank_results(launched, f"tiny-{family}")):
         assert mine["heads_sharded"] and mine["group_found"]
         for name in ranks_script.tiny_policies():
-            check_rank(mine, tiny_reference, name, rank, sharded=True)
+            check_rank(mine, single, name, rank, sharded=True)
 
 
-def test_layer_shared_policies_need_every_rank_s_scores(launched, tiny_reference):
+def test_layer_shared_policies_need_every_rank_s_scores(launched, tiny):
     """A rank selecting from its own heads' scores alone keeps other rows than one process:
     the all-gather is what makes the test above pass."""
-    for rank, mine in enumerate(rank_results(launched, "tiny")):
+    for rank, mine in enumerate(rank_results(launched, f"tiny-{tiny[0]}")):
         for name in ranks_script.SHARED:
             assert not np.array_equal(mine[f"{name}/alone"], mine[f"{name}/positions"]), name
 
@@ -136,3 +140,43 @@ def test_head_local_policies():
     assert not kvfn.SnapKV(budget=64, per_head=False).head_local
     assert not kvfn.ChunkKV(budget=64).head_local
     assert not kvfn.Policy.head_local
+
+
+def launch_server(flags: list) -> tuple:
+    """kvfn-server under mlx.launch (2 ranks) and the port rank 0 prints; killed after TIMEOUT."""
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", str(RANKS), sys.executable, "-m",
+           "kvfn.server", *test_server.COMMON, *flags]  # fmt: skip
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    proc.deadline = threading.Timer(TIMEOUT, os.killpg, (proc.pid, signal.SIGKILL))
+    proc.deadline.start()
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        match = re.search(r"listening on http://[^:]+:(\d+)", line)
+        if match:
+            return proc, int(match.group(1))
+    proc.deadline.cancel()
+    pytest.skip(f"kvfn-server did not start under mlx.launch:\n{''.join(seen)[-2000:]}")
+
+
+def test_server_under_mlx_launch_answers_as_one_process(launched):
+    """Rank 0 serves HTTP, rank 1 follows; a compacted request gets the single-process answer."""
+    question = ranks_script.smollm2_prompt_text()
+    single, port = test_server.start(test_server.EVICT)
+    try:
+        want = test_server.Server(port).chat(question, max_tokens=12)
+    finally:
+        single.terminate()
+        single.wait(30)
+    proc, port = launch_server(test_server.EVICT)
+    try:
+        got = test_server.Server(port).chat(question, max_tokens=12)
+    finally:
+        proc.deadline.cancel()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.usage.kv_eviction == want.usage.kv_eviction
+    assert want.usage.kv_eviction["rows_kept"] < want.usage.kv_eviction["rows_total"]
