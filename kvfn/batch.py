@@ -13,9 +13,13 @@ mlx-lm's own.
 from typing import List
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
-from .interop import CompactedKVCache
+from . import cache as kv
+from . import partitioned as part
+from .interop import CompactedKVCache, to_mlx_cache
+from .ring import StreamingRing
 
 
 class BatchCompactedKVCache(BatchKVCache):
@@ -94,3 +98,216 @@ class BatchCompactedKVCache(BatchKVCache):
     @property
     def nbytes(self) -> int:
         return super().nbytes + sum(p.nbytes for p in self.prefix_positions)
+
+
+# -- per-head states (DuoAttention) -------------------------------------------------------------
+def _take_heads(cache: CompactedKVCache, heads) -> CompactedKVCache:
+    idx = mx.array(heads, mx.int32)
+    r = cache.rows
+    pos = cache.positions[:, :, :r]
+    pos = pos if pos.shape[1] == 1 else mx.take(pos, idx, axis=1)
+    return CompactedKVCache(mx.take(cache.keys[:, :, :r], idx, axis=1),
+                            mx.take(cache.values[:, :, :r], idx, axis=1), pos,
+                            cache.offset)  # fmt: skip
+
+
+def _ring_rows(ring) -> CompactedKVCache:
+    """A streaming ring's rows in position order (sinks, then the recent run)."""
+    pos = np.array(ring.positions[0, 0])
+    order = [int(i) for i in np.argsort(pos, kind="stable") if pos[i] != kv.EMPTY]
+    idx = mx.array(order, mx.int32)
+    keys, values = mx.take(ring.keys, idx, axis=2), mx.take(ring.values, idx, axis=2)
+    positions = mx.take(ring.positions, idx, axis=2)
+    return CompactedKVCache(keys, values, positions, int(ring.offset.item()))
+
+
+class HeadGroupsKVCache:
+    """One sequence's layer of a per-head state (``kvfn.HeadPartitionedKVCache``) as mlx-lm's
+    ``BatchGenerator`` takes it: one ``CompactedKVCache`` per head group, ``heads[g]`` naming
+    its KV heads, and ``windows[g]`` = (sink, recent) for a group of streaming heads that sees
+    only its sinks and recent rows, else None. It is only merged into a batch
+    (``BatchHeadGroupsKVCache``) or extracted from one; it never runs a model itself."""
+
+    def __init__(self, groups, heads, windows):
+        if not (len(groups) == len(heads) == len(windows)) or not groups:
+            raise ValueError(
+                f"need one head list and window per group, got {len(groups)} groups, "
+                f"{len(heads)} head lists, {len(windows)} windows"
+            )
+        self.groups, self.heads, self.windows = (
+            list(groups),
+            tuple(map(tuple, heads)),
+            list(windows),
+        )
+
+    @classmethod
+    def from_state(cls, state, heads, *, sink: int, recent: int) -> "HeadGroupsKVCache":
+        """From one layer's kvfn state (batch 1): a ``HeadPartitionedKVCache`` whose groups
+        are ``heads``, or a plain state (a prompt kept whole), split into ``heads`` and seeing
+        every row."""
+        heads = tuple(tuple(h) for h in heads)
+        if isinstance(state, part.HeadPartitionedKVCache):
+            if tuple(map(tuple, state.heads)) != heads:
+                raise ValueError(f"the state's head groups {state.heads} are not {heads}")
+            groups, windows = [], []
+            for g in state.groups:
+                if isinstance(g, StreamingRing):
+                    groups.append(_ring_rows(g))
+                    windows.append((g.sink, g.recent))
+                else:
+                    groups.append(to_mlx_cache([g])[0])
+                    windows.append(None)
+            return cls(groups, heads, windows)
+        whole = to_mlx_cache([state])[0]
+        return cls([_take_heads(whole, h) for h in heads], heads, [None] * len(heads))
+
+    @property
+    def offset(self) -> int:
+        return self.groups[0].offset
+
+    def size(self) -> int:
+        return max(g.rows for g in self.groups)
+
+    def empty(self) -> bool:
+        return all(g.empty() for g in self.groups)
+
+    @property
+    def state(self):
+        return [g.state[:3] for g in self.groups]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
+    @classmethod
+    def merge(cls, caches) -> "BatchHeadGroupsKVCache":
+        return BatchHeadGroupsKVCache.merge(caches)
+
+
+class BatchHeadGroupsKVCache:
+    """A batch of ``HeadGroupsKVCache`` layers: one ``BatchCompactedKVCache`` per head group.
+
+    The model must call ``attend`` (``kvfn.wrapper.attending_copy``): each group attends over
+    its own rows with its own mask and the outputs go back in query-head order, so no union of
+    the groups' rows is stored or read. A streaming group's new rows are appended; a sequence
+    whose group has a window masks its rows between the sinks and the last ``recent``
+    positions, which is what its ring would hold (exact; the masked rows stay in memory until
+    the sequence leaves the batch, at most the tokens it generates)."""
+
+    def __init__(self, groups, heads, windows):
+        self.groups, self.heads, self.windows = groups, heads, windows
+        self._pending = None
+
+    @classmethod
+    def merge(cls, caches) -> "BatchHeadGroupsKVCache":
+        for i, c in enumerate(caches):
+            if not isinstance(c, HeadGroupsKVCache):
+                raise TypeError(
+                    f"sequence {i}: cannot batch a {type(c).__name__} with per-head caches"
+                )
+            if c.heads != caches[0].heads:
+                raise ValueError(
+                    f"sequence {i}: head groups {c.heads} differ from {caches[0].heads}"
+                )
+        groups = [BatchCompactedKVCache.merge([c.groups[g] for c in caches])
+                  for g in range(len(caches[0].groups))]  # fmt: skip
+        windows = [[c.windows[g] for c in caches] for g in range(len(groups))]
+        return cls(groups, caches[0].heads, windows)
+
+    # -- mlx-lm protocol ----------------------------------------------------------------------
+    @property
+    def offset(self):
+        return self.groups[0].offset
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        return None  # every layer is a per-head cache, and ``attend`` builds each group's mask
+
+    def _window_mask(self, g: int, mask: mx.array, n: int) -> mx.array:
+        """``mask`` (B, 1, n, T) of group g's rows, less the rows a windowed sequence's ring
+        would no longer hold: past its sinks and at or before the query's storage index minus
+        ``recent``."""
+        windows = self.windows[g]
+        if all(w is None for w in windows):
+            return mask
+        group = self.groups[g]
+        limited = mx.array([w is not None for w in windows])
+        sink = mx.array([w[0] if w else 0 for w in windows])
+        recent = mx.array([w[1] if w else 0 for w in windows])
+        T = mask.shape[-1]
+        j = mx.arange(T)[None, None, None, :]
+        q = (T - n + mx.arange(n))[None, None, :, None]
+        expand = lambda x: x[:, None, None, None]  # noqa: E731
+        old = (j - expand(group.left_padding) >= expand(sink)) & (j <= q - expand(recent))
+        return mask & ~(expand(limited) & old)
+
+    def update_and_fetch(self, keys, values):
+        n = keys.shape[2]
+        pending = []
+        for g, (group, hs) in enumerate(zip(self.groups, self.heads)):
+            mask = group.make_mask(n, return_array=True)
+            idx = mx.array(hs, mx.int32)
+            k, v = group.update_and_fetch(mx.take(keys, idx, axis=1), mx.take(values, idx, axis=1))
+            pending.append((k, v, self._window_mask(g, mask, n)))
+        self._pending = pending
+        return keys, values  # the new rows only: ``attend`` reads the groups
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        if sinks is not None:
+            raise TypeError("kvfn's per-head caches do not support attention sinks")
+        rep = queries.shape[1] // sum(len(h) for h in self.heads)
+        outs, order = [], []
+        for hs, (k, v, m) in zip(self.heads, self._pending):
+            qh = [h * rep + r for h in hs for r in range(rep)]
+            q = mx.take(queries, mx.array(qh, mx.int32), axis=1)
+            outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m))
+            order += qh
+        self._pending = None
+        out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+        if order == sorted(order):
+            return out
+        return mx.take(out, mx.array(np.argsort(order), mx.int32), axis=1)
+
+    def prepare(self, **kwargs):
+        for g in self.groups:
+            g.prepare(**kwargs)
+
+    def finalize(self):
+        for g in self.groups:
+            g.finalize()
+
+    @property
+    def state(self):
+        return [g.state for g in self.groups]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        return min(g.trim(n) for g in self.groups)
+
+    def size(self) -> int:
+        return max(g._idx for g in self.groups)
+
+    def empty(self) -> bool:
+        return all(g.keys is None for g in self.groups)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
+    # -- batch membership ---------------------------------------------------------------------
+    def filter(self, batch_indices):
+        for g in self.groups:
+            g.filter(batch_indices)
+        self.windows = [[w[i] for i in batch_indices] for w in self.windows]
+
+    def extend(self, other):
+        if not isinstance(other, BatchHeadGroupsKVCache) or other.heads != self.heads:
+            raise TypeError(f"cannot extend a per-head batch cache with {type(other).__name__}")
+        for g, o in zip(self.groups, other.groups):
+            g.extend(o)
+        self.windows = [a + b for a, b in zip(self.windows, other.windows)]
+
+    def extract(self, idx: int) -> HeadGroupsKVCache:
+        return HeadGroupsKVCache([g.extract(idx) for g in self.groups], self.heads,
+                                 [w[idx] for w in self.windows])  # fmt: skip

@@ -25,7 +25,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from . import cache as kv
@@ -177,9 +177,13 @@ ADAPTERS = {kv.State: _LayerAdapter, part.HeadPartitionedKVCache: _PartitionedAd
 
 
 def _attend(queries, keys, values, cache, scale, mask, sinks=None):
-    """mlx-lm's ``scaled_dot_product_attention`` as the wrapper's attention modules see it: the
-    layer's adapter computes it (the same fused call for a plain state)."""
-    return cache.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    """mlx-lm's ``scaled_dot_product_attention`` as the copied attention modules see it: a cache
+    with an ``attend`` computes it (the wrapper's adapters, the server's per-head caches); any
+    other cache gets mlx-lm's own function."""
+    attend = getattr(cache, "attend", None)
+    if attend is None:
+        return scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
+    return attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
 def _calling_attend(attn: nn.Module) -> bool:
@@ -196,6 +200,28 @@ def _calling_attend(attn: nn.Module) -> bool:
     call.__kwdefaults__ = fn.__kwdefaults__
     attn.__class__ = type(cls.__name__, (cls,), {"__call__": call})
     return True
+
+
+def attending_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` (weights, module and class shared) whose attention modules let the
+    layer's cache compute attention when it has an ``attend`` method, as kvfn's per-head batch
+    caches (``kvfn.batch.BatchHeadGroupsKVCache``) need; with any other cache it computes
+    exactly what ``model`` does. TypeError if a layer's attention does not call mlx-lm's
+    ``scaled_dot_product_attention``."""
+
+    def wrap(index: int, layer: nn.Module) -> nn.Module:
+        name = _attention_name(layer, index)
+        attn = copy.copy(getattr(layer, name))
+        if not _calling_attend(attn):
+            raise TypeError(
+                f"layer {index}: {type(attn).__name__} computes attention itself, not through "
+                "mlx-lm's scaled_dot_product_attention, so kvfn cannot run it per head group"
+            )
+        layer = copy.copy(layer)
+        layer[name] = attn
+        return layer
+
+    return _own_copy(model, wrap)
 
 
 class _MaskedAttention(nn.Module):
@@ -457,7 +483,11 @@ class FunctionalModel:
         tokens, states = self._prepare(tokens, states)
         if old is not None and len(scores) == len(states):  # states grew: so do their scores
             scores = tuple(
-                mx.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, st.capacity - c)]) if st.capacity > c else s
+                (
+                    mx.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, st.capacity - c)])
+                    if st.capacity > c
+                    else s
+                )
                 for s, st, c in zip(scores, states, old)
             )
         self._check_scoring(states, scores, queries, tokens.shape[1])

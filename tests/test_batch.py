@@ -105,3 +105,118 @@ def test_merge_refuses_a_plain_cache(smol):
 
     with pytest.raises(TypeError, match="KVCache"):
         BatchCompactedKVCache.merge([KVCache()])
+
+
+# -- per-head states (DuoAttention) in mlx-lm's batching ------------------------------------------
+def duo_policy(fm) -> kvfn.Duo:
+    """Retrieval heads at random, plus a layer of only retrieval and one of only streaming heads
+    (one group each)."""
+    rng = np.random.default_rng(3)
+    heads = [list(rng.random(h) < 0.4) for h in fm.n_kv_heads]
+    heads[0] = [True] * fm.n_kv_heads[0]
+    heads[1] = [False] * fm.n_kv_heads[1]
+    return kvfn.Duo(retrieval=tuple(tuple(bool(x) for x in r) for r in heads), sink_tokens=4,
+                    recent=40)  # fmt: skip
+
+
+def duo_layers(policy, layer):
+    mask = policy.heads[layer]
+    return [
+        h
+        for h in ([i for i, r in enumerate(mask) if r], [i for i, r in enumerate(mask) if not r])
+        if h
+    ]
+
+
+def kvfn_duo_decode(fm, ids, policy):
+    """Greedy tokens and logits of kvfn's own decode over a Duo-compacted prompt (oracle-tested
+    in test_duo), and the compacted states."""
+    states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=STEPS + 1)
+    first, tokens, logits = states, [], []
+    token = ids[-1]
+    for _ in range(STEPS):
+        out, states = fm.decode(mx.array([[token]]), states)
+        logits.append(out.reshape(-1))
+        token = int(mx.argmax(logits[-1]).item())
+        tokens.append(token)
+    return tokens, logits, first
+
+
+def head_groups(policy, states):
+    from kvfn.batch import HeadGroupsKVCache
+
+    return [HeadGroupsKVCache.from_state(s, duo_layers(policy, i), sink=4, recent=40)
+            for i, s in enumerate(states)]  # fmt: skip
+
+
+def test_duo_batched_decode_equals_kvfn_decode(smol):
+    from kvfn.batch import HeadGroupsKVCache
+    from kvfn.wrapper import attending_copy
+
+    model, tokenizer, fm = smol
+    policy = duo_policy(fm)
+    prompts = [
+        prompt(tokenizer, 30, "ships"),
+        prompt(tokenizer, 12, "birds"),
+        prompt(tokenizer, 0, "cats"),
+    ]
+    assert len(prompts[2]) - 1 <= policy.sink_tokens + policy.recent < len(prompts[1]) - 1
+    entries, want = [], []
+    for ids in prompts:
+        tokens, _, states = kvfn_duo_decode(fm, ids, policy)
+        entries.append((head_groups(policy, states), ids[-1:]))
+        want.append(tokens)
+    # the streaming groups of the compacted prompts hold sinks + recent rows, the short one all
+    assert entries[0][0][1].groups[0].rows == 44 and entries[0][0][1].windows == [(4, 40)]
+    assert entries[2][0][1].windows == [None]
+    full = kvfn.prefill(fm, mx.array([prompts[0][:-1]]))
+    assert entries[0][0][2].nbytes < 0.5 * kvfn.to_mlx_cache(full)[2].nbytes
+    got, finals = batched(attending_copy(model), entries)
+    assert got == want
+    assert all(isinstance(c, HeadGroupsKVCache) for c in finals[0])
+    assert finals[0][1].offset == len(prompts[0]) + STEPS  # one step ahead, as above
+
+
+@pytest.mark.parametrize("windowed", [True, False])
+def test_duo_batched_logits_equal_kvfn(smol, windowed):
+    """Logits of two sequences stepped together through the batch cache equal kvfn's decode of
+    each; without the window mask (negative control) the streaming heads read rows their ring
+    dropped and the logits differ."""
+    from kvfn.batch import BatchHeadGroupsKVCache
+    from kvfn.wrapper import attending_copy
+
+    model, tokenizer, fm = smol
+    policy = duo_policy(fm)
+    runs = [
+        kvfn_duo_decode(fm, prompt(tokenizer, n, t), policy)
+        for n, t in ((30, "ships"), (12, "birds"))
+    ]
+    caches = [head_groups(policy, states) for _, _, states in runs]
+    if not windowed:
+        for c in (c for layers in caches for c in layers):
+            c.windows = [None] * len(c.windows)
+    batch = [BatchHeadGroupsKVCache.merge(list(layer)) for layer in zip(*caches)]
+    copy_ = attending_copy(model)
+    last = [prompt(tokenizer, n, t)[-1] for n, t in ((30, "ships"), (12, "birds"))]
+    gaps = []
+    for step in range(STEPS):
+        logits = copy_(mx.array([[t] for t in last]), cache=batch)[:, -1]
+        gaps += [mx.abs(logits[i] - runs[i][1][step]).max().item() for i in range(2)]
+        last = [runs[i][0][step] for i in range(2)]
+    assert (max(gaps) < 1e-3) == windowed, max(gaps)
+
+
+def test_attending_copy_is_the_model_for_plain_caches(smol):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvfn.wrapper import attending_copy
+
+    model, tokenizer, _ = smol
+    ids = mx.array([prompt(tokenizer, 3, "cats")])
+    want = model(ids, cache=make_prompt_cache(model))
+    got = attending_copy(model)(ids, cache=make_prompt_cache(model))
+    assert mx.array_equal(want, got).item()
+    assert (
+        type(model.layers[0].self_attn).__call__
+        is not type(attending_copy(model).layers[0].self_attn).__call__
+    )
