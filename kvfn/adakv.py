@@ -59,6 +59,9 @@ class AdaKV(SnapKV):
         heads, rows = np.divmod(flat, P)
         return [np.sort(rows[heads == h]).astype(np.int32) for h in range(H)]
 
+    def head_groups(self, layer: int, n_kv_heads: int) -> tuple:
+        return tuple((h,) for h in range(n_kv_heads))  # which heads share a row count varies
+
     def compact_layer(self, state, scores, *, prompt_length: int, layer: int, reserve: int,
                       group=None):  # fmt: skip
         if group is not None and group.size() > 1:

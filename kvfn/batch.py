@@ -141,25 +141,27 @@ class HeadGroupsKVCache:
         )
 
     @classmethod
-    def from_state(cls, state, heads, *, sink: int, recent: int) -> "HeadGroupsKVCache":
-        """From one layer's kvfn state (batch 1): a ``HeadPartitionedKVCache`` whose groups
-        are ``heads``, or a plain state (a prompt kept whole), split into ``heads`` and seeing
-        every row."""
+    def from_state(cls, state, heads) -> "HeadGroupsKVCache":
+        """From one layer's kvfn state (batch 1) as the groups ``heads`` (e.g. the policy's
+        ``head_groups``): a plain state (a prompt kept whole, or any plain policy's) is split
+        into them; a ``HeadPartitionedKVCache`` must hold each of them inside one of its groups.
+        A streaming ring's group keeps its window."""
         heads = tuple(tuple(h) for h in heads)
-        if isinstance(state, part.HeadPartitionedKVCache):
-            if tuple(map(tuple, state.heads)) != heads:
-                raise ValueError(f"the state's head groups {state.heads} are not {heads}")
-            groups, windows = [], []
-            for g in state.groups:
-                if isinstance(g, StreamingRing):
-                    groups.append(_ring_rows(g))
-                    windows.append((g.sink, g.recent))
-                else:
-                    groups.append(to_mlx_cache([g])[0])
-                    windows.append(None)
-            return cls(groups, heads, windows)
-        whole = to_mlx_cache([state])[0]
-        return cls([_take_heads(whole, h) for h in heads], heads, [None] * len(heads))
+        if not isinstance(state, part.HeadPartitionedKVCache):
+            whole = to_mlx_cache([state])[0]
+            return cls([_take_heads(whole, h) for h in heads], heads, [None] * len(heads))
+        groups, windows = [], []
+        for hs in heads:
+            src = [i for i, own in enumerate(state.heads) if set(hs) <= set(own)]
+            if not src:
+                raise ValueError(f"heads {list(hs)} are not inside one group of {state.heads}")
+            g, own = state.groups[src[0]], list(state.heads[src[0]])
+            rows = _ring_rows(g) if isinstance(g, StreamingRing) else to_mlx_cache([g])[0]
+            if list(hs) != own:
+                rows = _take_heads(rows, [own.index(h) for h in hs])
+            groups.append(rows)
+            windows.append((g.sink, g.recent) if isinstance(g, StreamingRing) else None)
+        return cls(groups, heads, windows)
 
     @property
     def offset(self) -> int:

@@ -185,6 +185,14 @@ class Duo(Policy):
     def keeps_whole(self, prompt_length: int) -> bool:
         return prompt_length <= max(self.min_tokens, self.sink_tokens + self.recent)
 
+    def _split(self, layer: int) -> tuple[list, list]:
+        """Layer ``layer``'s retrieval and streaming KV heads."""
+        mask = self.heads[layer]
+        return [h for h, r in enumerate(mask) if r], [h for h, r in enumerate(mask) if not r]
+
+    def head_groups(self, layer: int, n_kv_heads: int) -> tuple:
+        return tuple(tuple(g) for g in self._split(layer) if g)
+
     def _snapkv(self) -> SnapKV:
         return SnapKV(budget=self.budget, window=self.window, sink_tokens=self.sink_tokens)
 
@@ -210,9 +218,7 @@ class Duo(Policy):
         if self.keeps_whole(P):
             return super().compact_layer(state, scores, prompt_length=P, layer=layer,
                                          reserve=reserve)  # fmt: skip
-        mask = self.heads[layer]
-        keep = [h for h, r in enumerate(mask) if r]
-        stream = [h for h, r in enumerate(mask) if not r]
+        keep, stream = self._split(layer)
         groups, heads = [], []
         if keep:
             groups.append(self._retrieval_group(state, scores, keep, P, layer, reserve))

@@ -148,6 +148,13 @@ class Policy:
         each layer its own budget)."""
         return self
 
+    def head_groups(self, layer: int, n_kv_heads: int) -> Optional[tuple]:
+        """The KV-head groups (tuples of heads) that this policy's compacted layer ``layer``
+        may store apart (``HeadPartitionedKVCache``), the same for every prompt, so per-head
+        states of different prompts batch together (``kvfn.batch.HeadGroupsKVCache``); None
+        when every layer is one plain state (the base)."""
+        return None
+
     def check_layers(self, n_kv_heads: tuple[Optional[int], ...]) -> None:
         """Raise a ValueError if the policy cannot apply to layers of these KV-head counts (one
         per full-attention layer, None for a sliding-window layer); called before tracing."""

@@ -26,6 +26,12 @@ Prompt-cache reuse rule (eviction on):
   2. A prompt longer than the floor is always prefilled fresh and compacted: it ignores any
      cached prefix, so which rows are kept depends only on the prompt and the policy.
   3. Shorter prompts use the prompt cache as mlx-lm does; every entry they find is lossless.
+  4. With a per-head policy (``--kv-eviction duo --kv-head-pattern DIR``, or ``adakv``) every
+     prompt is prefilled by kvfn and decoded from per-head caches
+     (``kvfn.batch.HeadGroupsKVCache``: each layer's head groups apart, batched by
+     ``BatchHeadGroupsKVCache``, attention per group through ``kvfn.wrapper.attending_copy``);
+     none of them enters the prompt cache. A request may then name the server's policy or a
+     plain one, not a per-head policy of other head groups.
 """
 
 import argparse
@@ -40,6 +46,7 @@ from collections import OrderedDict
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
@@ -54,6 +61,7 @@ from mlx_lm.models.cache import (  # noqa: E402
 )
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator  # noqa: E402
 
+from .batch import HeadGroupsKVCache  # noqa: E402
 from .interop import CompactedKVCache, QuantizedCompactedKVCache  # noqa: E402
 from .policy import POLICIES  # noqa: E402
 
@@ -75,8 +83,22 @@ def positive_int(text: str) -> int:
     return value
 
 
-def make_policy(name: str, budget: int, window: int, sink_tokens: int, min_tokens: int):
-    """The policy for a ``--kv-eviction`` name (None for "none"); ValueError names a bad value."""
+def ratio(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def takes_pattern(cls) -> bool:
+    """Whether a policy class takes a DuoAttention head pattern."""
+    return "pattern" in {f.name for f in dataclasses.fields(cls)}
+
+
+def make_policy(name: str, budget: int, window: int, sink_tokens: int, min_tokens: int,
+                duo: Optional[dict] = None):  # fmt: skip
+    """The policy for a ``--kv-eviction`` name (None for "none"); ``duo``: a DuoAttention
+    policy's settings (pattern, ratio, sink_tokens, recent). ValueError names a bad value."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"kv_eviction must be a policy name or 'none', got {name!r}")
     if name == "none":
@@ -90,12 +112,10 @@ def make_policy(name: str, budget: int, window: int, sink_tokens: int, min_token
     if cls is not None:  # a policy without a window (or sinks) takes only its own settings
         fields = {f.name for f in dataclasses.fields(cls)}
         settings = {k: v for k, v in settings.items() if k in fields}
+    if duo and cls is not None and takes_pattern(cls):
+        settings.update(duo)
     policy = kvfn.parse_policy(name, **settings)
-    if "pattern" in {f.name for f in dataclasses.fields(policy)}:
-        raise ValueError(
-            f"{name!r} keeps per-head rows, which mlx-lm's batch decoding cannot hold; the "
-            "server does not serve DuoAttention yet (examples/generate.py and the evaluator do)"
-        )
+    getattr(policy, "heads", None)  # a duo policy without a pattern says so now
     return policy
 
 
@@ -139,7 +159,39 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument(
         "--kv-min-tokens", type=non_negative_int, default=0, help="never compact prompts this short"
     )
+    duo = p.add_argument_group(
+        "DuoAttention (--kv-eviction duo; duo-snapkv compresses retrieval heads to --kv-budget)"
+    )
+    duo.add_argument(
+        "--kv-head-pattern",
+        help="a DuoAttention pattern folder or .tsv (make one with `kvfn heads`)",
+    )
+    duo.add_argument("--kv-retrieval-ratio", type=ratio, help="fraction of KV heads that keep the "
+                     "long context (default: the pattern's config, else 0.5)")  # fmt: skip
+    duo.add_argument(
+        "--kv-sink-size",
+        type=non_negative_int,
+        help="streaming heads' sink rows (default: the pattern's)",
+    )
+    duo.add_argument(
+        "--kv-recent-size",
+        type=positive_int,
+        help="streaming heads' recent rows (default: the pattern's)",
+    )
     return p
+
+
+def duo_settings(args) -> Optional[dict]:
+    """A DuoAttention policy's settings from the flags (None without --kv-head-pattern)."""
+    if args.kv_head_pattern is None:
+        return None
+    pattern = kvfn.HeadPattern.load(args.kv_head_pattern)
+    return dict(
+        pattern=pattern,
+        ratio=None if args.kv_retrieval_ratio is None else round(100 * args.kv_retrieval_ratio),
+        sink_tokens=pattern.sink_size if args.kv_sink_size is None else args.kv_sink_size,
+        recent=args.kv_recent_size or pattern.recent_size,
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -148,9 +200,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in ("adapter_path", "draft_model"):
         if getattr(args, flag):
             parser.error(f"argument --{flag.replace('_', '-')}: not supported by kvfn-server")
+    cls = POLICIES.get(args.kv_eviction.split("-")[0])
+    if args.kv_head_pattern is not None and not (cls and takes_pattern(cls)):
+        parser.error(f"argument --kv-head-pattern: needs --kv-eviction duo, got {args.kv_eviction}")
+    try:
+        args.duo = duo_settings(args)
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(f"argument --kv-head-pattern: {e}")
     try:
         args.policy = make_policy(args.kv_eviction, args.kv_budget, args.kv_window,
-                                  args.kv_sink_tokens, args.kv_min_tokens)  # fmt: skip
+                                  args.kv_sink_tokens, args.kv_min_tokens, args.duo)  # fmt: skip
     except ValueError as e:
         parser.error(f"argument --kv-eviction {args.kv_eviction}: {e}")
     return args
@@ -166,6 +225,7 @@ class KVModelProvider(ModelProvider):
         self.model_id = str(Path(cli_args.model).resolve()) if cli_args.model else EMBEDDED_NAME
         self.names = {"default_model", self.model_id} | ({cli_args.model} - {None})
         self._functional = None
+        self.head_groups = None  # per layer, with a per-head policy (see head_groups_of)
 
     def check_model(self, name) -> None:
         if name not in self.names:
@@ -197,15 +257,24 @@ class KVModelProvider(ModelProvider):
             hf.chat_template = hf.default_chat_template
         self.model_key = (model_path, adapter_path, draft_model_path)
         self.model, self.tokenizer, self.processor, self.draft_model = model, tokenizer, None, None
+        self.base_model = model
         caches = make_prompt_cache(model)
         if self.cli_args.policy is None:
             self.is_batchable = all(hasattr(c, "merge") for c in caches)
         else:  # kvfn's batch cache covers plain full-attention layers only
             self.is_batchable = all(type(c) is KVCache for c in caches)
+        self.head_groups = head_groups_of(self.cli_args.policy, self.functional_model())
+        if self.head_groups is not None:
+            if not self.is_batchable or self.tensor_group is not None:
+                raise ValueError(
+                    f"{self.cli_args.policy.name} keeps per-head rows, served only for a "
+                    "single-process model whose layers all use full attention"
+                )
+            self.model = kvfn.wrapper.attending_copy(model)  # attention per head group
 
     def functional_model(self):
         if self._functional is None:
-            self._functional = kvfn.FunctionalModel(self.model)
+            self._functional = kvfn.FunctionalModel(self.base_model)
         return self._functional
 
     @property
@@ -214,6 +283,17 @@ class KVModelProvider(ModelProvider):
         return getattr(args, "max_position_embeddings", None) or getattr(
             args, "context_length", None
         )
+
+
+def head_groups_of(policy, fm) -> Optional[list]:
+    """Per layer, the KV-head groups a per-head policy stores apart (``Policy.head_groups``);
+    None for a policy whose layers are plain states."""
+    if policy is None:
+        return None
+    groups = [policy.head_groups(i, h) for i, h in enumerate(fm.n_kv_heads)]
+    if all(g is None for g in groups):
+        return None
+    return [g or (tuple(range(h)),) for g, h in zip(groups, fm.n_kv_heads)]
 
 
 # -- the prompt cache: compaction and the reuse rule -------------------------------------------
@@ -251,7 +331,16 @@ class EvictingPromptCache(LRUPromptCache):
 
     def fetch_nearest_cache(self, model, tokens):
         policy = self.policy
-        if policy is not None and len(tokens) - 1 > max(policy.min_tokens, policy.budget):
+        if self.provider.head_groups is not None:  # rule 4
+            if policy is None or policy.keeps_whole(len(tokens) - 1):
+                fm = self.provider.functional_model()
+                states = fm.init_states(1, len(tokens))
+                if len(tokens) > 1:
+                    states = kvfn.prefill(fm, mx.array([tokens[:-1]]), states=states,
+                                          prefill_step_size=self.provider.cli_args.prefill_step_size)  # fmt: skip
+                return self.as_mlx_caches(states), tokens[-1:]
+            return self.compact(tokens, policy), tokens[-1:]
+        if policy is not None and not policy.keeps_whole(len(tokens) - 1):
             return self.compact(tokens, policy), tokens[-1:]
         cache, rest = super().fetch_nearest_cache(model, tokens)
         if cache is not None and not rest and can_trim_prompt_cache(cache):
@@ -270,7 +359,7 @@ class EvictingPromptCache(LRUPromptCache):
         fm = self.provider.functional_model()
         step = self.provider.cli_args.prefill_step_size
         states, result = kvfn.compact(fm, tokens, policy, max_new_tokens=1, prefill_step_size=step)
-        caches = kvfn.to_mlx_cache(states)
+        caches = self.as_mlx_caches(states)
         self.evictions[(policy, tuple(tokens))] = {
             "policy": policy.name,
             "rows_kept": result.total_rows_after,
@@ -283,8 +372,16 @@ class EvictingPromptCache(LRUPromptCache):
         self.compacted_requests += 1
         return caches
 
+    def as_mlx_caches(self, states) -> list:
+        """mlx-lm caches of one sequence's states: per-head caches in the server's head groups
+        with a per-head policy, else ``kvfn.to_mlx_cache``'s."""
+        groups = self.provider.head_groups
+        if groups is None:
+            return kvfn.to_mlx_cache(states)
+        return [HeadGroupsKVCache.from_state(s, g) for s, g in zip(states, groups)]
+
     def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-        if any(is_lossy(c) for c in prompt_cache):
+        if any(is_lossy(c) or isinstance(c, HeadGroupsKVCache) for c in prompt_cache):
             self.refused_inserts += 1
             return
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
@@ -414,10 +511,16 @@ class KVAPIHandler(APIHandler):
             raise ValueError(
                 f"kv_eviction {name!r}: this server runs without eviction (--kv-eviction none)"
             )
-        request.kv_policy = make_policy(
-            name, budget, cli.kv_window, cli.kv_sink_tokens, cli.kv_min_tokens
-        )
-        self.kv_policy_used = request.kv_policy
+        policy = make_policy(name, budget, cli.kv_window, cli.kv_sink_tokens, cli.kv_min_tokens,
+                             cli.duo)  # fmt: skip
+        provider = self.response_generator.model_provider
+        own = head_groups_of(policy, provider.functional_model())
+        if own is not None and own != provider.head_groups:
+            raise ValueError(
+                f"kv_eviction {name!r} keeps per-head rows in its own head groups; this server "
+                f"(--kv-eviction {cli.kv_eviction}) cannot batch them: start one with it"
+            )
+        request.kv_policy = self.kv_policy_used = policy
 
     def kv_usage(self, usage: dict) -> dict:
         policy = getattr(self, "kv_policy_used", None)
@@ -478,6 +581,12 @@ class KVAPIHandler(APIHandler):
             body["kv_settings"] = {"budget": cli.kv_budget, "window": cli.kv_window,
                                    "sink_tokens": cli.kv_sink_tokens,
                                    "min_tokens": cli.kv_min_tokens}  # fmt: skip
+            if cli.duo is not None:
+                policy = cli.policy
+                heads = [x for row in policy.heads for x in row]
+                body["kv_settings"].update(head_pattern=cli.kv_head_pattern,
+                                           retrieval_heads=f"{sum(heads)}/{len(heads)}",
+                                           sink_tokens=policy.sink_tokens, recent=policy.recent)  # fmt: skip
         self.send_json(200 if healthy else 503, body)
 
     def handle_models_request(self):

@@ -119,15 +119,6 @@ def duo_policy(fm) -> kvfn.Duo:
                     recent=40)  # fmt: skip
 
 
-def duo_layers(policy, layer):
-    mask = policy.heads[layer]
-    return [
-        h
-        for h in ([i for i, r in enumerate(mask) if r], [i for i, r in enumerate(mask) if not r])
-        if h
-    ]
-
-
 def kvfn_duo_decode(fm, ids, policy):
     """Greedy tokens and logits of kvfn's own decode over a Duo-compacted prompt (oracle-tested
     in test_duo), and the compacted states."""
@@ -145,7 +136,7 @@ def kvfn_duo_decode(fm, ids, policy):
 def head_groups(policy, states):
     from kvfn.batch import HeadGroupsKVCache
 
-    return [HeadGroupsKVCache.from_state(s, duo_layers(policy, i), sink=4, recent=40)
+    return [HeadGroupsKVCache.from_state(s, policy.head_groups(i, len(policy.heads[i])))
             for i, s in enumerate(states)]  # fmt: skip
 
 

@@ -202,7 +202,8 @@ def raw_post(port: int, path: str, body: bytes) -> tuple[int, dict]:
         (dict(max_tokens=10**9), 400, "exceeds the model's context of 8192"),
         (dict(max_tokens="ten"), 400, "max_tokens must be of type int"),
         (dict(extra_body={"kv_eviction": "no-such-policy"}), 400, "unknown policy"),
-        (dict(extra_body={"kv_eviction": "duo-r25"}), 400, "per-head rows"),
+        (dict(extra_body={"kv_eviction": "duo-r25"}), 400, "duo needs a head pattern"),
+        (dict(extra_body={"kv_eviction": "adakv"}), 400, "per-head rows in its own head groups"),
         (dict(extra_body={"kv_budget": 8}), 400, "budget 8 is below sink tokens + window = 4 + 8"),
         (dict(extra_body={"kv_budget": "big"}), 400, "kv_budget must be a positive integer"),
         (dict(messages="hello"), 400, "messages must be a non-empty list"),
@@ -234,6 +235,11 @@ def test_malformed_json_and_then_serving(evicting):
          "kv budget 16 is below sink tokens + window = 4 + 32"),
         (["--kv-eviction", "nosuch"], "unknown policy 'nosuch'"),
         (["--model", "/no/such/model.gguf"], "no such model file"),
+        (["--kv-eviction", "duo"], "duo needs a head pattern"),
+        (["--kv-eviction", "duo", "--kv-head-pattern", "/no/such/pattern"], "no head pattern at"),
+        (["--kv-eviction", "snapkv", "--kv-head-pattern", "."], "needs --kv-eviction duo"),
+        (["--kv-eviction", "duo", "--kv-head-pattern", ".", "--kv-retrieval-ratio", "2"],
+         "must be in [0, 1], got 2.0"),
     ],
 )  # fmt: skip
 def test_bad_startup_flags_exit_with_a_message(flags, message):
@@ -268,31 +274,112 @@ def test_disconnect_frees_the_sequence_and_its_cache(evicting):
 
 
 # -- load ------------------------------------------------------------------------------------------
-def test_sixteen_concurrent_clients_match_each_request_alone(evicting):
-    jobs = [(p, s) for p in LONG + SHORT for s in (False, True)]
-    alone = {job: evicting.chat_text(job[0], stream=job[1], max_tokens=8) for job in jobs}
+def concurrently(server: Server, fn, args, threads: int) -> tuple[list, int]:
+    """``fn`` over ``args`` from ``threads`` clients at once, and the most sequences the
+    server held at one time meanwhile."""
     peak = {"sequences": 0}
 
     def watch(stop):
         while not stop.is_set():
-            held = evicting.get("/health")["kv_cache"]
+            held = server.get("/health")["kv_cache"]
             peak["sequences"] = max(peak["sequences"], held["active_sequences"])
             time.sleep(0.05)
-
-    def client(i):
-        mine = [jobs[(i + k) % len(jobs)] for k in range(3)]  # long and short, stream or not
-        return [(job, evicting.chat_text(job[0], stream=job[1], max_tokens=8)) for job in mine]
 
     stop = threading.Event()
     watcher = threading.Thread(target=watch, args=(stop,))
     watcher.start()
     try:
-        with ThreadPoolExecutor(16) as pool:
-            results = [r for rs in pool.map(client, range(16)) for r in rs]
+        with ThreadPoolExecutor(threads) as pool:
+            results = list(pool.map(fn, args))
     finally:
         stop.set()
         watcher.join()
+    return results, peak["sequences"]
+
+
+def test_sixteen_concurrent_clients_match_each_request_alone(evicting):
+    jobs = [(p, s) for p in LONG + SHORT for s in (False, True)]
+    alone = {job: evicting.chat_text(job[0], stream=job[1], max_tokens=8) for job in jobs}
+
+    def client(i):
+        mine = [jobs[(i + k) % len(jobs)] for k in range(3)]  # long and short, stream or not
+        return [(job, evicting.chat_text(job[0], stream=job[1], max_tokens=8)) for job in mine]
+
+    results, peak = concurrently(evicting, client, range(16), 16)
+    results = [r for rs in results for r in rs]
     assert len(results) == 48
     for job, text in results:
         assert text == alone[job], job
-    assert peak["sequences"] > 1  # eviction on, requests still batched
+    assert peak > 1  # eviction on, requests still batched
+
+
+# -- DuoAttention: per-head caches under continuous batching -------------------------------------
+DUO_RECENT = 64
+
+
+@pytest.fixture(scope="module")
+def pattern(tmp_path_factory):
+    import numpy as np
+
+    import kvfn
+
+    folder = tmp_path_factory.mktemp("pattern")
+    scores = np.random.default_rng(0).random((30, 3))
+    return kvfn.HeadPattern(scores=scores, sink_size=4, recent_size=DUO_RECENT).save(folder)
+
+
+@pytest.fixture(scope="module")
+def duo(pattern):
+    proc, port = start(["--kv-eviction", "duo", "--kv-head-pattern", str(pattern),
+                        "--kv-retrieval-ratio", "0.34"])  # fmt: skip
+    yield Server(port)
+    proc.terminate()
+    proc.wait(30)
+
+
+def kvfn_duo_answer(pattern, content: str, max_tokens: int) -> str:
+    """The answer kvfn's own Duo decode gives (oracle-tested in test_duo), in this process."""
+    import kvfn_models
+    import mlx.core as mx
+
+    import kvfn
+
+    model, tokenizer = kvfn_models.load()
+    fm = kvfn.FunctionalModel(model)
+    policy = kvfn.Duo.from_pattern(kvfn.HeadPattern.load(pattern), ratio=0.34)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                        add_generation_prompt=True)  # fmt: skip
+    states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=max_tokens)
+    token, out = ids[-1], []
+    for _ in range(max_tokens):
+        logits, states = fm.decode(mx.array([[token]]), states)
+        token = int(mx.argmax(logits.reshape(-1)).item())
+        if token in tokenizer.eos_token_ids:
+            break
+        out.append(token)
+    return tokenizer.decode(out)
+
+
+def test_duo_serves_kvfn_duo_answers(duo, pattern):
+    r = duo.chat(LONG[0], max_tokens=12)
+    assert r.choices[0].message.content == kvfn_duo_answer(pattern, LONG[0], 12)
+    kv = r.usage.model_extra["kv_eviction"]
+    assert kv["policy"] == "duo" and 0 < kv["bytes_kept"] < 0.6 * kv["bytes_total"]
+    health = duo.get("/health")
+    assert health["kv_settings"]["retrieval_heads"] == "31/90"
+    assert health["kv_settings"]["recent"] == DUO_RECENT
+    assert health["kv_cache"]["prompt_cache_sequences"] == 0  # rule 4: never inserted
+    short = duo.chat(SHORT[1], max_tokens=8)
+    assert short.choices[0].message.content and "kv_eviction" not in (short.usage.model_extra or {})
+    # a plain policy per request, held in the server's head groups
+    snap = duo.chat(LONG[0], max_tokens=8, extra_body={"kv_eviction": "snapkv", "kv_budget": 64})
+    assert snap.usage.model_extra["kv_eviction"]["rows_kept"] == 30 * 64
+
+
+def test_duo_concurrent_clients_match_each_request_alone(duo):
+    jobs = LONG[:3] + SHORT[:3]
+    alone = {job: duo.chat_text(job, max_tokens=8) for job in jobs}
+    together, peak = concurrently(duo, lambda job: duo.chat_text(job, max_tokens=8), jobs * 2, 6)
+    assert together == [alone[job] for job in jobs * 2]
+    assert peak > 1  # per-head caches, still batched
+    assert duo.get("/health")["kv_cache"]["active_sequences"] == 0
