@@ -175,7 +175,7 @@ def _group_rows(before, after, keys, values, n: int):
     """Keys, values and the mask (B, heads, n, rows) one group attends over for n queries."""
     if isinstance(after, StreamingRing):
         if n == 1:  # the update pushed out only a row the query no longer sees
-            return after.keys, after.values, rg.mask(after, 1)
+            return after.keys, after.values, None if after.full else rg.mask(after, 1)
         pos = after.offset[:, None, None] - n + mx.arange(n, dtype=mx.int32)
         pos = mx.broadcast_to(pos, keys.shape[:3])
         k = mx.concatenate([before.keys, keys.astype(before.keys.dtype)], axis=2)
@@ -201,7 +201,9 @@ def attend(before: HeadPartitionedKVCache, after: HeadPartitionedKVCache, querie
         qh = _query_heads(hs, rep)
         q = mx.take(queries, mx.array(qh, mx.int32), axis=1)
         gk, gv, m = _group_rows(b, a, k, v, n)
-        if m.dtype == mx.int32:  # a row count: valid slots [0, m)
+        if m is None:  # a full ring: one query sees every slot
+            outs.append(mx.fast.scaled_dot_product_attention(q, gk, gv, scale=scale))
+        elif m.dtype == mx.int32:  # a row count: valid slots [0, m)
             outs.append(kernels.ragged_decode_attention(q, gk, gv, m, scale=scale))
         else:
             m = mx.repeat(m, rep, axis=1) if rep > 1 and m.shape[1] > 1 else m

@@ -8,7 +8,10 @@ the position alone and a decode step never moves a row. Positions are recorded p
 where none), so a prefix trim is exact: it keeps what the ring held of the first tokens.
 
 Layout: keys/values (B, n_heads, sink + recent, head_dim); positions (B, n_heads, sink + recent)
-int32; offset (B,) int32, the next true position. Static: ``sink``, ``recent``.
+int32; offset (B,) int32, the next true position. Static: ``sink``, ``recent``, and ``full``:
+True when every slot of every sequence is known to hold a row (a ring filled from a prompt longer
+than its slots; updates keep it full, trims clear it), so a single query sees every slot and
+attends without a mask.
 """
 
 import chex
@@ -26,6 +29,7 @@ class StreamingRing:
     offset: mx.array
     sink: int = 0
     recent: int = 1
+    full: bool = False
 
     capacity = State.capacity  # slots, and bytes of keys, values and positions: as a state's
     nbytes = State.nbytes
@@ -121,7 +125,9 @@ def prefix_trim(ring: StreamingRing, length) -> StreamingRing:
     length = mx.broadcast_to(mx.array(length, mx.int32), ring.offset.shape)
     keep = ring.positions < length[:, None, None]
     return ring.replace(
-        positions=mx.where(keep, ring.positions, EMPTY), offset=mx.minimum(ring.offset, length)
+        positions=mx.where(keep, ring.positions, EMPTY),
+        offset=mx.minimum(ring.offset, length),
+        full=False,
     )
 
 
@@ -145,16 +151,17 @@ def from_state(state: State, rows: int, *, sink: int, recent: int) -> StreamingR
                 value_dim=state.values.shape[3])  # fmt: skip
     filled = update(ring, state.keys[:, :, :rows], state.values[:, :, :rows])
     # a sequence of a batch may hold fewer rows (offset below P): its later slots are empty
-    return prefix_trim(filled, state.offset)
+    filled = prefix_trim(filled, state.offset)
+    return filled.replace(full=B == 1 and rows >= sink + recent)
 
 
 ARRAY_FIELDS = ("keys", "values", "positions", "offset")
 
 
 def flatten(ring: StreamingRing) -> tuple[dict, tuple]:
-    return {f: getattr(ring, f) for f in ARRAY_FIELDS}, (ring.sink, ring.recent)
+    return {f: getattr(ring, f) for f in ARRAY_FIELDS}, (ring.sink, ring.recent, ring.full)
 
 
 def unflatten(arrays: dict, static: tuple) -> StreamingRing:
-    sink, recent = static
-    return StreamingRing(**arrays, sink=sink, recent=recent)
+    sink, recent, full = static
+    return StreamingRing(**arrays, sink=sink, recent=recent, full=full)

@@ -98,7 +98,7 @@ def _encode(static, host) -> dict:
         if gcls is kv.State:
             groups.append(dict(kind="plain", sliding_window=gst[0], packed=gst[1], max_rows=bound))
         else:
-            groups.append(dict(kind="ring", sink=gst[0], recent=gst[1]))
+            groups.append(dict(kind="ring", sink=gst[0], recent=gst[1], full=gst[2]))
     return dict(kind="partitioned", heads=[list(h) for h in heads], groups=groups)
 
 
@@ -112,7 +112,7 @@ def _decode(layout: dict) -> tuple:
             kinds.append((kv.State, (g["sliding_window"], g["packed"])))
             bounds.append(g["max_rows"])
         else:
-            kinds.append((part.StreamingRing, (g["sink"], g["recent"])))
+            kinds.append((part.StreamingRing, (g["sink"], g["recent"], g.get("full", False))))
             bounds.append(None)
     heads = tuple(tuple(h) for h in layout["heads"])
     return (part.HeadPartitionedKVCache, (heads, tuple(kinds))), tuple(bounds)

@@ -184,6 +184,20 @@ def test_ring_prefix_trim_keeps_only_earlier_rows_and_rewrites_in_place():
     assert np.array_equal(np.array(again.keys), np.array(r.keys))
 
 
+@pytest.mark.parametrize("prompt", [3, 8, 12])
+def test_a_full_ring_is_what_one_query_sees_whole(prompt):
+    """``full`` (attention without a mask) only where every slot is visible to the next query:
+    filled from a prompt of at least sink + recent rows, through updates; a trim clears it."""
+    plain = kv.from_full(rows(prompt), rows(prompt))
+    r = rg.from_state(plain, prompt, sink=3, recent=5)
+    assert r.full == (prompt >= 8)
+    for step in range(4):
+        r = rg.update(r, rows(1, start=prompt + step), rows(1, start=prompt + step))
+        assert bool(rg.mask(r, 1).all().item()) == (prompt + step + 1 >= 8)
+        assert not r.full or bool(rg.mask(r, 1).all().item())
+    assert not rg.trim(r, 1).full and not rg.prefix_trim(r, 5).full
+
+
 def test_ring_rejects_bad_sizes():
     with pytest.raises(ValueError, match="recent"):
         rg.init(1, 1, 4, sink=2, recent=0)
