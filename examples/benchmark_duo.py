@@ -7,8 +7,9 @@ streaming heads' dropped rows only masked, as the seed designed it).
 
 Random-weight llama shapes (see benchmark_decode.py) and a random head pattern at each
 retrieval ratio; streaming heads keep --sink + --recent rows. Step times are medians of kvfn's
-compiled decode from one state (the state is not advanced, so no capacity grows); mlx-lm's
-eager step over its own full KVCache is the reference.
+compiled decode advancing the state (as a decode loop does: the old state's buffers are free to
+be written in place); mlx-lm's eager step over its own full KVCache (trimmed back after each
+step) is the reference. Host ms: building one compiled step's graph.
 """
 
 import argparse
@@ -39,14 +40,35 @@ def union_plus_mask(full: tuple, policy, P: int) -> tuple:
     return tuple(out)
 
 
+ROOM = 64  # rows reserved for the timed steps (warmup included)
+
+
 def step_ms(fm, states, steps: int) -> float:
+    """Median ms of a compiled decode step that advances the state, as a decode loop does (the
+    old state is dropped, so its buffers can be written in place)."""
+    if steps + 4 > ROOM:
+        raise ValueError(f"at most {ROOM - 4} steps, got {steps}")
     token = mx.array([[1]])
+    box = [tuple(states)]
 
     def step():
-        logits, new = fm.decode(token, states)
-        mx.eval(logits, kvfn.tree.arrays(new))
+        logits, box[0] = fm.decode(token, box[0])
+        mx.eval(logits, kvfn.tree.arrays(box[0]))
 
     return median_ms(step, steps)
+
+
+def host_ms(fm, states, steps: int) -> float:
+    """Median ms to build one compiled decode step's graph on the host (evaluated untimed)."""
+    token = mx.array([[1]])
+    out = []
+
+    def build():
+        out.append(fm.decode(token, states))
+
+    ms = median_ms(build, steps)
+    mx.eval([o[0] for o in out])
+    return ms
 
 
 def mlx_step_ms(model, cache, steps: int) -> float:
@@ -69,23 +91,25 @@ def run(args) -> list:
     for L in args.lengths:
         tokens = rng.integers(0, 32000, L).tolist()
         cache = mlx_prefill(model, tokens[:-1], args.chunk)
-        full = kvfn.prefill(fm, mx.array([tokens[:-1]]), capacity=L + 8,
+        full = kvfn.prefill(fm, mx.array([tokens[:-1]]), capacity=L + ROOM,
                             prefill_step_size=args.chunk)  # fmt: skip
         mx.eval(kvfn.tree.arrays(full))
         P = L - 1
         base = dict(mlx_lm_full=mlx_step_ms(model, cache, args.steps),
-                    kvfn_full=step_ms(fm, full, args.steps))  # fmt: skip
+                    kvfn_full=step_ms(fm, full, args.steps),
+                    kvfn_full_host=host_ms(fm, full, args.steps))  # fmt: skip
         full_bytes = sum(kvfn.eviction.kept(s.replace(max_rows=P))[1] for s in full)
         for ratio in args.ratios:
             scores = rng.random((len(full), full[0].keys.shape[1]))
             pattern = kvfn.HeadPattern(scores=scores, sink_size=args.sink, recent_size=args.recent)
             policy = kvfn.Duo.from_pattern(pattern, ratio=ratio)
-            states, _ = kvfn.compact_states(full, None, policy, reserve=8)
+            states, _ = kvfn.compact_states(full, None, policy, reserve=ROOM)
             duo_bytes = sum(kvfn.eviction.kept(s)[1] for s in states)
             masked = union_plus_mask(full, policy, P)
             row = dict(L=L, ratio=ratio, **base,
                        union_mask=step_ms(fm, masked, args.steps),
                        duo=step_ms(fm, states, args.steps),
+                       duo_host=host_ms(fm, states, args.steps),
                        full_mb=full_bytes / 1e6, duo_mb=duo_bytes / 1e6)  # fmt: skip
             rows.append(row)
             print_row(row)
@@ -98,7 +122,8 @@ def print_row(r: dict) -> None:
         f"duo {r['duo_mb']:8.1f} ({r['duo_mb'] / r['full_mb']:.2f}x) | step ms: mlx-lm full "
         f"{r['mlx_lm_full']:.2f}, kvfn full {r['kvfn_full']:.2f}, union+mask "
         f"{r['union_mask']:.2f}, duo {r['duo']:.2f} | duo / mlx-lm full "
-        f"{r['duo'] / r['mlx_lm_full']:.2f}, duo / union+mask {r['duo'] / r['union_mask']:.2f}",
+        f"{r['duo'] / r['mlx_lm_full']:.2f}, duo / union+mask {r['duo'] / r['union_mask']:.2f} | "
+        f"host ms: kvfn full {r['kvfn_full_host']:.2f}, duo {r['duo_host']:.2f}",
         flush=True,
     )
 
