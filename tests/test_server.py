@@ -337,8 +337,9 @@ def duo(pattern):
     proc.wait(30)
 
 
-def kvfn_duo_answer(pattern, content: str, max_tokens: int) -> str:
-    """The answer kvfn's own Duo decode gives (oracle-tested in test_duo), in this process."""
+def kvfn_answer(policy, content: str, max_tokens: int) -> str:
+    """The answer kvfn's own decode gives over ``policy``'s compacted prompt (oracle-tested in
+    test_duo), in this process."""
     import kvfn_models
     import mlx.core as mx
 
@@ -346,7 +347,6 @@ def kvfn_duo_answer(pattern, content: str, max_tokens: int) -> str:
 
     model, tokenizer = kvfn_models.load()
     fm = kvfn.FunctionalModel(model)
-    policy = kvfn.Duo.from_pattern(kvfn.HeadPattern.load(pattern), ratio=0.34)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                         add_generation_prompt=True)  # fmt: skip
     states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=max_tokens)
@@ -358,6 +358,13 @@ def kvfn_duo_answer(pattern, content: str, max_tokens: int) -> str:
             break
         out.append(token)
     return tokenizer.decode(out)
+
+
+def kvfn_duo_answer(pattern, content: str, max_tokens: int) -> str:
+    import kvfn
+
+    policy = kvfn.Duo.from_pattern(kvfn.HeadPattern.load(pattern), ratio=0.34)
+    return kvfn_answer(policy, content, max_tokens)
 
 
 def test_duo_serves_kvfn_duo_answers(duo, pattern):
@@ -383,3 +390,19 @@ def test_duo_concurrent_clients_match_each_request_alone(duo):
     assert together == [alone[job] for job in jobs * 2]
     assert peak > 1  # per-head caches, still batched
     assert duo.get("/health")["kv_cache"]["active_sequences"] == 0
+
+
+def test_adakv_is_served_per_head():
+    import kvfn
+
+    proc, port = start(["--kv-eviction", "adakv", "--kv-budget", "64", "--kv-window", "8"])
+    try:
+        server = Server(port)
+        r = server.chat(LONG[1], max_tokens=10)
+        policy = kvfn.AdaKV(budget=64, window=8, sink_tokens=4)
+        assert r.choices[0].message.content == kvfn_answer(policy, LONG[1], 10)
+        kv = r.usage.model_extra["kv_eviction"]
+        assert kv["policy"] == "adakv" and kv["bytes_kept"] < 0.4 * kv["bytes_total"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
