@@ -41,9 +41,12 @@ def _room(state, n: int):
     return kv.reserve(state.replace(max_rows=r), max(state.capacity, r + n))
 
 
-def _loop(fmodel, tokens, states, scores, window, prefill_step_size, progress, compiled):
+def _loop(fmodel, tokens, start, window, prefill_step_size, progress, compiled):
+    """``start()`` makes the first (states, scores) here, so that no caller's frame holds them
+    and the first chunk's writes can reuse their buffers (a held buffer must be copied)."""
     if prefill_step_size <= 0:
         raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
+    states, scores = start()
     n = tokens.shape[1]
     parts = chunks(n, prefill_step_size)
     for j, (start, stop) in enumerate(parts):
@@ -81,9 +84,8 @@ def prefill(
     prefills: a plain (dense) state is written at static slots and attended with the fused
     causal kernel, no mask array. ``compiled=True`` runs the compiled step instead (a trace per
     chunk shape; for states that are not dense)."""
-    states = _start(fmodel, tokens, states, capacity, dtype)
-    states, _ = _loop(fmodel, tokens, states, (), 0, prefill_step_size, progress, compiled)
-    return states
+    start = lambda: (_start(fmodel, tokens, states, capacity, dtype), ())  # noqa: E731
+    return _loop(fmodel, tokens, start, 0, prefill_step_size, progress, compiled)[0]
 
 
 @typechecked
@@ -106,10 +108,14 @@ def scored_prefill(
     prompt-sized matrix. This is the seed's ``SnapKVAttentionCapture``."""
     if not 1 <= window <= tokens.shape[1]:
         raise ValueError(f"window must be in [1, {tokens.shape[1]}] (the tokens), got {window}")
-    states = _start(fmodel, tokens, states, capacity, dtype)
-    B = tokens.shape[0]
-    scores = tuple(mx.zeros((B, h, s.capacity), mx.float32) for h, s in zip(fmodel.n_heads, states))
-    return _loop(fmodel, tokens, states, scores, window, prefill_step_size, progress, compiled)
+
+    def start():
+        first = _start(fmodel, tokens, states, capacity, dtype)
+        B = tokens.shape[0]
+        zeros = (mx.zeros((B, h, s.capacity), mx.float32) for h, s in zip(fmodel.n_heads, first))
+        return first, tuple(zeros)
+
+    return _loop(fmodel, tokens, start, window, prefill_step_size, progress, compiled)
 
 
 def _window_cut(state: kv.State, P: int, extra: int) -> kv.State:
