@@ -41,6 +41,7 @@ from .eviction import (  # noqa: E402
     evict_prompt_cache,
     evict_prompt_cache_by_head,
 )
+from .kvzip import KVzip, reconstruction_scores, repeat_prompt  # noqa: E402
 from .interop import (  # noqa: E402
     CompactedKVCache,
     QuantizedCompactedKVCache,
@@ -88,6 +89,9 @@ __all__ = [
     "AdaKV",
     "Duo",
     "HeadPattern",
+    "KVzip",
+    "reconstruction_scores",
+    "repeat_prompt",
     "parse_policy",
     "register_policy",
     "snapkv_keep_indices",

@@ -228,6 +228,8 @@ def compact(
         states, scores = scored_prefill(fmodel, context, window=window, **kwargs)
     else:
         states, scores = prefill(fmodel, context, **kwargs), None
+    own = policy.score_prompt(fmodel, context, states)
+    scores = own if own is not None else scores
     return compact_states(states, scores, policy, reserve=max_new_tokens + 1, compiled=compiled,
                           group=fmodel.group)  # fmt: skip
 

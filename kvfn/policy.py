@@ -98,6 +98,12 @@ class Policy:
             return 0
         return min(self.window, prompt_length)
 
+    def score_prompt(self, fmodel, tokens: mx.array, states: tuple) -> Optional[tuple]:
+        """Scores for ``row_scores`` from a pass of the policy's own over ``states`` freshly
+        prefilled from ``tokens`` (B, P) (KVzip's context reconstruction), or None (the
+        default): the prefill's observation window scores, if any."""
+        return None
+
     def row_scores(
         self, scores: Optional[mx.array], *, prompt_length: int, n_kv_heads: int, batch: int,
         layer: int

@@ -1,0 +1,148 @@
+"""KVzip (arXiv:2505.23416): keep the rows the model needs to repeat its context.
+
+After the context is prefilled, the model is asked to repeat it: a short instruction, then the
+context's own tokens, run in chunks over the prefilled states. A row's score is the most
+attention it gets from any of those queries (and, per KV head, from any of its query heads).
+States are immutable, so the pass's states are simply dropped: the scores need no question,
+and one compaction serves every later one. The pass costs about one more prefill.
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Sequence
+
+import mlx.core as mx
+
+from . import cache as kv
+from . import tree
+from .policy import Policy, register_policy
+from .snapkv import pool1d
+from .wrapper import FunctionalModel, QuerySlice
+
+REPEAT = "\n\nRepeat the previous context exactly."
+# per-query score rows of one step, all layers together (4 bytes each): bounds the step's size
+SCORE_FLOATS = 1 << 25
+
+
+def repeat_prompt(tokenizer, text: str = REPEAT) -> tuple[int, ...]:
+    """The reconstruction instruction as token ids: ``text``, closed by the chat template's
+    assistant turn when the tokenizer has one (the paper's prompt), else by a newline."""
+    if getattr(tokenizer, "chat_template", None):
+        marker = "\x00KVZIP\x00"
+        turn = tokenizer.apply_chat_template([{"role": "user", "content": marker}],
+                                             add_generation_prompt=True, tokenize=False)  # fmt: skip
+        text += turn[turn.index(marker) + len(marker) :]
+    else:
+        text += "\n"
+    return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _with_room(state, n: int):
+    """A prefilled state with room for n more rows, so the pass never regrows it."""
+    if not isinstance(state, kv.State):
+        raise TypeError(f"the reconstruction pass needs plain states, got {type(state).__name__}")
+    rows = state.max_rows if state.max_rows is not None else int(state.rows.item())
+    return kv.reserve(state.replace(max_rows=rows), max(state.capacity, rows + n))
+
+
+def queries_per_step(fmodel: FunctionalModel, capacity: int, chunk: int) -> int:
+    """Reconstruction queries one step runs: ``chunk``, fewer when their per-query attention
+    rows (every layer's query heads x ``capacity``) would pass ``SCORE_FLOATS``."""
+    per_query = sum(fmodel.n_heads) * capacity
+    return max(1, min(chunk, SCORE_FLOATS // per_query))
+
+
+def reconstruction_scores(
+    fmodel: FunctionalModel,
+    tokens: mx.array,
+    states: Sequence,
+    *,
+    prompt: Sequence[int] = (),
+    chunk: int = 512,
+) -> tuple:
+    """Per layer, the most attention (B, n_heads, P) float32 each of the P rows of ``states``
+    (freshly prefilled from ``tokens``, (B, P)) gets from any query of the reconstruction
+    (``prompt`` then ``tokens``), run over them in steps of at most ``chunk`` queries; zeros for
+    sliding-window layers. Only one step's attention rows exist at a time, never a
+    (heads x P x P) matrix. ``states`` are left as they were."""
+    if not isinstance(tokens, mx.array) or tokens.ndim != 2 or tokens.shape[1] < 1:
+        shape = tuple(tokens.shape) if isinstance(tokens, mx.array) else type(tokens).__name__
+        raise ValueError(f"reconstruction takes tokens of shape (batch, n >= 1), got {shape}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    B, P = tokens.shape
+    rows = {s.max_rows if s.max_rows is not None else int(s.rows.item()) for s in states}
+    if rows != {P}:
+        raise ValueError(f"states must hold the {P} prefilled tokens' rows, got rows {rows}")
+    head = mx.broadcast_to(mx.array(list(prompt), mx.int32)[None], (B, len(prompt)))
+    recon = mx.concatenate([head, tokens.astype(mx.int32)], axis=1)
+    n = recon.shape[1]
+    states = tuple(_with_room(s, n) for s in states)
+    step = queries_per_step(fmodel, max(s.capacity for s in states), chunk)
+    best = tuple(mx.zeros((B, h, P), mx.float32) for h in fmodel.n_heads)
+    for start in range(0, n, step):
+        part = recon[:, start : start + step]
+        w = part.shape[1]
+        zeros = tuple(mx.zeros((B, h, w, s.capacity), mx.float32)
+                      for h, s in zip(fmodel.n_heads, states))  # fmt: skip
+        _, states, attn = fmodel.scored_forward(part, states, zeros, QuerySlice(0, w))
+        best = tuple(mx.maximum(b, mx.max(a[..., :P], axis=2)) for b, a in zip(best, attn))
+        mx.eval(best, tree.arrays(states))
+    return best
+
+
+@register_policy
+@dataclass(frozen=True)
+class KVzip(Policy):
+    """KVzip's selection from reconstruction scores: a KV head keeps the rows its query heads
+    attended to most while repeating the context (``per_head``; ``kvzip-layer``: one row set per
+    layer, the max over its heads), optionally max-pooled (``kvzip-k3``). ``prompt``: the
+    instruction's token ids (``repeat_prompt(tokenizer)``; empty: the context is simply run
+    again). ``chunk``: reconstruction queries per step (``kvzip-c256``)."""
+
+    prompt: tuple = ()
+    per_head: bool = True
+    kernel_size: int = 1
+    chunk: int = 512
+
+    name: ClassVar[str] = "kvzip"
+    needs_scores: ClassVar[bool] = True
+    flags: ClassVar[dict] = {"layer": {"per_head": False}}
+    numbers: ClassVar[dict] = {"k": "kernel_size", "c": "chunk"}
+
+    @property
+    def head_local(self) -> bool:
+        return self.per_head
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.prompt, tuple) or not all(
+            type(t) is int and t >= 0 for t in self.prompt
+        ):
+            raise ValueError(f"kvzip prompt must be a tuple of token ids, got {self.prompt!r}")
+        if not isinstance(self.per_head, bool):
+            raise ValueError(f"kvzip per_head must be a bool, got {self.per_head!r}")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kvzip kernel_size must be odd and >= 1, got {self.kernel_size}")
+        if self.chunk < 1:
+            raise ValueError(f"kvzip chunk must be >= 1, got {self.chunk}")
+
+    def observation_window(self, prompt_length: int) -> int:
+        return 0  # the prefill scores nothing: ``score_prompt`` does
+
+    def score_prompt(self, fmodel, tokens, states) -> Optional[tuple]:
+        if self.keeps_whole(tokens.shape[1]):
+            return None
+        return reconstruction_scores(fmodel, tokens, states, prompt=self.prompt, chunk=self.chunk)
+
+    def keep_indices(self, scores, *, prompt_length, **kwargs) -> mx.array:
+        if scores is None and not self.keeps_whole(prompt_length):
+            raise ValueError("kvzip needs reconstruction_scores (kvfn.compact runs the pass)")
+        return super().keep_indices(scores, prompt_length=prompt_length, **kwargs)
+
+    def row_scores(self, scores, *, prompt_length, n_kv_heads, batch, layer):
+        B, n_heads, P = scores.shape
+        grouped = scores.astype(mx.float32).reshape(B, n_kv_heads, n_heads // n_kv_heads, P)
+        s = mx.max(grouped, axis=2)
+        if not self.per_head:
+            s = mx.max(s, axis=1, keepdims=True)
+        return pool1d(s, self.kernel_size, "max")
