@@ -248,7 +248,7 @@ class Evaluator:
             t0 = time.perf_counter()
             own = policy.score_prompt(self.fm, mx.array([tokens]), states)
             mx.eval(own or ())
-            memo[policy.name] = own, time.perf_counter() - t0
+            memo[policy.name] = own, 0.0 if own is None else time.perf_counter() - t0
         return memo[policy.name]
 
     def compact(self, states, scores, method: Method, rows: Optional[int], sample_seed: int,
