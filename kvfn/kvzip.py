@@ -20,7 +20,7 @@ from .wrapper import FunctionalModel, QuerySlice
 
 REPEAT = "\n\nRepeat the previous context exactly."
 # per-query score rows of one step, all layers together (4 bytes each): bounds the step's size
-SCORE_FLOATS = 1 << 25
+SCORE_FLOATS = 1 << 28
 
 
 def repeat_prompt(tokenizer, text: str = REPEAT) -> tuple[int, ...]:
@@ -37,7 +37,7 @@ def repeat_prompt(tokenizer, text: str = REPEAT) -> tuple[int, ...]:
 
 
 def _with_room(state, n: int):
-    """A prefilled state with room for n more rows, so the pass never regrows it."""
+    """A state with room for exactly n more rows (the wrapper would at least double it)."""
     if not isinstance(state, kv.State):
         raise TypeError(f"the reconstruction pass needs plain states, got {type(state).__name__}")
     rows = state.max_rows if state.max_rows is not None else int(state.rows.item())
@@ -76,16 +76,19 @@ def reconstruction_scores(
     head = mx.broadcast_to(mx.array(list(prompt), mx.int32)[None], (B, len(prompt)))
     recon = mx.concatenate([head, tokens.astype(mx.int32)], axis=1)
     n = recon.shape[1]
-    states = tuple(_with_room(s, n) for s in states)
-    step = queries_per_step(fmodel, max(s.capacity for s in states), chunk)
+    step = queries_per_step(fmodel, max(s.capacity for s in states) + n, chunk)
     best = tuple(mx.zeros((B, h, P), mx.float32) for h in fmodel.n_heads)
     for start in range(0, n, step):
         part = recon[:, start : start + step]
         w = part.shape[1]
-        zeros = tuple(mx.zeros((B, h, w, s.capacity), mx.float32)
+        # exactly the room this step needs: each query's rows span only the rows so far
+        states = tuple(_with_room(s, w) for s in states)
+        # broadcast zeros: the shape scored_forward adds the rows to, with no buffer behind it
+        zeros = tuple(mx.broadcast_to(mx.zeros((1, 1, 1, 1)), (B, h, w, s.capacity))
                       for h, s in zip(fmodel.n_heads, states))  # fmt: skip
         _, states, attn = fmodel.scored_forward(part, states, zeros, QuerySlice(0, w))
         best = tuple(mx.maximum(b, mx.max(a[..., :P], axis=2)) for b, a in zip(best, attn))
+        del attn  # each layer's rows can go as soon as its max is taken
         mx.eval(best, tree.arrays(states))
     return best
 

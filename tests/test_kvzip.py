@@ -82,7 +82,7 @@ def test_the_pass_is_the_max_over_reconstruction_queries_of_one_full_forward(fam
 def test_steps_shrink_to_bound_the_score_rows():
     fm = kvfn.FunctionalModel(tiny_model("llama"))  # 3 layers x 4 query heads
     assert queries_per_step(fm, 1000, 512) == 512
-    assert queries_per_step(fm, 10_000, 512) == (1 << 25) // (12 * 10_000) == 279
+    assert queries_per_step(fm, 100_000, 512) == (1 << 28) // (12 * 100_000) == 223
     assert queries_per_step(fm, 1 << 30, 512) == 1
 
 
