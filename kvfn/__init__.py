@@ -41,7 +41,6 @@ from .eviction import (  # noqa: E402
     evict_prompt_cache,
     evict_prompt_cache_by_head,
 )
-from .kvzip import KVzip, reconstruction_scores, repeat_prompt  # noqa: E402
 from .interop import (  # noqa: E402
     CompactedKVCache,
     QuantizedCompactedKVCache,
@@ -49,6 +48,7 @@ from .interop import (  # noqa: E402
     load_prompt_cache,
     to_mlx_cache,
 )
+from .kvzip import KVzip, reconstruction_scores, repeat_prompt  # noqa: E402
 from .partitioned import HeadPartitionedKVCache  # noqa: E402
 from .policy import Policy, parse_policy, register_policy  # noqa: E402
 from .ring import StreamingRing  # noqa: E402
