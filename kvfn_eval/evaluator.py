@@ -240,7 +240,7 @@ class Evaluator:
             probe = probe.replace(prompt=self.repeat)
         return probe
 
-    def own_scores(self, policy: kvfn.Policy, tokens: list[int], states, memo: dict) -> tuple:
+    def own_scores(self, policy: kvfn.Policy, tokens: Sequence[int], states, memo: dict) -> tuple:
         """A policy's own scoring pass over ``states`` of the prompt ``tokens`` (KVzip's
         reconstruction; None for the others) and its seconds, once per policy kind and state
         (``memo`` by ``name``: kvzip and kvzip-layer share it; no budget changes it)."""
