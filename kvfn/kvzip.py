@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from . import cache as kv
 from . import tree
+from .adakv import AdaKV
 from .policy import Policy, register_policy
 from .snapkv import pool1d
 from .wrapper import FunctionalModel, QuerySlice
@@ -149,3 +150,19 @@ class KVzip(Policy):
         if not self.per_head:
             s = mx.max(s, axis=1, keepdims=True)
         return pool1d(s, self.kernel_size, "max")
+
+
+@register_policy
+@dataclass(frozen=True)
+class AdaKVzip(KVzip, AdaKV):
+    """KVzip's scores, a layer's ``budget x kv_heads`` rows allocated across its KV heads by
+    score (Ada-KV's allocation, ``floor`` included): the paper's non-uniform head budgets,
+    within a layer. Stores per-head groups and compacts eagerly, as ``AdaKV``."""
+
+    name: ClassVar[str] = "adakvzip"
+    flags: ClassVar[dict] = {}
+    numbers: ClassVar[dict] = {**KVzip.numbers, "f": "floor"}
+
+    @property
+    def head_local(self) -> bool:
+        return False

@@ -242,14 +242,15 @@ class Evaluator:
 
     def own_scores(self, policy: kvfn.Policy, tokens: Sequence[int], states, memo: dict) -> tuple:
         """A policy's own scoring pass over ``states`` of the prompt ``tokens`` (KVzip's
-        reconstruction; None for the others) and its seconds, once per policy kind and state
-        (``memo`` by ``name``: kvzip and kvzip-layer share it; no budget changes it)."""
-        if policy.name not in memo:
+        reconstruction; None for the others) and its seconds, once per state and scoring pass
+        (``memo``: kvzip, kvzip-layer and adakvzip share one; no budget changes it)."""
+        key = type(policy).score_prompt
+        if key not in memo:
             t0 = time.perf_counter()
             own = policy.score_prompt(self.fm, mx.array([tokens]), states)
             mx.eval(own or ())
-            memo[policy.name] = own, 0.0 if own is None else time.perf_counter() - t0
-        return memo[policy.name]
+            memo[key] = own, 0.0 if own is None else time.perf_counter() - t0
+        return memo[key]
 
     def compact(self, states, scores, method: Method, rows: Optional[int], sample_seed: int,
                 needles=(), tokens=(), memo=None):  # fmt: skip

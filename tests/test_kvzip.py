@@ -9,7 +9,7 @@ import pytest
 
 import kvfn
 from kvfn import KVzip, parse_policy, reconstruction_scores, repeat_prompt
-from kvfn.kvzip import queries_per_step
+from kvfn.kvzip import AdaKVzip, queries_per_step
 from kvfn_eval import answers, tasks
 from kvfn_eval.evaluator import Evaluator, Method, prompt_tokens, token_counter
 from tests.tiny import tiny_model
@@ -41,6 +41,25 @@ def test_pooling_keeps_a_hits_neighbours():
     s[0, 0, 20] = 1.0
     p = KVzip(budget=9, window=4, sink_tokens=2, kernel_size=3)
     assert np.array(p.keep_indices(mx.array(s), prompt_length=40, n_kv_heads=1))[0, 0, 2:5].tolist() == [19, 20, 21]  # fmt: skip
+
+
+def test_adakvzip_shares_a_layers_rows_among_heads_by_score():
+    s = np.full((1, 4, 40), 0.01, np.float32)
+    s[0, :2, 10:20] = 1.0  # KV head 0 (query heads 0, 1) attends to ten rows
+    p = AdaKVzip(budget=10, window=4, sink_tokens=2, floor=0)
+    keep = p.allocation(mx.array(s), prompt_length=40, n_kv_heads=2)
+    fixed = {0, 1, 36, 37, 38, 39}
+    assert len(keep[0]) == 14 and len(keep[1]) == 6  # 2 x 10 rows, by score
+    assert set(keep[1]) == fixed and set(keep[0]) - fixed <= set(range(10, 20))
+    assert parse_policy("adakvzip-k3-f10", budget=64) == AdaKVzip(budget=64, kernel_size=3,
+                                                                  floor=10)  # fmt: skip
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(2).integers(0, 97, 40).tolist()
+    policy = AdaKVzip(budget=12, window=4, sink_tokens=2)
+    states, result = kvfn.compact(fm, ids, policy, max_new_tokens=2)
+    assert result.total_rows_after == 3 * 12  # 12 rows a KV head on average
+    logits, _ = fm.forward(mx.array([ids[-1:]]), states)
+    assert logits.shape == (1, 1, 97) and not mx.isnan(logits).any().item()
 
 
 def brute_force(model, module, monkeypatch, sequence, P):
