@@ -173,7 +173,9 @@ def compact_states(
         raise ValueError(f"reserve must be >= 0, got {reserve}")
     if policy.observation_window(P) and scores is None:
         raise ValueError(f"policy {policy.name!r} needs the scores of a scored_prefill")
-    policy.check_layers(tuple(None if s.sliding_window else s.keys.shape[1] for s in states))
+    n_kv_heads = tuple(None if s.sliding_window else s.keys.shape[1] for s in states)
+    policy.check_layers(n_kv_heads)
+    policy = policy.planned(scores, prompt_length=P, n_kv_heads=n_kv_heads)
     # a dense state holds exactly P rows, so every kept row is a stored one: still packed
     statics = tuple((s.sliding_window, s.dense) for s in states)
     flat = [kv.flatten(s)[0] for s in states]

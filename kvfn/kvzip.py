@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from . import cache as kv
 from . import tree
@@ -159,10 +160,59 @@ class AdaKVzip(KVzip, AdaKV):
     score (Ada-KV's allocation, ``floor`` included): the paper's non-uniform head budgets,
     within a layer. Stores per-head groups and compacts eagerly, as ``AdaKV``."""
 
+    across_layers: bool = False
+    layer_budgets: tuple = ()
+
     name: ClassVar[str] = "adakvzip"
-    flags: ClassVar[dict] = {}
+    flags: ClassVar[dict] = {"global": {"across_layers": True, "floor": 0}}
     numbers: ClassVar[dict] = {**KVzip.numbers, "f": "floor"}
 
     @property
     def head_local(self) -> bool:
         return False
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.across_layers, bool):
+            raise ValueError(f"adakvzip across_layers must be a bool, got {self.across_layers!r}")
+        floor = self.sink_tokens + self.window
+        if not isinstance(self.layer_budgets, tuple) or any(
+            type(b) is not int or b < floor for b in self.layer_budgets
+        ):
+            raise ValueError(
+                f"adakvzip layer_budgets must be a tuple of ints >= {floor}, got "
+                f"{self.layer_budgets!r}"
+            )
+
+    def planned(self, scores, *, prompt_length, n_kv_heads) -> "AdaKVzip":
+        """``across_layers`` (``adakvzip-global``, the paper's pair level): every layer's
+        (KV head, row) pairs ranked together, the best ``budget`` a head kept over all layers;
+        each layer's budget is its share, then allocated among its heads (floor 0: by score)."""
+        P, budgets = prompt_length, []
+        if not self.across_layers or self.layer_budgets or self.keeps_whole(P):
+            return self
+        full = [i for i, h in enumerate(n_kv_heads) if h is not None]
+        ranked = [self._forced_scores(scores[i][..., :P], n_kv_heads[i], i) for i in full]
+        flat = np.concatenate([r.ravel() for r in ranked])
+        keep = self.budget * sum(n_kv_heads[i] for i in full)
+        threshold = np.partition(flat, flat.size - keep)[flat.size - keep]
+        floor = self.sink_tokens + self.window
+        by_layer = dict(zip(full, ranked))
+        for i, h in enumerate(n_kv_heads):
+            kept = int((by_layer[i] >= threshold).sum()) if i in by_layer else 0
+            budgets.append(min(P, max(floor, -(-kept // h)) if h else floor))
+        return self.replace(layer_budgets=tuple(budgets))
+
+    def _forced_scores(self, scores, n_kv_heads: int, layer: int) -> np.ndarray:
+        s = self.row_scores(scores, prompt_length=scores.shape[-1], n_kv_heads=n_kv_heads,
+                            batch=scores.shape[0], layer=layer)  # fmt: skip
+        s = np.array(mx.broadcast_to(s, (*s.shape[:1], n_kv_heads, s.shape[-1])))[0]
+        pos = np.arange(s.shape[-1])
+        forced = (pos < self.sink_tokens) | (pos >= s.shape[-1] - self.window)
+        return np.where(forced, np.inf, np.nan_to_num(s, nan=-np.inf))
+
+    def for_layer(self, layer: int, n_layers: int) -> "AdaKVzip":
+        if not self.layer_budgets:
+            return self
+        return self.replace(budget=self.layer_budgets[layer], across_layers=False,
+                            layer_budgets=())  # fmt: skip

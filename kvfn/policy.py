@@ -154,6 +154,11 @@ class Policy:
         each layer its own budget)."""
         return self
 
+    def planned(self, scores, *, prompt_length: int, n_kv_heads: tuple) -> "Policy":
+        """The policy that compacts these scores' layers (itself; a policy that shares one
+        budget across layers sets each layer's here, on the host, before tracing)."""
+        return self
+
     def check_layers(self, n_kv_heads: tuple[Optional[int], ...]) -> None:
         """Raise a ValueError if the policy cannot apply to layers of these KV-head counts (one
         per full-attention layer, None for a sliding-window layer); called before tracing."""
