@@ -62,6 +62,26 @@ def test_adakvzip_shares_a_layers_rows_among_heads_by_score():
     assert logits.shape == (1, 1, 97) and not mx.isnan(logits).any().item()
 
 
+def test_adakvzip_global_ranks_every_layers_pairs_together():
+    rng = np.random.default_rng(0)
+    s0 = rng.uniform(0.0, 0.01, (1, 4, 40)).astype(np.float32)
+    s0[0, :2, 10:22] = 1.0  # layer 0, KV head 0: twelve sharp rows
+    s1 = rng.uniform(0.02, 0.03, (1, 4, 40)).astype(np.float32)  # layer 1: flat, above the rest
+    p = parse_policy("adakvzip-global", budget=10, window=4, sink_tokens=2)
+    assert p.across_layers and p.floor == 0
+    planned = p.planned([mx.array(s0), mx.array(s1)], prompt_length=40, n_kv_heads=(2, 2))
+    # 2 layers x 2 heads x 10 = 40 pairs: 24 forced, the 12 sharp ones, 4 of layer 1's
+    assert planned.layer_budgets == (12, 8)
+    layer0 = planned.for_layer(0, 2)
+    assert layer0.budget == 12 and not layer0.across_layers and layer0.layer_budgets == ()
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(1).integers(0, 97, 40).tolist()
+    _, result = kvfn.compact(fm, ids, p.replace(budget=12), max_new_tokens=2)
+    assert result.total_rows_after == 3 * 12  # the memory of a flat budget, shared unevenly
+    with pytest.raises(ValueError, match="adakvzip layer_budgets must be a tuple of ints >= 6"):
+        p.replace(layer_budgets=(12, 5))
+
+
 def brute_force(model, module, monkeypatch, sequence, P):
     """Per layer, the max attention (n_heads, P) the prompt rows get from the queries after
     them, from one plain mlx-lm forward over the whole sequence with a manual softmax."""
