@@ -48,6 +48,7 @@ from .interop import (  # noqa: E402
     load_prompt_cache,
     to_mlx_cache,
 )
+from .kvzip import AdaKVzip, KVzip, reconstruction_scores, repeat_prompt  # noqa: E402
 from .partitioned import HeadPartitionedKVCache  # noqa: E402
 from .policy import Policy, parse_policy, register_policy  # noqa: E402
 from .ring import StreamingRing  # noqa: E402
@@ -88,6 +89,10 @@ __all__ = [
     "AdaKV",
     "Duo",
     "HeadPattern",
+    "KVzip",
+    "AdaKVzip",
+    "reconstruction_scores",
+    "repeat_prompt",
     "parse_policy",
     "register_policy",
     "snapkv_keep_indices",

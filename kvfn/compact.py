@@ -179,7 +179,9 @@ def compact_states(
         raise ValueError(f"reserve must be >= 0, got {reserve}")
     if policy.observation_window(P) and scores is None:
         raise ValueError(f"policy {policy.name!r} needs the scores of a scored_prefill")
-    policy.check_layers(tuple(None if s.sliding_window else s.keys.shape[1] for s in states))
+    n_kv_heads = tuple(None if s.sliding_window else s.keys.shape[1] for s in states)
+    policy.check_layers(n_kv_heads)
+    policy = policy.planned(scores, prompt_length=P, n_kv_heads=n_kv_heads)
     # a dense state holds exactly P rows, so every kept row is a stored one: still packed
     statics = tuple((s.sliding_window, s.dense) for s in states)
     flat = [kv.flatten(s)[0] for s in states]
@@ -234,6 +236,8 @@ def compact(
         states, scores = scored_prefill(fmodel, context, window=window, **kwargs)
     else:
         states, scores = prefill(fmodel, context, **kwargs), None
+    own = policy.score_prompt(fmodel, context, states)
+    scores = own if own is not None else scores
     return compact_states(states, scores, policy, reserve=max_new_tokens + 1, compiled=compiled,
                           group=fmodel.group)  # fmt: skip
 

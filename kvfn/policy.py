@@ -98,6 +98,12 @@ class Policy:
             return 0
         return min(self.window, prompt_length)
 
+    def score_prompt(self, fmodel, tokens: mx.array, states: tuple) -> Optional[tuple]:
+        """Scores for ``row_scores`` from a pass of the policy's own over ``states`` freshly
+        prefilled from ``tokens`` (B, P) (KVzip's context reconstruction), or None (the
+        default): the prefill's observation window scores, if any."""
+        return None
+
     def row_scores(
         self, scores: Optional[mx.array], *, prompt_length: int, n_kv_heads: int, batch: int,
         layer: int
@@ -154,6 +160,11 @@ class Policy:
         states of different prompts batch together (``kvfn.batch.HeadGroupsKVCache``); None
         when every layer is one plain state (the base)."""
         return None
+
+    def planned(self, scores, *, prompt_length: int, n_kv_heads: tuple) -> "Policy":
+        """The policy that compacts these scores' layers (itself; a policy that shares one
+        budget across layers sets each layer's here, on the host, before tracing)."""
+        return self
 
     def check_layers(self, n_kv_heads: tuple[Optional[int], ...]) -> None:
         """Raise a ValueError if the policy cannot apply to layers of these KV-head counts (one

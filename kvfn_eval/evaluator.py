@@ -14,6 +14,7 @@ attention, and the full cache is exactly mlx-lm's computation.
 """
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -221,6 +222,7 @@ class Evaluator:
         self.eos = set(tokenizer.eos_token_ids) | {tokenizer.eos_token_id}
         self.head_dim = self.fm.init_states(1, 1, self.dtype)[0].keys.shape[-1]
         self.itemsize = mx.zeros((), self.dtype).itemsize
+        self.repeat = kvfn.repeat_prompt(tokenizer)  # KVzip's reconstruction instruction
 
     # -- selection ------------------------------------------------------------------------------
     def policy(self, method: Method, rows: int, sample_seed: int) -> kvfn.Policy:
@@ -234,21 +236,38 @@ class Evaluator:
                 raise ValueError(f"method {method.name!r} needs a head pattern (--head-pattern)")
             p = self.head_pattern
             probe = probe.replace(pattern=p, sink_tokens=p.sink_size, recent=p.recent_size)
+        if "prompt" in fields:  # KVzip: the tokenizer's repeat instruction
+            probe = probe.replace(prompt=self.repeat)
         return probe
 
+    def own_scores(self, policy: kvfn.Policy, tokens: Sequence[int], states, memo: dict) -> tuple:
+        """A policy's own scoring pass over ``states`` of the prompt ``tokens`` (KVzip's
+        reconstruction; None for the others) and its seconds, once per state and scoring pass
+        (``memo``: kvzip, kvzip-layer and adakvzip share one; no budget changes it)."""
+        key = type(policy).score_prompt
+        if key not in memo:
+            t0 = time.perf_counter()
+            own = policy.score_prompt(self.fm, mx.array([tokens]), states)
+            mx.eval(own or ())
+            memo[key] = own, 0.0 if own is None else time.perf_counter() - t0
+        return memo[key]
+
     def compact(self, states, scores, method: Method, rows: Optional[int], sample_seed: int,
-                needles=()):  # fmt: skip
+                needles=(), tokens=(), memo=None):  # fmt: skip
         """States after ``method``'s eviction to ``rows`` rows (unchanged when it keeps them
-        all), whether it evicted, and the fraction of needle rows kept (over full-attention
-        layers and KV heads; None without needles)."""
+        all), whether it evicted, the fraction of needle rows kept (over full-attention layers
+        and KV heads; None without needles) and the seconds of the policy's own scoring pass
+        over the prompt ``tokens`` (0 without one)."""
         P = states[0].max_rows
         if method.policy is None or rows is None or rows >= P:
-            return states, False, 1.0 if needles else None
+            return states, False, 1.0 if needles else None, 0.0
         policy = self.policy(method, rows, sample_seed)
-        states, _ = kvfn.compact_states(states, scores, policy, compiled=self.compiled)
-        tokens = [t for n in needles for t in n]
-        kept = needle_fraction(states, tokens) if needles else None
-        return states, True, kept
+        own, seconds = self.own_scores(policy, tokens, states, {} if memo is None else memo)
+        states, _ = kvfn.compact_states(states, scores if own is None else own, policy,
+                                        compiled=self.compiled)  # fmt: skip
+        needle_rows = [t for n in needles for t in n]
+        kept = needle_fraction(states, needle_rows) if needles else None
+        return states, True, kept, seconds
 
     @staticmethod
     def caches(states, method: Method, evicted: bool) -> tuple[list, int]:
@@ -270,28 +289,34 @@ class Evaluator:
         capacity = len(head) + max(len(p.tail) for p in prompts)
         opts = dict(dtype=self.dtype, prefill_step_size=self.prefill_step_size,
                     compiled=self.compiled)  # fmt: skip
+        t0 = time.perf_counter()
         start = kvfn.prefill(self.fm, mx.array([head[:-w]]), capacity=capacity, **opts)
+        mx.eval(kvfn.tree.arrays(start))
+        prefill_seconds = time.perf_counter() - t0  # the context's, shared by every method
         n_new = max_new_tokens or ANSWER_TOKENS.get(sample.task, 32)
         records = []
 
-        def record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept):
+        def record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept, seconds):
             prediction = self.tokenizer.decode(answer)
             records.append(dict(
                 task=sample.task, seed=sample.seed, target_tokens=sample.target_tokens,
                 prompt_tokens=len(head) + len(prompts[q].tail), mode=mode, method=method.name,
                 budget=budget, rows=min(rows, P) if rows is not None else P, kv_bytes=nbytes,
-                kv_fraction=nbytes / full_bytes, needle_kept=kept, question=q, prediction=prediction,
+                kv_fraction=nbytes / full_bytes, needle_kept=kept, score_seconds=seconds,
+                prefill_seconds=prefill_seconds, question=q, prediction=prediction,
                 score=answers.match_all(prediction, sample.questions[q].answers),
             ))  # fmt: skip
 
-        def answer_all(mode, states, scores, tails, P):
+        def answer_all(mode, states, scores, tails, tokens):
             full_bytes = kv_bytes(to_mlx_cache(states), with_positions=False)
+            P, memo = len(tokens), {}
             for method in methods:
                 for budget in [None] if method.policy is None else budgets:
                     rows = rows_for(method, budget, self.head_dim, self.itemsize)
                     needles = prompts[tails[0][0]].needles  # the context's: the same for all
-                    kept_states, evicted, kept = self.compact(states, scores, method, rows,
-                                                              sample.seed, needles)  # fmt: skip
+                    kept_states, evicted, kept, seconds = self.compact(
+                        states, scores, method, rows, sample.seed, needles, tokens, memo
+                    )
                     for q, tail in tails:  # every question on the one compacted state
                         if all(isinstance(s, kvfn.PositionPreservingKVCache) for s in kept_states):
                             caches, nbytes = self.caches(kept_states, method, evicted)
@@ -301,19 +326,19 @@ class Evaluator:
                                 raise ValueError(f"{method.name}: per-head states are not quantized")
                             nbytes = sum(kvfn.eviction.kept(s)[1] for s in kept_states)
                             answer = kvfn_greedy(self.fm, tail, kept_states, n_new, self.eos)
-                        record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept)
+                        record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept,
+                               seconds)  # fmt: skip
 
         if "agnostic" in modes:
             states, scores = kvfn.scored_prefill(self.fm, mx.array([head[-w:]]), window=w,
                                                  states=start, **opts)  # fmt: skip
             tails = [(q, p.tail) for q, p in enumerate(prompts)]
-            answer_all("agnostic", states, scores, tails, len(head))
+            answer_all("agnostic", states, scores, tails, head)
         if "aware" in modes:
             for q, p in enumerate(prompts):
                 ask = head[-w:] + p.tail[:-1]
                 window = min(self.window, len(ask))
                 states, scores = kvfn.scored_prefill(self.fm, mx.array([ask]), window=window,
                                                      states=start, **opts)  # fmt: skip
-                P = len(head) + len(p.tail) - 1
-                answer_all("aware", states, scores, [(q, p.tail[-1:])], P)
+                answer_all("aware", states, scores, [(q, p.tail[-1:])], head + p.tail[:-1])
         return records

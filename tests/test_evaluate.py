@@ -99,10 +99,11 @@ def test_a_policy_of_ones_own_runs_in_the_evaluator_unchanged(smollm2, sample):
     records = ev.run(sample, [Method.parse("everyother")], budgets=[40], modes=["agnostic"])
     assert len(records) == 2 and all(r["rows"] == 40 for r in records)
     states = kvfn.prefill(ev.fm, mx.array([list(range(100))]))
-    kept, evicted, _ = ev.compact(states, None, Method.parse("everyother"), 40, 0)
+    kept, evicted, _, seconds = ev.compact(states, None, Method.parse("everyother"), 40, 0)
     positions = np.array(kept[0].positions)[0, 0].tolist()
     middle = [p for p in positions if 4 <= p < 84]  # sinks 0-3 and window 84-99 kept
     assert evicted and positions[:4] == [0, 1, 2, 3] and positions[-16:] == list(range(84, 100))
+    assert seconds == 0.0  # no scoring pass of its own
     assert len(middle) == 20 and all(p % 2 == 0 for p in middle)
 
 

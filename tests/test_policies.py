@@ -11,6 +11,7 @@ import kvfn
 from kvfn import (
     ChunkKV,
     FunctionalModel,
+    KVzip,
     Policy,
     PyramidKV,
     RandomRows,
@@ -42,6 +43,8 @@ POLICIES = [
     ChunkKV(budget=20, window=6, sink_tokens=3, chunk_size=4),
     EveryOther(budget=20, window=6, sink_tokens=3),
     PyramidKV(budget=20, window=6, sink_tokens=3, beta=4),
+    KVzip(budget=20, window=6, sink_tokens=3, prompt=(5, 6, 7), chunk=7),
+    KVzip(budget=20, window=6, sink_tokens=3, per_head=False, kernel_size=3),
 ]
 IDS = [repr(p) for p in POLICIES]
 
