@@ -101,16 +101,6 @@ class BatchCompactedKVCache(BatchKVCache):
 
 
 # -- per-head states (DuoAttention) -------------------------------------------------------------
-def _take_heads(cache: CompactedKVCache, heads) -> CompactedKVCache:
-    idx = mx.array(heads, mx.int32)
-    r = cache.rows
-    pos = cache.positions[:, :, :r]
-    pos = pos if pos.shape[1] == 1 else mx.take(pos, idx, axis=1)
-    return CompactedKVCache(mx.take(cache.keys[:, :, :r], idx, axis=1),
-                            mx.take(cache.values[:, :, :r], idx, axis=1), pos,
-                            cache.offset)  # fmt: skip
-
-
 def _ring_rows(ring) -> CompactedKVCache:
     """A streaming ring's rows in position order (sinks, then the recent run)."""
     pos = np.array(ring.positions[0, 0])
@@ -148,19 +138,19 @@ class HeadGroupsKVCache:
         A streaming ring's group keeps its window."""
         heads = tuple(tuple(h) for h in heads)
         if not isinstance(state, part.HeadPartitionedKVCache):
-            whole = to_mlx_cache([state])[0]
-            return cls([_take_heads(whole, h) for h in heads], heads, [None] * len(heads))
+            groups = [to_mlx_cache([part.take_heads(state, hs)])[0] for hs in heads]
+            return cls(groups, heads, [None] * len(heads))
         groups, windows = [], []
         for hs in heads:
             src = [i for i, own in enumerate(state.heads) if set(hs) <= set(own)]
             if not src:
                 raise ValueError(f"heads {list(hs)} are not inside one group of {state.heads}")
             g, own = state.groups[src[0]], list(state.heads[src[0]])
-            rows = _ring_rows(g) if isinstance(g, StreamingRing) else to_mlx_cache([g])[0]
-            if list(hs) != own:
-                rows = _take_heads(rows, [own.index(h) for h in hs])
-            groups.append(rows)
-            windows.append((g.sink, g.recent) if isinstance(g, StreamingRing) else None)
+            if list(hs) != own:  # a ring has keys, values and positions per head too
+                g = part.take_heads(g, [own.index(h) for h in hs])
+            ring = isinstance(g, StreamingRing)
+            groups.append(_ring_rows(g) if ring else to_mlx_cache([g])[0])
+            windows.append((g.sink, g.recent) if ring else None)
         return cls(groups, heads, windows)
 
     @property
@@ -197,8 +187,26 @@ class BatchHeadGroupsKVCache:
     the sequence leaves the batch, at most the tokens it generates)."""
 
     def __init__(self, groups, heads, windows):
-        self.groups, self.heads, self.windows = groups, heads, windows
+        self.groups, self.heads = groups, heads
+        self.windows = windows  # setting it rebuilds the window arrays (once per membership)
         self._pending = None
+
+    @property
+    def windows(self) -> list:
+        return self._windows
+
+    @windows.setter
+    def windows(self, windows: list) -> None:
+        """Per group, per sequence (sink, recent) or None; kept as (limited, sink, recent)
+        arrays of shape (B, 1, 1, 1) for the mask, or None for a group without windows."""
+        self._windows = windows
+        expand = lambda x: mx.array(x)[:, None, None, None]  # noqa: E731
+        self._limits = [
+            None if all(w is None for w in ws) else
+            (expand([w is not None for w in ws]), expand([w[0] if w else 0 for w in ws]),
+             expand([w[1] if w else 0 for w in ws]))
+            for ws in windows
+        ]  # fmt: skip
 
     @classmethod
     def merge(cls, caches) -> "BatchHeadGroupsKVCache":
@@ -228,26 +236,21 @@ class BatchHeadGroupsKVCache:
         """``mask`` (B, 1, n, T) of group g's rows, less the rows a windowed sequence's ring
         would no longer hold: past its sinks and at or before the query's storage index minus
         ``recent``."""
-        windows = self.windows[g]
-        if all(w is None for w in windows):
+        if self._limits[g] is None:
             return mask
-        group = self.groups[g]
-        limited = mx.array([w is not None for w in windows])
-        sink = mx.array([w[0] if w else 0 for w in windows])
-        recent = mx.array([w[1] if w else 0 for w in windows])
+        limited, sink, recent = self._limits[g]
+        padding = self.groups[g].left_padding[:, None, None, None]
         T = mask.shape[-1]
         j = mx.arange(T)[None, None, None, :]
         q = (T - n + mx.arange(n))[None, None, :, None]
-        expand = lambda x: x[:, None, None, None]  # noqa: E731
-        old = (j - expand(group.left_padding) >= expand(sink)) & (j <= q - expand(recent))
-        return mask & ~(expand(limited) & old)
+        old = (j - padding >= sink) & (j <= q - recent)
+        return mask & ~(limited & old)
 
     def update_and_fetch(self, keys, values):
         n = keys.shape[2]
         pending = []
-        for g, (group, hs) in enumerate(zip(self.groups, self.heads)):
+        for g, (group, idx) in enumerate(zip(self.groups, part.head_order(self.heads, 1)[0])):
             mask = group.make_mask(n, return_array=True)
-            idx = mx.array(hs, mx.int32)
             k, v = group.update_and_fetch(mx.take(keys, idx, axis=1), mx.take(values, idx, axis=1))
             pending.append((k, v, self._window_mask(g, mask, n)))
         self._pending = pending
@@ -256,18 +259,13 @@ class BatchHeadGroupsKVCache:
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if sinks is not None:
             raise TypeError("kvfn's per-head caches do not support attention sinks")
-        rep = queries.shape[1] // sum(len(h) for h in self.heads)
-        outs, order = [], []
-        for hs, (k, v, m) in zip(self.heads, self._pending):
-            qh = [h * rep + r for h in hs for r in range(rep)]
-            q = mx.take(queries, mx.array(qh, mx.int32), axis=1)
-            outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m))
-            order += qh
-        self._pending = None
-        out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
-        if order == sorted(order):
-            return out
-        return mx.take(out, mx.array(np.argsort(order), mx.int32), axis=1)
+        pending, self._pending = self._pending, None
+
+        def attend_group(g: int, q: mx.array) -> mx.array:
+            k, v, m = pending[g]
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m)
+
+        return part.in_head_order(queries, self.heads, attend_group)
 
     def prepare(self, **kwargs):
         for g in self.groups:

@@ -30,23 +30,24 @@ def _start(fmodel, tokens, states, capacity, dtype) -> tuple:
     B, n = tokens.shape
     if states is None:
         return fmodel.init_states(B, max(capacity or 0, n), dtype)
-    return tuple(_room(s, n) for s in states)
+    return tuple(with_room(s, n) for s in states)
 
 
-def _room(state, n: int):
-    """A plain state with room for n more rows (a partitioned one grows in the wrapper)."""
+def with_room(state, n: int):
+    """A plain state with room for exactly n more rows (a partitioned one grows in the
+    wrapper, which at least doubles a capacity)."""
     if not isinstance(state, kv.State):
         return state
     r = state.max_rows if state.max_rows is not None else int(state.rows.item())
     return kv.reserve(state.replace(max_rows=r), max(state.capacity, r + n))
 
 
-def _loop(fmodel, tokens, start, window, prefill_step_size, progress, compiled):
-    """``start()`` makes the first (states, scores) here, so that no caller's frame holds them
+def _loop(fmodel, tokens, first, window, prefill_step_size, progress, compiled):
+    """``first()`` makes the first (states, scores) here, so that no caller's frame holds them
     and the first chunk's writes can reuse their buffers (a held buffer must be copied)."""
     if prefill_step_size <= 0:
         raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
-    states, scores = start()
+    states, scores = first()
     n = tokens.shape[1]
     parts = chunks(n, prefill_step_size)
     for j, (start, stop) in enumerate(parts):
@@ -84,8 +85,8 @@ def prefill(
     prefills: a plain (dense) state is written at static slots and attended with the fused
     causal kernel, no mask array. ``compiled=True`` runs the compiled step instead (a trace per
     chunk shape; for states that are not dense)."""
-    start = lambda: (_start(fmodel, tokens, states, capacity, dtype), ())  # noqa: E731
-    return _loop(fmodel, tokens, start, 0, prefill_step_size, progress, compiled)[0]
+    first = lambda: (_start(fmodel, tokens, states, capacity, dtype), ())  # noqa: E731
+    return _loop(fmodel, tokens, first, 0, prefill_step_size, progress, compiled)[0]
 
 
 @typechecked
@@ -109,13 +110,13 @@ def scored_prefill(
     if not 1 <= window <= tokens.shape[1]:
         raise ValueError(f"window must be in [1, {tokens.shape[1]}] (the tokens), got {window}")
 
-    def start():
-        first = _start(fmodel, tokens, states, capacity, dtype)
+    def first():
+        made = _start(fmodel, tokens, states, capacity, dtype)
         B = tokens.shape[0]
-        zeros = (mx.zeros((B, h, s.capacity), mx.float32) for h, s in zip(fmodel.n_heads, first))
-        return first, tuple(zeros)
+        zeros = (mx.zeros((B, h, s.capacity), mx.float32) for h, s in zip(fmodel.n_heads, made))
+        return made, tuple(zeros)
 
-    return _loop(fmodel, tokens, start, window, prefill_step_size, progress, compiled)
+    return _loop(fmodel, tokens, first, window, prefill_step_size, progress, compiled)
 
 
 def _window_cut(state: kv.State, P: int, extra: int) -> kv.State:

@@ -16,6 +16,7 @@ import numpy as np
 from . import cache as kv
 from . import tree
 from .adakv import AdaKV
+from .compact import with_room
 from .policy import Policy, register_policy
 from .snapkv import pool1d
 from .wrapper import FunctionalModel, QuerySlice
@@ -36,14 +37,6 @@ def repeat_prompt(tokenizer, text: str = REPEAT) -> tuple[int, ...]:
     else:
         text += "\n"
     return tuple(tokenizer.encode(text, add_special_tokens=False))
-
-
-def _with_room(state, n: int):
-    """A state with room for exactly n more rows (the wrapper would at least double it)."""
-    if not isinstance(state, kv.State):
-        raise TypeError(f"the reconstruction pass needs plain states, got {type(state).__name__}")
-    rows = state.max_rows if state.max_rows is not None else int(state.rows.item())
-    return kv.reserve(state.replace(max_rows=rows), max(state.capacity, rows + n))
 
 
 def queries_per_step(fmodel: FunctionalModel, capacity: int, chunk: int) -> int:
@@ -72,6 +65,9 @@ def reconstruction_scores(
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     B, P = tokens.shape
+    for s in states:
+        if not isinstance(s, kv.State):
+            raise TypeError(f"the reconstruction pass needs plain states, got {type(s).__name__}")
     rows = {s.max_rows if s.max_rows is not None else int(s.rows.item()) for s in states}
     if rows != {P}:
         raise ValueError(f"states must hold the {P} prefilled tokens' rows, got rows {rows}")
@@ -84,7 +80,7 @@ def reconstruction_scores(
         part = recon[:, start : start + step]
         w = part.shape[1]
         # exactly the room this step needs: each query's rows span only the rows so far
-        states = tuple(_with_room(s, w) for s in states)
+        states = tuple(with_room(s, w) for s in states)
         # broadcast zeros: the shape scored_forward adds the rows to, with no buffer behind it
         zeros = tuple(mx.broadcast_to(mx.zeros((1, 1, 1, 1)), (B, h, w, s.capacity))
                       for h, s in zip(fmodel.n_heads, states))  # fmt: skip

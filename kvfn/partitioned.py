@@ -12,7 +12,8 @@ Every group records each row's true position and the true ``offset`` (equal in a
 prefix trims and rollback stay exact, as for the plain state.
 """
 
-from typing import Sequence
+from functools import lru_cache
+from typing import Callable, Sequence
 
 import chex
 import mlx.core as mx
@@ -112,8 +113,31 @@ def from_keep_sets(state: kv.State, keep: Sequence) -> HeadPartitionedKVCache:
     return partition(groups, heads)
 
 
+@lru_cache(maxsize=None)
+def head_order(heads: tuple, rep: int) -> tuple:
+    """For groups of KV heads ``heads`` with ``rep`` query heads each: per group its KV heads
+    and its query heads as index arrays, and the permutation that puts the groups'
+    concatenated outputs back in query-head order (None when they already are). Cached: a
+    decode step asks for the same every layer."""
+    kv_idx = tuple(mx.array(list(hs), mx.int32) for hs in heads)
+    q_heads = [[h * rep + r for h in hs for r in range(rep)] for hs in heads]
+    order = [q for qs in q_heads for q in qs]
+    back = None if order == sorted(order) else mx.array(np.argsort(order), mx.int32)
+    return kv_idx, tuple(mx.array(qs, mx.int32) for qs in q_heads), back
+
+
+def in_head_order(queries: mx.array, heads: tuple, attend_group: Callable) -> mx.array:
+    """Attention computed per head group, in query-head order: ``attend_group(g, q)`` is group
+    g's output for its query heads ``q`` (taken from ``queries`` (B, n_q_heads, n, D))."""
+    rep = queries.shape[1] // sum(len(hs) for hs in heads)
+    _, q_idx, back = head_order(heads, rep)
+    outs = [attend_group(g, mx.take(queries, qi, axis=1)) for g, qi in enumerate(q_idx)]
+    out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+    return out if back is None else mx.take(out, back, axis=1)
+
+
 def _split(x: mx.array, heads: tuple) -> list:
-    return [mx.take(x, mx.array(list(hs), mx.int32), axis=1) for hs in heads]
+    return [mx.take(x, idx, axis=1) for idx in head_order(tuple(heads), 1)[0]]
 
 
 @typechecked
@@ -167,10 +191,6 @@ def row_counts(state: HeadPartitionedKVCache) -> mx.array:
     return mx.take(mx.concatenate(counts, axis=1), mx.array(order, mx.int32), axis=1)
 
 
-def _query_heads(heads: tuple, rep: int) -> list[int]:
-    return [h * rep + r for h in heads for r in range(rep)]
-
-
 def _group_rows(before, after, keys, values, n: int):
     """Keys, values and the mask (B, heads, n, rows) one group attends over for n queries."""
     if isinstance(after, StreamingRing):
@@ -194,30 +214,26 @@ def attend(before: HeadPartitionedKVCache, after: HeadPartitionedKVCache, querie
     """Attention of ``queries`` (B, n_q_heads, n, D) of the n tokens just appended, whose rows
     per group are ``ks``, ``vs`` (``split_rows``; ``after = update_split(before, ks, vs)``),
     over each group's rows, in query-head order."""
-    B, Hq, n, _ = queries.shape
-    rep = Hq // after.n_kv_heads
-    outs, order = [], []
-    for b, a, hs, k, v in zip(before.groups, after.groups, after.heads, ks, vs):
-        qh = _query_heads(hs, rep)
-        q = mx.take(queries, mx.array(qh, mx.int32), axis=1)
-        gk, gv, m = _group_rows(b, a, k, v, n)
-        if m is None:  # a full ring: one query sees every slot
-            outs.append(mx.fast.scaled_dot_product_attention(q, gk, gv, scale=scale))
-        elif m.dtype == mx.int32:  # a row count: valid slots [0, m)
-            outs.append(kernels.ragged_decode_attention(q, gk, gv, m, scale=scale))
-        else:
-            m = mx.repeat(m, rep, axis=1) if rep > 1 and m.shape[1] > 1 else m
-            outs.append(mx.fast.scaled_dot_product_attention(q, gk, gv, scale=scale, mask=m))
-        order += qh
-    out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
-    if order == sorted(order):
-        return out
-    return mx.take(out, mx.array(np.argsort(order), mx.int32), axis=1)
+    n = queries.shape[2]
+
+    def attend_group(g: int, q: mx.array) -> mx.array:
+        gk, gv, m = _group_rows(before.groups[g], after.groups[g], ks[g], vs[g], n)
+        if isinstance(m, mx.array) and m.dtype == mx.int32:  # a row count: slots [0, m)
+            return kernels.ragged_decode_attention(q, gk, gv, m, scale=scale)
+        if m is not None and m.shape[1] > 1 and q.shape[1] > m.shape[1]:
+            m = mx.repeat(m, q.shape[1] // m.shape[1], axis=1)
+        # m None: a full ring, whose every slot one query sees
+        return mx.fast.scaled_dot_product_attention(q, gk, gv, scale=scale, mask=m)
+
+    return in_head_order(queries, after.heads, attend_group)
 
 
 def flatten(state: HeadPartitionedKVCache) -> tuple[list, tuple]:
     flat = [_module(g).flatten(g) for g in state.groups]
-    return [f[0] for f in flat], (state.heads, tuple((type(g), f[1]) for g, f in zip(state.groups, flat)))
+    return [f[0] for f in flat], (
+        state.heads,
+        tuple((type(g), f[1]) for g, f in zip(state.groups, flat)),
+    )
 
 
 def unflatten(arrays: list, static: tuple, bounds: tuple) -> HeadPartitionedKVCache:

@@ -333,11 +333,15 @@ class EvictingPromptCache(LRUPromptCache):
         policy = self.policy
         if self.provider.head_groups is not None:  # rule 4
             if policy is None or policy.keeps_whole(len(tokens) - 1):
-                fm = self.provider.functional_model()
-                states = fm.init_states(1, len(tokens))
-                if len(tokens) > 1:
-                    states = kvfn.prefill(fm, mx.array([tokens[:-1]]), states=states,
-                                          prefill_step_size=self.provider.cli_args.prefill_step_size)  # fmt: skip
+                fm, step = (
+                    self.provider.functional_model(),
+                    self.provider.cli_args.prefill_step_size,
+                )
+                if len(tokens) == 1:
+                    states = fm.init_states(1, 1)
+                else:  # fresh states: prefill reuses their buffers
+                    states = kvfn.prefill(fm, mx.array([tokens[:-1]]), capacity=len(tokens),
+                                          prefill_step_size=step)  # fmt: skip
                 return self.as_mlx_caches(states), tokens[-1:]
             return self.compact(tokens, policy), tokens[-1:]
         if policy is not None and not policy.keeps_whole(len(tokens) - 1):

@@ -194,7 +194,6 @@ def test_a_full_ring_is_what_one_query_sees_whole(prompt):
     for step in range(4):
         r = rg.update(r, rows(1, start=prompt + step), rows(1, start=prompt + step))
         assert bool(rg.mask(r, 1).all().item()) == (prompt + step + 1 >= 8)
-        assert not r.full or bool(rg.mask(r, 1).all().item())
     assert not rg.trim(r, 1).full and not rg.prefix_trim(r, 5).full
 
 
@@ -349,7 +348,9 @@ def test_partitioned_states_trim_exactly():
     # they held after one step; a streaming ring lost the row the second step pushed out
     for r, o in zip(rolled, after_one):
         for gr, go in zip(getattr(r, "groups", (r,)), getattr(o, "groups", (o,))):
-            held = lambda g: sorted(p for p in np.array(g.positions).ravel().tolist() if p != kv.EMPTY)
+            held = lambda g: sorted(
+                p for p in np.array(g.positions).ravel().tolist() if p != kv.EMPTY
+            )
             lost = set(held(go)) - set(held(gr))
             assert set(held(gr)) <= set(held(go)) and (not lost or isinstance(gr, rg.StreamingRing))
     again, _ = fm.decode(mx.argmax(one, axis=-1)[:, None], rolled)

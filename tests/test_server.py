@@ -341,22 +341,16 @@ def kvfn_answer(policy, content: str, max_tokens: int) -> str:
     """The answer kvfn's own decode gives over ``policy``'s compacted prompt (oracle-tested in
     test_duo), in this process."""
     import kvfn_models
-    import mlx.core as mx
 
     import kvfn
+    from kvfn_eval.evaluator import kvfn_greedy
 
     model, tokenizer = kvfn_models.load()
     fm = kvfn.FunctionalModel(model)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                         add_generation_prompt=True)  # fmt: skip
     states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=max_tokens)
-    token, out = ids[-1], []
-    for _ in range(max_tokens):
-        logits, states = fm.decode(mx.array([[token]]), states)
-        token = int(mx.argmax(logits.reshape(-1)).item())
-        if token in tokenizer.eos_token_ids:
-            break
-        out.append(token)
+    out = kvfn_greedy(fm, ids[-1:], states, max_tokens, set(tokenizer.eos_token_ids))
     return tokenizer.decode(out)
 
 
