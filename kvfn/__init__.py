@@ -41,6 +41,7 @@ from .eviction import (  # noqa: E402
     evict_prompt_cache,
     evict_prompt_cache_by_head,
 )
+from .expected import ExpectedAttention  # noqa: E402
 from .interop import (  # noqa: E402
     CompactedKVCache,
     QuantizedCompactedKVCache,
@@ -52,7 +53,7 @@ from .kvzip import AdaKVzip, KVzip, reconstruction_scores, repeat_prompt  # noqa
 from .partitioned import HeadPartitionedKVCache  # noqa: E402
 from .policy import Policy, parse_policy, register_policy  # noqa: E402
 from .ring import StreamingRing  # noqa: E402
-from .scores import window_attention_scores  # noqa: E402
+from .scores import query_statistics, window_attention_scores  # noqa: E402
 from .snapkv import PyramidKV, SnapKV, snapkv_keep_indices  # noqa: E402
 from .wrapper import FunctionalModel, QuerySlice  # noqa: E402
 
@@ -91,6 +92,7 @@ __all__ = [
     "HeadPattern",
     "KVzip",
     "AdaKVzip",
+    "ExpectedAttention",
     "reconstruction_scores",
     "repeat_prompt",
     "parse_policy",
@@ -102,6 +104,7 @@ __all__ = [
     "prefill",
     "scored_prefill",
     "window_attention_scores",
+    "query_statistics",
     "compact",
     "compact_states",
     "compact_prompt_cache",

@@ -15,8 +15,9 @@ from . import cache as kv
 from . import tree
 from .eviction import EvictionResult, result_of
 from .policy import Policy
+from .scores import query_moments
 from .snapkv import SnapKV
-from .wrapper import FunctionalModel, QuerySlice
+from .wrapper import STATISTICS, FunctionalModel, QuerySlice
 
 
 def chunks(n: int, size: int) -> list[tuple[int, int]]:
@@ -42,7 +43,8 @@ def with_room(state, n: int):
     return kv.reserve(state.replace(max_rows=r), max(state.capacity, r + n))
 
 
-def _loop(fmodel, tokens, first, window, prefill_step_size, progress, compiled):
+def _loop(fmodel, tokens, first, window, prefill_step_size, progress, compiled,
+          statistic="attention"):  # fmt: skip
     """``first()`` makes the first (states, scores) here, so that no caller's frame holds them
     and the first chunk's writes can reuse their buffers (a held buffer must be copied)."""
     if prefill_step_size <= 0:
@@ -53,7 +55,7 @@ def _loop(fmodel, tokens, first, window, prefill_step_size, progress, compiled):
     for j, (start, stop) in enumerate(parts):
         first_scored = max(n - window, start) if window else stop
         if first_scored < stop:
-            q = QuerySlice(first_scored - start, stop - start)
+            q = QuerySlice(first_scored - start, stop - start, statistic)
             step = fmodel.scored_step if compiled else fmodel.scored_forward
             states, scores = step(tokens[:, start:stop], states, scores, q)[1:]
         else:
@@ -101,22 +103,30 @@ def scored_prefill(
     dtype: Optional[mx.Dtype] = None,
     progress: Optional[Callable[[int, int], None]] = None,
     compiled: bool = False,
+    statistic: str = "attention",
 ) -> tuple[tuple, tuple]:
     """``prefill`` that also sums the attention of the last ``window`` tokens' queries over
     every key into per-key scores, chunk by chunk (the window may span chunks), in the same
     pass: ``(states, scores)``, one (B, n_heads, capacity) float32 array a layer (zeros for
     sliding-window layers, which are never evicted). O(window x prompt) per layer, never a
-    prompt-sized matrix. This is the seed's ``SnapKVAttentionCapture``."""
+    prompt-sized matrix. This is the seed's ``SnapKVAttentionCapture``. With
+    ``statistic="moments"`` the scores are instead the running moments of those queries before
+    RoPE (``kvfn.scores.query_moments``: mean and covariance per query head)."""
     if not 1 <= window <= tokens.shape[1]:
         raise ValueError(f"window must be in [1, {tokens.shape[1]}] (the tokens), got {window}")
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
 
     def first():
         made = _start(fmodel, tokens, states, capacity, dtype)
         B = tokens.shape[0]
-        zeros = (mx.zeros((B, h, s.capacity), mx.float32) for h, s in zip(fmodel.n_heads, made))
+        if statistic == "moments":
+            zeros = (query_moments(B, h, d) for h, d in zip(fmodel.n_heads, fmodel.head_dims))
+        else:
+            zeros = (mx.zeros((B, h, s.capacity), mx.float32) for h, s in zip(fmodel.n_heads, made))
         return made, tuple(zeros)
 
-    return _loop(fmodel, tokens, first, window, prefill_step_size, progress, compiled)
+    return _loop(fmodel, tokens, first, window, prefill_step_size, progress, compiled, statistic)
 
 
 def _window_cut(state: kv.State, P: int, extra: int) -> kv.State:
@@ -234,10 +244,11 @@ def compact(
     kwargs = dict(capacity=P, prefill_step_size=prefill_step_size, dtype=dtype,
                   progress=progress)  # fmt: skip
     if window:
-        states, scores = scored_prefill(fmodel, context, window=window, **kwargs)
+        states, scores = scored_prefill(fmodel, context, window=window,
+                                        statistic=policy.statistic, **kwargs)  # fmt: skip
     else:
         states, scores = prefill(fmodel, context, **kwargs), None
-    own = policy.score_prompt(fmodel, context, states)
+    own = policy.score_prompt(fmodel, context, states, scores)
     scores = own if own is not None else scores
     return compact_states(states, scores, policy, reserve=max_new_tokens + 1, compiled=compiled,
                           group=fmodel.group)  # fmt: skip

@@ -130,7 +130,7 @@ class KVzip(Policy):
     def observation_window(self, prompt_length: int) -> int:
         return 0  # the prefill scores nothing: ``score_prompt`` does
 
-    def score_prompt(self, fmodel, tokens, states) -> Optional[tuple]:
+    def score_prompt(self, fmodel, tokens, states, gathered=None) -> Optional[tuple]:
         if self.keeps_whole(tokens.shape[1]):
             return None
         return reconstruction_scores(fmodel, tokens, states, prompt=self.prompt, chunk=self.chunk)

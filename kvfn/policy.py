@@ -52,6 +52,9 @@ class Policy:
 
     name: ClassVar[str] = "policy"
     needs_scores: ClassVar[bool] = False
+    # what the prefill gathers of the observation window's queries (kvfn.QuerySlice): their
+    # "attention" over every key, or their "moments" (mean and covariance before RoPE)
+    statistic: ClassVar[str] = "attention"
     # False: compact_layer reads values on the host (data-dependent shapes), so it runs eagerly
     traceable: ClassVar[bool] = True
     # True when a KV head's rows depend only on its own query heads' scores: a rank of a
@@ -98,10 +101,12 @@ class Policy:
             return 0
         return min(self.window, prompt_length)
 
-    def score_prompt(self, fmodel, tokens: mx.array, states: tuple) -> Optional[tuple]:
-        """Scores for ``row_scores`` from a pass of the policy's own over ``states`` freshly
-        prefilled from ``tokens`` (B, P) (KVzip's context reconstruction), or None (the
-        default): the prefill's observation window scores, if any."""
+    def score_prompt(self, fmodel, tokens: mx.array, states: tuple,
+                     gathered: Optional[tuple] = None) -> Optional[tuple]:  # fmt: skip
+        """Scores for ``row_scores`` from ``states`` freshly prefilled from ``tokens`` (B, P)
+        and what that prefill ``gathered`` (the policy's ``statistic``, if it scored): a pass
+        of the policy's own (KVzip's context reconstruction), or the expected attention of the
+        gathered query moments; None (the default): the gathered attention is the scores."""
         return None
 
     def row_scores(

@@ -29,3 +29,32 @@ def window_attention_scores(
     if not reduce:
         return weights.reshape(B, n_heads, w, -1)
     return mx.sum(weights, axis=-2).reshape(B, n_heads, -1)
+
+
+def query_moments(batch: int, n_heads: int, head_dim: int) -> mx.array:
+    """Empty running moments of a layer's queries, (B, n_heads, head_dim + 2, head_dim) float32:
+    per head, row 0 sums the queries, row 1 counts them (every entry), rows 2: sum their outer
+    products. ``add_query_moments`` adds queries; ``query_statistics`` reads mean and
+    covariance."""
+    return mx.zeros((batch, n_heads, head_dim + 2, head_dim), mx.float32)
+
+
+def add_query_moments(moments: mx.array, queries: mx.array) -> mx.array:
+    """``moments`` plus ``queries`` (B, n_heads, n, head_dim), before RoPE."""
+    q = queries.astype(mx.float32)
+    B, H, n, D = q.shape
+    count = mx.full((B, H, 1, D), float(n), mx.float32)
+    return moments + mx.concatenate(
+        [mx.sum(q, axis=2, keepdims=True), count, q.swapaxes(-1, -2) @ q], axis=2
+    )
+
+
+def query_statistics(moments: mx.array) -> tuple[mx.array, mx.array]:
+    """Mean (B, n_heads, D) and covariance (B, n_heads, D, D) of the queries in ``moments``
+    (normalized by their count, as a maximum-likelihood estimate)."""
+    n = moments[:, :, 1:2, :1]
+    if (n < 1).any().item():
+        raise ValueError("query moments hold no queries")
+    mean = moments[:, :, 0] / n[..., 0]
+    cov = moments[:, :, 2:] / n - mean[..., :, None] * mean[..., None, :]
+    return mean, cov

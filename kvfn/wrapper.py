@@ -33,7 +33,7 @@ from . import kernels
 from . import partitioned as part
 from . import tree
 from .distributed import head_group
-from .scores import window_attention_scores
+from .scores import add_query_moments, window_attention_scores
 
 ATTENTION_NAMES = ("self_attn", "attention", "attn")
 N_HEADS_NAMES = ("n_heads", "num_heads", "num_attention_heads")
@@ -43,12 +43,23 @@ GROWTH = 256  # capacities grow to multiples of this, at least doubling
 _current = contextvars.ContextVar("kvfn_layer_adapter", default=None)
 
 
+STATISTICS = ("attention", "moments")
+
+
 @dataclass(frozen=True)
 class QuerySlice:
-    """The query rows of one call (a static slice) that belong to the observation window."""
+    """The query rows of one call (a static slice) that a scored call reads, and what it adds
+    to each layer's scores: ``"attention"``, their attention over every key (the observation
+    window), or ``"moments"``, the sums of their queries before RoPE and of their outer
+    products (``kvfn.scores.add_query_moments``)."""
 
     start: int
     stop: int
+    statistic: str = "attention"
+
+    def __post_init__(self):
+        if self.statistic not in STATISTICS:
+            raise ValueError(f"statistic must be one of {STATISTICS}, got {self.statistic!r}")
 
 
 class _Call:
@@ -78,7 +89,7 @@ class _LayerAdapter:
                  queries=None):  # fmt: skip
         self.state, self.n_heads, self.call, self.scale = state, n_heads, call, scale
         self.scores, self.query_slice = scores, queries
-        self.queries = None
+        self.queries = self.queries_in = None  # after and before RoPE
 
     @property
     def offset(self):
@@ -132,14 +143,21 @@ class _LayerAdapter:
             if self.queries is None:
                 raise RuntimeError("kvfn could not read this layer's queries (no rope call seen)")
             qs = self.query_slice
+            if qs.statistic == "moments":
+                self.scores = add_query_moments(
+                    self.scores, self.queries_in[:, :, qs.start : qs.stop]
+                )
+                return self._fetch(r, keys.shape[2])
             q = self.queries[:, :, qs.start : qs.stop]
             qpos = before[:, None] + mx.arange(qs.start, qs.stop, dtype=mx.int32)[None]
             rows = window_attention_scores(q, qpos, self.state, self.scale,
                                            reduce=self.scores.ndim == 3)  # fmt: skip
             self.scores = self.scores + rows
+        return self._fetch(r, keys.shape[2])
+
+    def _fetch(self, r, n: int) -> tuple:
         if r is not None:
-            end = r + keys.shape[2]
-            return self.state.keys[:, :, :end], self.state.values[:, :, :end]
+            return self.state.keys[:, :, : r + n], self.state.values[:, :, : r + n]
         return self.state.keys, self.state.values
 
 
@@ -150,7 +168,7 @@ class _PartitionedAdapter:
 
     def __init__(self, state, n_heads: int, call: _Call, scale=None, scores=None, queries=None):
         self.state, self.before, self.rows = state, None, None
-        self.query_slice, self.queries = None, None
+        self.query_slice, self.queries, self.queries_in = None, None, None
 
     @property
     def offset(self):
@@ -240,7 +258,8 @@ class _MaskedAttention(nn.Module):
 
 
 class _QueryTap(nn.Module):
-    """Wraps an attention's rope: the first call of a forward pass rotates the queries."""
+    """Wraps an attention's rope: the first call of a forward pass rotates the queries (read
+    before and after RoPE)."""
 
     def __init__(self, rope):
         super().__init__()
@@ -250,7 +269,7 @@ class _QueryTap(nn.Module):
         out = self.rope(x, *args, **kwargs)
         adapter = _current.get()
         if adapter is not None and adapter.queries is None:
-            adapter.queries = out
+            adapter.queries, adapter.queries_in = out, x
         return out
 
 
@@ -396,6 +415,10 @@ class FunctionalModel:
         layer[name] = _MaskedAttention(attn)
         return layer
 
+    def rope(self, layer: int) -> nn.Module:
+        """The RoPE module of layer ``layer``'s attention (the model's own)."""
+        return getattr(self.model.layers[layer], self._attn_names[layer]).rope
+
     @property
     def traces(self) -> int:
         """How many compiled steps were traced (one per distinct signature)."""
@@ -468,7 +491,8 @@ class FunctionalModel:
 
     def scored_forward(self, tokens, states, scores, queries: QuerySlice) -> tuple:
         """Eager ``forward`` that also adds the attention of the ``queries`` rows over every key
-        to ``scores`` (one (B, n_heads, capacity) array a layer): (logits, states, scores)."""
+        to ``scores`` (one (B, n_heads, capacity) array a layer), or their moments (one
+        (B, n_heads, head_dim + 2, head_dim) array): (logits, states, scores)."""
         tokens, states, scores = self._prepare_scored(tokens, states, scores, queries)
         logits, new_states, adapters = self._run(tokens, states, scores, queries)
         return logits, new_states, self._scores_out(adapters, scores)
@@ -481,7 +505,8 @@ class FunctionalModel:
             raise TypeError("a scored step needs plain states (score before partitioning)")
         old = [s.capacity for s in states] if isinstance(states, (tuple, list)) else None
         tokens, states = self._prepare(tokens, states)
-        if old is not None and len(scores) == len(states):  # states grew: so do their scores
+        grows = isinstance(queries, QuerySlice) and queries.statistic == "attention"
+        if grows and old is not None and len(scores) == len(states):  # states grew: so do scores
             scores = tuple(
                 (
                     mx.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, st.capacity - c)])
@@ -503,7 +528,9 @@ class FunctionalModel:
         w = queries.stop - queries.start
         for i, (s, st) in enumerate(zip(scores, states)):
             want = (st.keys.shape[0], self.n_heads[i], st.capacity)
-            if s.ndim == 4:  # one row per query (kvfn.heads profiles heads with them)
+            if queries.statistic == "moments":
+                want = (*want[:2], self.head_dims[i] + 2, self.head_dims[i])
+            elif s.ndim == 4:  # one row per query (kvfn.heads profiles heads with them)
                 want = (*want[:2], w, want[2])
             if tuple(s.shape) != want:
                 raise ValueError(f"scores[{i}] must have shape {want}, got {tuple(s.shape)}")

@@ -240,20 +240,23 @@ class Evaluator:
             probe = probe.replace(prompt=self.repeat)
         return probe
 
-    def own_scores(self, policy: kvfn.Policy, tokens: Sequence[int], states, memo: dict) -> tuple:
-        """A policy's own scoring pass over ``states`` of the prompt ``tokens`` (KVzip's
-        reconstruction; None for the others) and its seconds, once per state and scoring pass
-        (``memo``: kvzip, kvzip-layer and adakvzip share one; no budget changes it)."""
+    def own_scores(self, policy: kvfn.Policy, tokens: Sequence[int], states, memo: dict,
+                   moments=None) -> tuple:  # fmt: skip
+        """A policy's own scores of ``states`` of the prompt ``tokens`` (KVzip's reconstruction
+        pass; Expected Attention's, from the context's query ``moments``; None for the others)
+        and their seconds, once per state and scoring (``memo``: kvzip, kvzip-layer and
+        adakvzip share one pass; no budget changes it)."""
         key = type(policy).score_prompt
         if key not in memo:
             t0 = time.perf_counter()
-            own = policy.score_prompt(self.fm, mx.array([tokens]), states)
+            gathered = moments if policy.statistic == "moments" else None
+            own = policy.score_prompt(self.fm, mx.array([tokens]), states, gathered)
             mx.eval(own or ())
             memo[key] = own, 0.0 if own is None else time.perf_counter() - t0
         return memo[key]
 
     def compact(self, states, scores, method: Method, rows: Optional[int], sample_seed: int,
-                needles=(), tokens=(), memo=None):  # fmt: skip
+                needles=(), tokens=(), memo=None, moments=None):  # fmt: skip
         """States after ``method``'s eviction to ``rows`` rows (unchanged when it keeps them
         all), whether it evicted, the fraction of needle rows kept (over full-attention layers
         and KV heads; None without needles) and the seconds of the policy's own scoring pass
@@ -262,7 +265,8 @@ class Evaluator:
         if method.policy is None or rows is None or rows >= P:
             return states, False, 1.0 if needles else None, 0.0
         policy = self.policy(method, rows, sample_seed)
-        own, seconds = self.own_scores(policy, tokens, states, {} if memo is None else memo)
+        own, seconds = self.own_scores(policy, tokens, states, {} if memo is None else memo,
+                                       moments)  # fmt: skip
         states, _ = kvfn.compact_states(states, scores if own is None else own, policy,
                                         compiled=self.compiled)  # fmt: skip
         needle_rows = [t for n in needles for t in n]
@@ -278,6 +282,13 @@ class Evaluator:
             caches = [c.to_quantized(group_size=64, bits=method.kv_bits) for c in caches]
         return caches, kv_bytes(caches, with_positions=evicted)
 
+    @staticmethod
+    def gathers_moments(methods: Sequence[Method]) -> bool:
+        """Whether a method's policy scores from query moments: the shared prefill of the
+        context (all but its last ``window`` tokens) then gathers them, once for all (in
+        query-aware mode the question's queries are not among them; ``kvfn.compact``'s are)."""
+        return any(m.policy and m.make_policy(1 << 30).statistic == "moments" for m in methods)
+
     # -- one sample -------------------------------------------------------------------------------
     def run(self, sample: Sample, methods: Sequence[Method], budgets: Sequence[int],
             modes: Iterable[str] = MODES, max_new_tokens: Optional[int] = None) -> list[dict]:  # fmt: skip
@@ -290,8 +301,14 @@ class Evaluator:
         opts = dict(dtype=self.dtype, prefill_step_size=self.prefill_step_size,
                     compiled=self.compiled)  # fmt: skip
         t0 = time.perf_counter()
-        start = kvfn.prefill(self.fm, mx.array([head[:-w]]), capacity=capacity, **opts)
-        mx.eval(kvfn.tree.arrays(start))
+        context, moments = mx.array([head[:-w]]), None
+        n = context.shape[1] - self.sink_tokens  # the queries after the sinks
+        if n >= 1 and self.gathers_moments(methods):  # Expected Attention's query statistics
+            start, moments = kvfn.scored_prefill(self.fm, context, window=n, capacity=capacity,
+                                                 statistic="moments", **opts)  # fmt: skip
+        else:
+            start = kvfn.prefill(self.fm, context, capacity=capacity, **opts)
+        mx.eval(kvfn.tree.arrays(start), moments)
         prefill_seconds = time.perf_counter() - t0  # the context's, shared by every method
         n_new = max_new_tokens or ANSWER_TOKENS.get(sample.task, 32)
         records = []
@@ -315,7 +332,7 @@ class Evaluator:
                     rows = rows_for(method, budget, self.head_dim, self.itemsize)
                     needles = prompts[tails[0][0]].needles  # the context's: the same for all
                     kept_states, evicted, kept, seconds = self.compact(
-                        states, scores, method, rows, sample.seed, needles, tokens, memo
+                        states, scores, method, rows, sample.seed, needles, tokens, memo, moments
                     )
                     for q, tail in tails:  # every question on the one compacted state
                         if all(isinstance(s, kvfn.PositionPreservingKVCache) for s in kept_states):
@@ -323,7 +340,9 @@ class Evaluator:
                             answer = greedy(self.model, tail, caches, n_new, self.eos)
                         else:  # per-head groups: kvfn decodes them itself
                             if method.kv_bits is not None:
-                                raise ValueError(f"{method.name}: per-head states are not quantized")
+                                raise ValueError(
+                                    f"{method.name}: per-head states are not quantized"
+                                )
                             nbytes = sum(kvfn.eviction.kept(s)[1] for s in kept_states)
                             answer = kvfn_greedy(self.fm, tail, kept_states, n_new, self.eos)
                         record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept,

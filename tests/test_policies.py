@@ -10,6 +10,7 @@ import pytest
 import kvfn
 from kvfn import (
     ChunkKV,
+    ExpectedAttention,
     FunctionalModel,
     KVzip,
     Policy,
@@ -45,6 +46,8 @@ POLICIES = [
     PyramidKV(budget=20, window=6, sink_tokens=3, beta=4),
     KVzip(budget=20, window=6, sink_tokens=3, prompt=(5, 6, 7), chunk=7),
     KVzip(budget=20, window=6, sink_tokens=3, per_head=False, kernel_size=3),
+    ExpectedAttention(budget=20, window=6, sink_tokens=3, future=16),
+    ExpectedAttention(budget=20, window=6, sink_tokens=3, covariance=False, per_head=False),
 ]
 IDS = [repr(p) for p in POLICIES]
 
