@@ -278,6 +278,8 @@ def main(argv=None) -> dict:
         model, tokenizer = kvfn_models.load(args.model)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: --model: {e}")
+    if args.policy is not None:  # KVzip: the tokenizer's repeat instruction
+        args.policy = args.policy.for_tokenizer(tokenizer)
     parallel = tensor_parallel(model, args)
     tokens = encode(tokenizer, read_prompt(args, tokenizer), args.no_chat_template)
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)

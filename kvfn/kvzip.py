@@ -127,6 +127,10 @@ class KVzip(Policy):
         if self.chunk < 1:
             raise ValueError(f"kvzip chunk must be >= 1, got {self.chunk}")
 
+    def for_tokenizer(self, tokenizer) -> "KVzip":
+        """With the tokenizer's repeat instruction (``repeat_prompt``) unless one is set."""
+        return self if self.prompt else self.replace(prompt=repeat_prompt(tokenizer))
+
     def observation_window(self, prompt_length: int) -> int:
         return 0  # the prefill scores nothing: ``score_prompt`` does
 

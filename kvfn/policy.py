@@ -109,6 +109,11 @@ class Policy:
         gathered query moments; None (the default): the gathered attention is the scores."""
         return None
 
+    def for_tokenizer(self, tokenizer) -> "Policy":
+        """The policy with the settings that come from the model's tokenizer (KVzip's
+        instruction to repeat the context); itself by default."""
+        return self
+
     def row_scores(
         self, scores: Optional[mx.array], *, prompt_length: int, n_kv_heads: int, batch: int,
         layer: int

@@ -362,7 +362,9 @@ class EvictingPromptCache(LRUPromptCache):
     def compact(self, tokens, policy) -> list:
         fm = self.provider.functional_model()
         step = self.provider.cli_args.prefill_step_size
-        states, result = kvfn.compact(fm, tokens, policy, max_new_tokens=1, prefill_step_size=step)
+        tokenized = policy.for_tokenizer(self.provider.tokenizer)  # KVzip's repeat instruction
+        states, result = kvfn.compact(fm, tokens, tokenized, max_new_tokens=1,
+                                      prefill_step_size=step)  # fmt: skip
         caches = self.as_mlx_caches(states)
         self.evictions[(policy, tuple(tokens))] = {
             "policy": policy.name,

@@ -222,7 +222,6 @@ class Evaluator:
         self.eos = set(tokenizer.eos_token_ids) | {tokenizer.eos_token_id}
         self.head_dim = self.fm.init_states(1, 1, self.dtype)[0].keys.shape[-1]
         self.itemsize = mx.zeros((), self.dtype).itemsize
-        self.repeat = kvfn.repeat_prompt(tokenizer)  # KVzip's reconstruction instruction
 
     # -- selection ------------------------------------------------------------------------------
     def policy(self, method: Method, rows: int, sample_seed: int) -> kvfn.Policy:
@@ -236,9 +235,7 @@ class Evaluator:
                 raise ValueError(f"method {method.name!r} needs a head pattern (--head-pattern)")
             p = self.head_pattern
             probe = probe.replace(pattern=p, sink_tokens=p.sink_size, recent=p.recent_size)
-        if "prompt" in fields:  # KVzip: the tokenizer's repeat instruction
-            probe = probe.replace(prompt=self.repeat)
-        return probe
+        return probe.for_tokenizer(self.tokenizer)  # KVzip: the repeat instruction
 
     def own_scores(self, policy: kvfn.Policy, tokens: Sequence[int], states, memo: dict,
                    moments=None) -> tuple:  # fmt: skip

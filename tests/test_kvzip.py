@@ -199,3 +199,13 @@ def test_bad_reconstruction_inputs_are_named():
     ]:
         with pytest.raises(ValueError, match=message):
             reconstruction_scores(fm, tokens, states, **kwargs)
+
+
+def test_the_tokenizer_gives_kvzip_its_repeat_instruction(smollm2):
+    _, tokenizer = smollm2
+    policy = parse_policy("adakvzip-global", budget=64)
+    assert policy.prompt == () and policy.for_tokenizer(tokenizer).prompt == repeat_prompt(tokenizer)
+    own = KVzip(budget=64, prompt=(5, 6))
+    assert own.for_tokenizer(tokenizer) is own  # a prompt of its own stays
+    snap = parse_policy("snapkv", budget=64)
+    assert snap.for_tokenizer(tokenizer) is snap
