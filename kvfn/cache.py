@@ -133,7 +133,7 @@ def appended_positions(state: State, n: int) -> mx.array:
     return mx.where(new[None, None, :], true_pos, state.positions)
 
 
-def _grown_bound(state: State, n: int) -> Optional[int]:
+def grown_bound(state: State, n: int) -> Optional[int]:
     if state.max_rows is None:
         return None
     if state.max_rows + n > state.capacity:
@@ -155,7 +155,7 @@ def update(state: State, keys: mx.array, values: mx.array) -> State:
     chex.assert_shape(keys, (*state.keys.shape[:2], None, state.keys.shape[3]))
     chex.assert_shape(values, (*state.values.shape[:2], keys.shape[2], state.values.shape[3]))
     n = keys.shape[2]
-    bound = _grown_bound(state, n)
+    bound = grown_bound(state, n)
     r = state.static_rows
     if r is not None:  # a plain cache: static slots, which reuse the buffer
         positions = mx.broadcast_to(mx.arange(r, r + n, dtype=mx.int32), (*keys.shape[:2], n))

@@ -22,6 +22,8 @@ MAX_HEADS_PER_BLOCK = 8
 PREFETCH = True
 # KVFN_DECODE_KERNEL=0 turns the CUDA kernel off (every call takes the masked SDPA)
 ENABLED = os.environ.get("KVFN_DECODE_KERNEL", "1") != "0"
+# KVFN_TWO_GROUP_KERNEL=0 keeps a head-partitioned layer's decode attention per group
+TWO_GROUP_ENABLED = ENABLED and os.environ.get("KVFN_TWO_GROUP_KERNEL", "1") != "0"
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 HEADER = r"""
@@ -290,6 +292,38 @@ COMBINE_SOURCE = r"""
 """
 
 
+# The split kernel over two head groups of one layer (kvfn.partitioned): each KV head h reads
+# group hmap[2h] (0 or 1) at index hmap[2h + 1] in it; group 0 (k0, v0: (B, H0, C0, D)) has the
+# valid slots [0, lengths), group 1 (k1, v1: (B, H1, C1, D)) the first L1. Queries and outputs
+# stay in the layer's query-head order, so no gather puts the groups' outputs back in order.
+def _two_group_source() -> str:
+    source = SPLIT_SOURCE
+    edits = (
+        (
+            "  const int len = min(max(lengths[(bh / HKV) * LSB + (bh % HKV) * LSH], 0), C);\n",
+            "  const int grp = hmap[2 * (bh % HKV)];\n"
+            "  const int gidx = hmap[2 * (bh % HKV) + 1];\n"
+            "  const int C = grp == 0 ? C0 : C1;\n"
+            "  const T* k = grp == 0 ? k0 : k1;\n"
+            "  const T* v = grp == 0 ? v0 : v1;\n"
+            "  const int len = min(max(grp == 0 ? lengths[(bh / HKV) * LSB] : L1, 0), C);\n",
+        ),
+        (
+            "  const size_t base = (size_t)bh * C * D + part * EPT;\n",
+            "  const size_t base =\n"
+            "      ((size_t)(bh / HKV) * (grp == 0 ? H0 : H1) + gidx) * C * D + part * EPT;\n",
+        ),
+    )
+    for old, replacement in edits:
+        if source.count(old) != 1:
+            raise RuntimeError("kvfn.kernels: the split kernel's source changed; update the edit")
+        source = source.replace(old, replacement)
+    return source
+
+
+TWO_GROUP_SOURCE = _two_group_source()
+
+
 def ragged_decode_attention(q, k, v, lengths, *, scale):
     """Attention of one query token to the first ``lengths`` slots of each (batch, KV head).
 
@@ -414,6 +448,80 @@ def _kernel_attention(q, k, v, lengths, scale):
         output_dtypes=[q.dtype],
     )
     return out
+
+
+def two_group_decode_attention(q, k0, v0, lengths, k1, v1, length1: int, head_map, *, scale):
+    """Decode attention of one query token over a layer whose KV heads are split into two
+    groups that store different rows, in one fused launch (plus the split combine), on CUDA.
+
+    q: (B, n_q_heads, 1, D) in the layer's query-head order (query head i reads KV head
+    i // (n_q_heads // n_kv_heads)); group 0: k0, v0 (B, H0, C0, D), slots ``[0, lengths)``
+    valid (int32 () or (B,)); group 1: k1, v1 (B, H1, C1, D), slots ``[0, length1)`` valid
+    (a static int); head_map: int32 (2 * n_kv_heads,), for KV head h its group
+    ``head_map[2h]`` and its index in that group ``head_map[2h + 1]``. Returns
+    (B, n_q_heads, 1, D) in q's dtype and query-head order: what ``ragged_decode_attention``
+    gives per group, put back in head order. Only where ``two_group_fused`` says so."""
+    batch, q_heads, _, dim = q.shape
+    kv_heads = head_map.shape[0] // 2
+    if q.shape[2] != 1 or q_heads % kv_heads or k0.shape[3] != dim or k1.shape[3] != dim:
+        raise ValueError(f"q {q.shape} does not fit groups {k0.shape}, {k1.shape}")
+    if k0.shape[1] + k1.shape[1] != kv_heads or k0.shape[0] != batch or k1.shape[0] != batch:
+        raise ValueError(f"groups {k0.shape}, {k1.shape} do not hold {kv_heads} KV heads")
+    if lengths.dtype != mx.int32 or lengths.ndim > 1 or lengths.size not in (1, batch):
+        raise ValueError(f"lengths must be int32 () or ({batch},), got {lengths.shape}")
+    tile, tiles, splits = plan(batch, q_heads, kv_heads, max(k0.shape[2], k1.shape[2]))
+    o_part, lse = _two_group_kernel()(
+        inputs=[q, k0, v0, k1, v1, lengths.reshape(-1), head_map,
+                mx.array([scale * LOG2E], dtype=mx.float32)],  # fmt: skip
+        template=[
+            ("T", k0.dtype),
+            ("D", dim),
+            ("G", tile),
+            ("GT", q_heads // kv_heads),
+            ("NT", tiles),
+            ("NS", splits),
+            ("C0", k0.shape[2]),
+            ("C1", k1.shape[2]),
+            ("H0", k0.shape[1]),
+            ("H1", k1.shape[1]),
+            ("L1", int(length1)),
+            ("HKV", kv_heads),
+            ("LSB", 1 if lengths.size > 1 else 0),
+            ("P", PREFETCH),
+        ],
+        grid=(splits * THREADS, batch * kv_heads * tiles, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(batch * q_heads * splits * dim,), (batch * q_heads * splits,)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    (out,) = _kernels()[1](
+        inputs=[o_part, lse],
+        template=[("T", q.dtype), ("D", dim), ("NS", splits)],
+        grid=(batch * q_heads * dim, 1, 1),
+        threadgroup=(dim, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    )
+    return out
+
+
+def two_group_fused(q, k0, k1) -> bool:
+    """Whether ``two_group_decode_attention`` runs for these arrays: the fused kernel applies
+    to both groups, in one dtype (``KVFN_TWO_GROUP_KERNEL=0`` turns it off)."""
+    if not TWO_GROUP_ENABLED or k0.dtype != k1.dtype:
+        return False
+    return _kernel_applies(q, k0, k0) and _kernel_applies(q, k1, k1)
+
+
+@lru_cache(maxsize=None)
+def _two_group_kernel():
+    return mx.fast.cuda_kernel(
+        name="kvfn_two_group_decode_split",
+        input_names=["q", "k0", "v0", "k1", "v1", "lengths", "hmap", "scale"],
+        output_names=["o_part", "lse"],
+        source=TWO_GROUP_SOURCE,
+        header=HEADER,
+    )
 
 
 @lru_cache(maxsize=None)

@@ -150,10 +150,22 @@ def split_rows(state: HeadPartitionedKVCache, keys: mx.array, values: mx.array) 
     return _split(keys, state.heads), _split(values, state.heads)
 
 
-def update_split(state: HeadPartitionedKVCache, keys: list, values: list):
-    """``update`` with the rows already split per group (``split_rows``)."""
-    groups = tuple(_module(g).update(g, k, v) for g, k, v in zip(state.groups, keys, values))
-    return state.replace(groups=groups)
+def update_split(state: HeadPartitionedKVCache, keys: list, values: list, derived=None):
+    """``update`` with the rows already split per group (``split_rows``). ``derived(group,
+    n)``, when given, returns what an append derives from a group's counters
+    (``cache.appended`` for a packed group, ``ring.appended`` for one row into a ring) or None,
+    so that layers in lockstep compute it once (``FunctionalModel`` does, once a call)."""
+    groups = []
+    for g, k, v in zip(state.groups, keys, values):
+        shared = None if derived is None else derived(g, k.shape[2])
+        if shared is None:
+            groups.append(_module(g).update(g, k, v))
+        elif isinstance(g, StreamingRing):
+            groups.append(rg.write_at(g, k, v, **shared))
+        else:
+            bound = kv.grown_bound(g, k.shape[2])
+            groups.append(kv.append_at(g, k, v, **shared, max_rows=bound))
+    return state.replace(groups=tuple(groups))
 
 
 @typechecked
@@ -209,12 +221,45 @@ def _group_rows(before, after, keys, values, n: int):
     return after.keys, after.values, kv.mask(after, n)
 
 
+@lru_cache(maxsize=None)
+def _head_map(heads: tuple) -> mx.array:
+    """For two groups of KV heads: per KV head its group and its index there, flat (int32)."""
+    where = {h: (g, i) for g, hs in enumerate(heads) for i, h in enumerate(hs)}
+    return mx.array([x for h in range(len(where)) for x in where[h]], mx.int32)
+
+
+def _decode_fused(after: HeadPartitionedKVCache, queries: mx.array, scale: float):
+    """One query over a packed group and a full ring (DuoAttention's layout) as one fused
+    kernel, reading the queries and writing the outputs in head order; None where it does not
+    apply (not CUDA, another layout), for the per-group path."""
+    if len(after.groups) != 2 or queries.shape[2] != 1:
+        return None
+    plain, ring = after.groups
+    heads = after.heads
+    if isinstance(plain, StreamingRing):
+        plain, ring, heads = ring, plain, heads[::-1]
+    if not (isinstance(ring, StreamingRing) and ring.full and isinstance(plain, kv.State)):
+        return None
+    if not (plain.packed and plain.sliding_window is None):
+        return None
+    if not kernels.two_group_fused(queries, plain.keys, ring.keys):
+        return None
+    return kernels.two_group_decode_attention(
+        queries, plain.keys, plain.values, plain.rows, ring.keys, ring.values, ring.capacity,
+        _head_map(heads), scale=scale,
+    )  # fmt: skip
+
+
 def attend(before: HeadPartitionedKVCache, after: HeadPartitionedKVCache, queries: mx.array,
            ks: list, vs: list, scale: float) -> mx.array:  # fmt: skip
     """Attention of ``queries`` (B, n_q_heads, n, D) of the n tokens just appended, whose rows
     per group are ``ks``, ``vs`` (``split_rows``; ``after = update_split(before, ks, vs)``),
-    over each group's rows, in query-head order."""
+    over each group's rows, in query-head order. One query over DuoAttention's layout (a packed
+    group and a full ring) on CUDA is one fused kernel over both groups."""
     n = queries.shape[2]
+    fused = _decode_fused(after, queries, scale) if n == 1 else None
+    if fused is not None:
+        return fused
 
     def attend_group(g: int, q: mx.array) -> mx.array:
         gk, gv, m = _group_rows(before.groups[g], after.groups[g], ks[g], vs[g], n)

@@ -77,12 +77,49 @@ def _targets(ring: StreamingRing, n: int) -> tuple[mx.array, mx.array]:
     return p, held & (p >= ring.offset[:, None])
 
 
+def appended(ring: StreamingRing) -> dict:
+    """What appending one row derives from ``offset`` alone: the slot (B,) that position
+    ``offset`` takes (it is a sink's, or the ring slot of the position ``recent`` before it),
+    that position (B,), and the new ``offset``. Rings of one ``sink`` and ``recent`` at the same
+    offset (the layers of a model) share it."""
+    p = ring.offset
+    slot = ring.sink + (p - ring.sink) % ring.recent
+    if ring.sink:
+        slot = mx.where(p < ring.sink, p, slot)
+    return dict(slots=slot, positions=p, offset=p + 1)
+
+
+def write_at(ring: StreamingRing, keys: mx.array, values: mx.array, *, slots, positions,
+             offset) -> StreamingRing:  # fmt: skip
+    """``update`` with one row (B, n_heads, 1, head_dim), written at its slot (``appended``'s
+    arrays): three one-row scatters, in place when nothing else holds the old ring."""
+    B = slots.shape[0]
+    at = slots.reshape(B, 1, 1, 1)
+    pos = positions.reshape(B, 1, 1)
+    return ring.replace(
+        keys=mx.put_along_axis(ring.keys, at, keys.astype(ring.keys.dtype), axis=2),
+        values=mx.put_along_axis(ring.values, at, values.astype(ring.values.dtype), axis=2),
+        positions=mx.put_along_axis(ring.positions, at[..., 0], pos, axis=2),
+        offset=offset,
+    )
+
+
 @typechecked
 def update(ring: StreamingRing, keys: mx.array, values: mx.array) -> StreamingRing:
     """Append rows (B, n_heads, n, head_dim) at positions ``offset ...``; rows that fall out of
-    the ring are dropped. Any n, traceable (a gather of the rows that stay)."""
+    the ring are dropped. Any n, traceable: one row is written at its slot (``write_at``),
+    more are a gather of the rows that stay."""
     chex.assert_rank([keys, values], 4)
     chex.assert_shape(keys, (*ring.keys.shape[:2], None, ring.keys.shape[3]))
+    chex.assert_shape(values, (*ring.values.shape[:2], keys.shape[2], ring.values.shape[3]))
+    if keys.shape[2] == 1:
+        return write_at(ring, keys, values, **appended(ring))
+    return gathered(ring, keys, values)
+
+
+def gathered(ring: StreamingRing, keys: mx.array, values: mx.array) -> StreamingRing:
+    """``update`` of any number of rows as a gather of the rows that stay (the whole ring is
+    rewritten)."""
     n = keys.shape[2]
     p, new = _targets(ring, n)
     src = mx.clip(p - ring.offset[:, None], 0, n - 1)[:, None, :, None]

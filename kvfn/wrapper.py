@@ -81,6 +81,21 @@ class _Call:
             self.shared[n] = (kv.appended(state, n), kv.packed_mask(state, n))
         return self.shared[n]
 
+    def group_derived(self, group, n: int):
+        """For a head group of a partitioned layer: what its append derives from its counters,
+        shared by the layers in lockstep (``partitioned.update_split``); None to derive it
+        alone."""
+        if not self.lockstep:
+            return None
+        if isinstance(group, part.StreamingRing):
+            if n != 1:
+                return None
+            key = ("ring", group.sink, group.recent)
+            if key not in self.shared:
+                self.shared[key] = part.rg.appended(group)
+            return self.shared[key]
+        return self.derived(group, n)[0] if self.in_lockstep(group) else None
+
 
 class _LayerAdapter:
     """mlx-lm's cache protocol over one layer's state, for the length of one forward call."""
@@ -167,7 +182,7 @@ class _PartitionedAdapter:
     ``_attend``) runs per group over the group's own rows."""
 
     def __init__(self, state, n_heads: int, call: _Call, scale=None, scores=None, queries=None):
-        self.state, self.before, self.rows = state, None, None
+        self.state, self.before, self.rows, self.call = state, None, None, call
         self.query_slice, self.queries, self.queries_in = None, None, None
 
     @property
@@ -182,7 +197,8 @@ class _PartitionedAdapter:
 
     def update_and_fetch(self, keys, values):
         self.rows = part.split_rows(self.state, keys, values)  # split once, for both
-        self.before, self.state = self.state, part.update_split(self.state, *self.rows)
+        new = part.update_split(self.state, *self.rows, derived=self.call.group_derived)
+        self.before, self.state = self.state, new
         return keys, values  # the new rows only: ``attend`` reads the groups
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
@@ -466,9 +482,12 @@ class FunctionalModel:
     # -- the pure forward pass ----------------------------------------------------------------
     @staticmethod
     def _lockstep(states) -> bool:
-        """Whether every packed full-attention layer holds the same rows and capacity (known on
-        the host: a packed state's row count is exact)."""
-        group = {(s.max_rows, s.capacity) for s in states if s.packed and s.sliding_window is None}
+        """Whether every packed full-attention layer, and every packed group of plain rows of a
+        head-partitioned layer, holds the same rows and capacity (known on the host: a packed
+        state's row count is exact); then the layers also share the offset their rings derive
+        from."""
+        plain = [g for s in states for g in getattr(s, "groups", (s,)) if isinstance(g, kv.State)]
+        group = {(s.max_rows, s.capacity) for s in plain if s.packed and s.sliding_window is None}
         return len(group) == 1 and None not in next(iter(group))
 
     def _run(self, tokens, states, scores=None, queries=None, lockstep=None):

@@ -197,6 +197,41 @@ def test_a_full_ring_is_what_one_query_sees_whole(prompt):
     assert not rg.trim(r, 1).full and not rg.prefix_trim(r, 5).full
 
 
+@pytest.mark.parametrize("sink", [0, 3])
+def test_ring_one_row_write_equals_the_gathered_update(sink):
+    """Law: one row written at its slot (``write_at``, what a decode step does) equals the
+    gather of the rows that stay, whatever the offsets of a batch (below the sinks, wrapping,
+    after a trim left empty slots)."""
+    r = rg.init(3, 2, 3, sink=sink, recent=5)
+    r = rg.gathered(r, mx.repeat(rows(9), 3, 0), mx.repeat(rows(9), 3, 0))
+    r = rg.prefix_trim(r, mx.array([1, 6, 9], mx.int32))  # offsets 1, 6, 9: per sequence
+    for step in range(12):
+        k = mx.repeat(rows(1, start=100 + step), 3, 0)
+        one, many = rg.update(r, k, 2 * k), rg.gathered(r, k, 2 * k)
+        for f in rg.ARRAY_FIELDS:
+            assert np.array_equal(np.array(getattr(one, f)), np.array(getattr(many, f))), f
+        r = one
+
+
+def test_ring_write_shares_what_it_derives():
+    """``ring.appended`` depends on the offset alone: rings of other heads at that offset take
+    it as their own (``FunctionalModel`` derives it once a call for all its layers)."""
+    a = rg.update(rg.init(1, 2, 3, sink=2, recent=4), rows(7), rows(7))
+    b = rg.update(rg.init(1, 1, 3, sink=2, recent=4), rows(7, H=1), rows(7, H=1))
+    shared = rg.appended(a)
+    k = rows(1, H=1, start=50)
+    via = rg.write_at(b, k, k, **shared)
+    own = rg.update(b, k, k)
+    for f in rg.ARRAY_FIELDS:
+        assert np.array_equal(np.array(getattr(via, f)), np.array(getattr(own, f))), f
+
+
+def test_ring_update_checks_values():
+    r = rg.init(1, 2, 3, sink=1, recent=4)
+    with pytest.raises(AssertionError):
+        rg.update(r, rows(1), rows(2))
+
+
 def test_ring_rejects_bad_sizes():
     with pytest.raises(ValueError, match="recent"):
         rg.init(1, 1, 4, sink=2, recent=0)

@@ -140,3 +140,28 @@ def test_plan_fills_the_gpu_and_tiles_heads():
     assert plan(64, 32, 8, 131072)[2] == 1  # enough (batch, head) rows already
     assert plan(1, 64, 4, 4096)[:2] == (8, 2)
     assert plan(1, 14, 2, 4096)[:2] == (7, 1)
+
+
+@pytest.mark.parametrize("lengths", [mx.array(11, mx.int32), mx.array([0, 24], mx.int32)])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+def test_two_groups_in_head_order_match_each_group_alone(lengths, dim, dtype):
+    """The fused two-group kernel (CUDA) equals each group's attention put back in head order."""
+    from kvfn.kernels import two_group_decode_attention, two_group_fused
+    from kvfn.partitioned import _head_map
+
+    heads, group = ((1, 3, 4), (0, 2)), 4
+    mx.random.seed(1)
+    q = mx.random.normal((B, 5 * group, 1, dim)).astype(dtype)
+    k0, v0 = (mx.random.normal((B, 3, 24, dim)).astype(dtype) for _ in range(2))
+    k1, v1 = (mx.random.normal((B, 2, 9, dim)).astype(dtype) for _ in range(2))
+    if not two_group_fused(q, k0, k1):
+        pytest.skip("the fused kernel runs on MLX's CUDA backend")
+    out = two_group_decode_attention(q, k0, v0, lengths, k1, v1, 9, _head_map(heads),
+                                     scale=dim**-0.5)  # fmt: skip
+    expected = np.zeros(q.shape)
+    for (k, v, n), hs in zip(((k0, v0, lengths), (k1, v1, mx.array(9, mx.int32))), heads):
+        qi = mx.array([h * group + r for h in hs for r in range(group)], mx.int32)
+        part = ragged_decode_attention(mx.take(q, qi, axis=1), k, v, n, scale=dim**-0.5)
+        expected[:, np.array(qi)] = np.array(part.astype(mx.float32))
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, atol=tolerance(dtype))
