@@ -10,6 +10,7 @@ def test_benchmark_prints_kvfn_and_mlx_lm_side_by_side(capsys, tmp_path):
     (pre,) = result["prefill"]
     assert pre["L"] == 96 and pre["chunk"] == 32
     assert pre["time_ratio"] == pytest.approx(pre["kvfn_s"] / pre["mlx_s"])
+    assert pre["expected_s"] > 0 and pre["expected_gb"] > 0  # Expected Attention's prefill
     (ev,) = result["evict"]
     assert ev["traced_ms"] > 0 and ev["eager_ms"] > 0
     (row,) = result["decode"]
@@ -23,7 +24,7 @@ def test_benchmark_prints_kvfn_and_mlx_lm_side_by_side(capsys, tmp_path):
     w = result["weights_gb"] * 1e3
     assert row["byte_bound"] == pytest.approx((w + row["full_kv_mb"]) / (w + row["kept_kv_mb"]))
     out = capsys.readouterr().out
-    assert "kvfn R / mlx R" in out and "memory ratio" in out and "compiled compact_states" in out
+    assert "kvfn R / mlx R" in out and "memory ratio" in out and "kvfn expected" in out and "compiled compact_states" in out
     assert (tmp_path / "b.json").stat().st_size > 100
 
 
