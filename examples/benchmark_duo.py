@@ -10,6 +10,12 @@ retrieval ratio; streaming heads keep --sink + --recent rows. Step times are med
 compiled decode advancing the state (as a decode loop does: the old state's buffers are free to
 be written in place); mlx-lm's eager step over its own full KVCache (trimmed back after each
 step) is the reference. Host ms: building one compiled step's graph.
+
+Two step times per state: "sync", each step built then evaluated (host + GPU time add up), and
+"pipelined", a greedy decode loop that builds step t+1 while step t runs (``mx.async_eval``, as
+mlx-lm's generate_step does), so the step costs max(host, GPU) once the queue is full. "duo" is
+the head-partitioned state (two groups a layer); "slots" the same rows in one buffer a layer
+(``kvfn.slots``: each KV head owns a slot range, one write per array).
 """
 
 import argparse
@@ -23,8 +29,15 @@ import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from examples.benchmark_decode import SHAPES, median_ms, mlx_prefill, random_model  # noqa: E402
+from examples.benchmark_decode import (  # noqa: E402
+    SHAPES,
+    median_ms,
+    mlx_prefill,
+    pipelined_ms,
+    random_model,
+)
 from kvfn import cache as kv  # noqa: E402
+from kvfn import slots as sl  # noqa: E402
 
 
 def union_plus_mask(full: tuple, policy, P: int) -> tuple:
@@ -56,6 +69,35 @@ def step_ms(fm, states, steps: int) -> float:
         mx.eval(logits, kvfn.tree.arrays(box[0]))
 
     return median_ms(step, steps)
+
+
+def piped_ms(fm, states, steps: int) -> float:
+    """Median ms per step of a greedy decode loop that builds each step while the previous one
+    runs (``mx.async_eval``, as mlx-lm's generate_step)."""
+    if steps + 5 > ROOM:
+        raise ValueError(f"at most {ROOM - 5} steps, got {steps}")
+    box = [mx.array([[1]]), tuple(states)]
+
+    def build():
+        logits, box[1] = fm.decode(box[0], box[1])
+        box[0] = mx.argmax(logits, axis=-1)[:, None]
+        return [box[0], *kvfn.tree.arrays(box[1])]
+
+    return pipelined_ms(build, steps)
+
+
+def mlx_piped_ms(model, cache, steps: int) -> float:
+    box = [mx.array([[1]])]
+
+    def build():
+        logits = model(box[0], cache=cache)
+        box[0] = mx.argmax(logits[:, -1], axis=-1)[:, None]
+        return [box[0]]
+
+    ms = pipelined_ms(build, steps)
+    for c in cache:
+        c.trim(steps + 4)  # back to the prompt
+    return ms
 
 
 def host_ms(fm, states, steps: int) -> float:
@@ -96,7 +138,9 @@ def run(args) -> list:
         mx.eval(kvfn.tree.arrays(full))
         P = L - 1
         base = dict(mlx_lm_full=mlx_step_ms(model, cache, args.steps),
+                    mlx_lm_full_piped=mlx_piped_ms(model, cache, args.steps),
                     kvfn_full=step_ms(fm, full, args.steps),
+                    kvfn_full_piped=piped_ms(fm, full, args.steps),
                     kvfn_full_host=host_ms(fm, full, args.steps))  # fmt: skip
         full_bytes = sum(kvfn.eviction.kept(s.replace(max_rows=P))[1] for s in full)
         for ratio in args.ratios:
@@ -106,13 +150,24 @@ def run(args) -> list:
             states, _ = kvfn.compact_states(full, None, policy, reserve=ROOM)
             duo_bytes = sum(kvfn.eviction.kept(s)[1] for s in states)
             masked = union_plus_mask(full, policy, P)
+            packed = sl.pack_layers(states)
+            mx.eval(kvfn.tree.arrays(packed))
+            one = [fm.decode(mx.array([[1]]), s)[0] for s in (states, packed)]
+            print(
+                f"duo vs slots, one step: max |logit diff| {mx.abs(one[0] - one[1]).max().item():.3g}"
+            )
             row = dict(L=L, ratio=ratio, **base,
                        union_mask=step_ms(fm, masked, args.steps),
                        duo=step_ms(fm, states, args.steps),
+                       duo_piped=piped_ms(fm, states, args.steps),
                        duo_host=host_ms(fm, states, args.steps),
+                       slots=step_ms(fm, packed, args.steps),
+                       slots_piped=piped_ms(fm, packed, args.steps),
+                       slots_host=host_ms(fm, packed, args.steps),
                        full_mb=full_bytes / 1e6, duo_mb=duo_bytes / 1e6)  # fmt: skip
             rows.append(row)
             print_row(row)
+    print_table(rows)
     return rows
 
 
@@ -123,9 +178,36 @@ def print_row(r: dict) -> None:
         f"{r['mlx_lm_full']:.2f}, kvfn full {r['kvfn_full']:.2f}, union+mask "
         f"{r['union_mask']:.2f}, duo {r['duo']:.2f} | duo / mlx-lm full "
         f"{r['duo'] / r['mlx_lm_full']:.2f}, duo / union+mask {r['duo'] / r['union_mask']:.2f} | "
-        f"host ms: kvfn full {r['kvfn_full_host']:.2f}, duo {r['duo_host']:.2f}",
+        f"host ms: kvfn full {r['kvfn_full_host']:.2f}, duo {r['duo_host']:.2f}, slots "
+        f"{r['slots_host']:.2f} | pipelined: mlx-lm full {r['mlx_lm_full_piped']:.2f}, kvfn full "
+        f"{r['kvfn_full_piped']:.2f}, duo {r['duo_piped']:.2f}, slots {r['slots_piped']:.2f}",
         flush=True,
     )
+
+
+def print_table(rows: list) -> None:
+    """Every row once more as one markdown table: sync and pipelined ms, ratios to the full
+    caches (pipelined ratios in the last columns)."""
+    print("\nms per step: sync (host + GPU) / pipelined (async_eval); host ms in brackets")
+    print(
+        "| L | ratio | KV | mlx-lm full | kvfn full | union+mask | duo | slots | slots / mlx-lm"
+        " | slots / kvfn full | piped slots / mlx-lm | piped slots / kvfn full | piped duo / mlx-lm |"
+    )
+    print("|" + "---|" * 13)
+    for r in rows:
+        print(
+            f"| {r['L']} | {r['ratio']:.2f} | {r['duo_mb'] / r['full_mb']:.2f}x "
+            f"| {r['mlx_lm_full']:.2f} / {r['mlx_lm_full_piped']:.2f} "
+            f"| {r['kvfn_full']:.2f} / {r['kvfn_full_piped']:.2f} [{r['kvfn_full_host']:.2f}] "
+            f"| {r['union_mask']:.2f} "
+            f"| {r['duo']:.2f} / {r['duo_piped']:.2f} [{r['duo_host']:.2f}] "
+            f"| {r['slots']:.2f} / {r['slots_piped']:.2f} [{r['slots_host']:.2f}] "
+            f"| {r['slots'] / r['mlx_lm_full']:.2f} | {r['slots'] / r['kvfn_full']:.2f} "
+            f"| {r['slots_piped'] / r['mlx_lm_full_piped']:.2f} "
+            f"| {r['slots_piped'] / r['kvfn_full_piped']:.2f} "
+            f"| {r['duo_piped'] / r['mlx_lm_full_piped']:.2f} |",
+            flush=True,
+        )
 
 
 def main(argv=None) -> list:

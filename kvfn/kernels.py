@@ -324,6 +324,34 @@ def _two_group_source() -> str:
 TWO_GROUP_SOURCE = _two_group_source()
 
 
+# The split kernel over one layer in the slots layout (kvfn.slots): k, v (B, S, D), KV head h
+# owns the slots from hmap[2h], in group hmap[2h + 1]: 0, C0 slots of which [0, lengths) are
+# valid, or 1, C1 slots of which the first L1.
+def _slots_source() -> str:
+    source = SPLIT_SOURCE
+    edits = (
+        (
+            "  const int len = min(max(lengths[(bh / HKV) * LSB + (bh % HKV) * LSH], 0), C);\n",
+            "  const int first = hmap[2 * (bh % HKV)];\n"
+            "  const int grp = hmap[2 * (bh % HKV) + 1];\n"
+            "  const int C = grp == 0 ? C0 : C1;\n"
+            "  const int len = min(max(grp == 0 ? lengths[(bh / HKV) * LSB] : L1, 0), C);\n",
+        ),
+        (
+            "  const size_t base = (size_t)bh * C * D + part * EPT;\n",
+            "  const size_t base = ((size_t)(bh / HKV) * S + first) * D + part * EPT;\n",
+        ),
+    )
+    for old, replacement in edits:
+        if source.count(old) != 1:
+            raise RuntimeError("kvfn.kernels: the split kernel's source changed; update the edit")
+        source = source.replace(old, replacement)
+    return source
+
+
+SLOTS_SOURCE = _slots_source()
+
+
 def ragged_decode_attention(q, k, v, lengths, *, scale):
     """Attention of one query token to the first ``lengths`` slots of each (batch, KV head).
 
@@ -503,6 +531,79 @@ def two_group_decode_attention(q, k0, v0, lengths, k1, v1, length1: int, head_ma
         output_dtypes=[q.dtype],
     )
     return out
+
+
+def slots_decode_attention(q, k, v, lengths, capacity: int, ring: int, head_map, *, scale):
+    """``two_group_decode_attention`` over the slots layout (``kvfn.slots``): k, v (B, S, D),
+    KV head h owns the slots from ``head_map[2h]``, in group ``head_map[2h + 1]``: 0, of
+    ``capacity`` slots, ``[0, lengths)`` valid (int32 () or (B,)), or 1, a full ring of
+    ``ring`` slots. One fused launch plus the combine; queries and outputs in head order. Only
+    where ``slots_fused`` says so."""
+    batch, q_heads, _, dim = q.shape
+    kv_heads = head_map.shape[0] // 2
+    if q.shape[2] != 1 or q_heads % kv_heads or k.ndim != 3 or k.shape[2] != dim:
+        raise ValueError(f"q {q.shape} does not fit slots {k.shape}")
+    if k.shape != v.shape or k.shape[0] != batch:
+        raise ValueError(f"slots keys {k.shape} and values {v.shape} do not fit q {q.shape}")
+    if lengths.dtype != mx.int32 or lengths.ndim > 1 or lengths.size not in (1, batch):
+        raise ValueError(f"lengths must be int32 () or ({batch},), got {lengths.shape}")
+    tile, tiles, splits = plan(batch, q_heads, kv_heads, max(capacity, ring))
+    o_part, lse = _slots_kernel()(
+        inputs=[q, k, v, lengths.reshape(-1), head_map,
+                mx.array([scale * LOG2E], dtype=mx.float32)],  # fmt: skip
+        template=[
+            ("T", k.dtype),
+            ("D", dim),
+            ("G", tile),
+            ("GT", q_heads // kv_heads),
+            ("NT", tiles),
+            ("NS", splits),
+            ("S", k.shape[1]),
+            ("C0", int(capacity)),
+            ("C1", int(ring)),
+            ("L1", int(ring)),
+            ("HKV", kv_heads),
+            ("LSB", 1 if lengths.size > 1 else 0),
+            ("P", PREFETCH),
+        ],
+        grid=(splits * THREADS, batch * kv_heads * tiles, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(batch * q_heads * splits * dim,), (batch * q_heads * splits,)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    (out,) = _kernels()[1](
+        inputs=[o_part, lse],
+        template=[("T", q.dtype), ("D", dim), ("NS", splits)],
+        grid=(batch * q_heads * dim, 1, 1),
+        threadgroup=(dim, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    )
+    return out
+
+
+def slots_fused(q, k, v) -> bool:
+    """Whether ``slots_decode_attention`` runs for these (B, S, D) slots (the fused kernel's
+    conditions; ``KVFN_TWO_GROUP_KERNEL=0`` turns it off)."""
+    if not TWO_GROUP_ENABLED or k.shape != v.shape or k.ndim != 3:
+        return False
+    if not ENABLED or mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        return False
+    if not (q.dtype == k.dtype == v.dtype) or k.dtype not in KERNEL_DTYPES:
+        return False
+    lanes = q.shape[3] * k.dtype.size // 16  # lanes holding one row, 16 bytes each
+    return k.shape[1] > 0 and lanes * 16 == q.shape[3] * k.dtype.size and lanes in (2, 4, 8, 16, 32)
+
+
+@lru_cache(maxsize=None)
+def _slots_kernel():
+    return mx.fast.cuda_kernel(
+        name="kvfn_slots_decode_split",
+        input_names=["q", "k", "v", "lengths", "hmap", "scale"],
+        output_names=["o_part", "lse"],
+        source=SLOTS_SOURCE,
+        header=HEADER,
+    )
 
 
 def two_group_fused(q, k0, k1) -> bool:

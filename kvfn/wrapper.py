@@ -31,6 +31,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from . import cache as kv
 from . import kernels
 from . import partitioned as part
+from . import slots as sl
 from . import tree
 from .distributed import head_group
 from .scores import add_query_moments, window_attention_scores
@@ -95,6 +96,16 @@ class _Call:
                 self.shared[key] = part.rg.appended(group)
             return self.shared[key]
         return self.derived(group, n)[0] if self.in_lockstep(group) else None
+
+    def slots_derived(self, state: sl.HeadSlotsKVCache):
+        """``slots.appended`` for a slots layer, shared by the layers in lockstep (one ring
+        size, one row count); None to derive it alone."""
+        if not (self.lockstep and state.packed):
+            return None
+        key = ("slots", state.sink, state.recent)
+        if key not in self.shared:
+            self.shared[key] = sl.appended(state)
+        return self.shared[key]
 
 
 class _LayerAdapter:
@@ -207,7 +218,39 @@ class _PartitionedAdapter:
         return part.attend(self.before, self.state, queries, *self.rows, scale)
 
 
-ADAPTERS = {kv.State: _LayerAdapter, part.HeadPartitionedKVCache: _PartitionedAdapter}
+class _SlotsAdapter(_PartitionedAdapter):
+    """mlx-lm's cache protocol over one ``HeadSlotsKVCache`` layer: one row is written at each
+    head's slot with one scatter per array and attended in one kernel (CUDA); a chunk goes
+    through the two-group state."""
+
+    def update_and_fetch(self, keys, values):
+        if keys.shape[2] != 1:
+            before = sl.to_partitioned(self.state)
+            self.rows = part.split_rows(before, keys, values)
+            after = part.update_split(before, *self.rows)
+            self.before, self.state = (before, after), sl.from_partitioned(after)
+            return keys, values
+        shared = self.call.slots_derived(self.state)
+        if shared is None:
+            self.state = sl.update(self.state, keys, values)
+        else:
+            self.state = sl.write_at(self.state, keys, values, **shared)
+        self.before = None
+        return keys, values
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        if sinks is not None:
+            raise TypeError("kvfn's head-slots states do not support attention sinks")
+        if self.before is None:
+            return sl.attend(self.state, queries, scale)
+        return part.attend(*self.before, queries, *self.rows, scale)
+
+
+ADAPTERS = {
+    kv.State: _LayerAdapter,
+    part.HeadPartitionedKVCache: _PartitionedAdapter,
+    sl.HeadSlotsKVCache: _SlotsAdapter,
+}
 
 
 def _attend(queries, keys, values, cache, scale, mask, sinks=None):
@@ -383,6 +426,10 @@ def grown(state, n: int):
     if isinstance(state, part.HeadPartitionedKVCache):
         groups = tuple(grown(g, n) if isinstance(g, kv.State) else g for g in state.groups)
         return state.replace(groups=groups)
+    if isinstance(state, sl.HeadSlotsKVCache):
+        if state.max_rows is not None and state.max_rows + n <= state.capacity:
+            return state
+        return sl.from_partitioned(grown(sl.to_partitioned(state), n))
     if state.max_rows is None:
         state = state.replace(max_rows=int(state.rows.item()))
     need = state.max_rows + n
@@ -466,7 +513,10 @@ class FunctionalModel:
         for i, s in enumerate(states):
             if type(s) not in ADAPTERS:
                 raise TypeError(f"state {i} is a {type(s).__name__}, not a kvfn state")
-            if isinstance(s, part.HeadPartitionedKVCache) and not self._hooked[i]:
+            if (
+                isinstance(s, (part.HeadPartitionedKVCache, sl.HeadSlotsKVCache))
+                and not self._hooked[i]
+            ):
                 raise TypeError(
                     f"layer {i} holds a head-partitioned state, but its attention module "
                     f"({type(self.model.layers[i]).__name__}) computes attention itself, not "
@@ -488,6 +538,7 @@ class FunctionalModel:
         from."""
         plain = [g for s in states for g in getattr(s, "groups", (s,)) if isinstance(g, kv.State)]
         group = {(s.max_rows, s.capacity) for s in plain if s.packed and s.sliding_window is None}
+        group |= {(s.max_rows, s.capacity) for s in states if isinstance(s, sl.HeadSlotsKVCache)}
         return len(group) == 1 and None not in next(iter(group))
 
     def _run(self, tokens, states, scores=None, queries=None, lockstep=None):

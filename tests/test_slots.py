@@ -1,0 +1,173 @@
+"""The slots layout (``kvfn.slots``): DuoAttention's two head groups in one buffer a layer.
+Laws: it is the two-group state's rows, reshaped (``to_partitioned(op(s)) == op(groups)``);
+the one-row write equals the groups' update; and the oracle: decoding from it equals one
+full-sequence pass of the unmodified model masked per (layer, KV head) to the kept rows."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvfn
+from kvfn import cache as kv
+from kvfn import kernels
+from kvfn import partitioned as part
+from kvfn import ring as rg
+from kvfn import slots as sl
+from kvfn.duo import Duo
+from tests.test_duo import PATTERN, TOL, duo_visibility, greedy_logits, reference_logits
+from tests.tiny import tiny_model
+
+
+def same(a, b) -> None:
+    """Two two-group states hold the same arrays."""
+    assert a.heads == b.heads
+    for g, h in zip(a.groups, b.groups):
+        assert type(g) is type(h)
+        fields = rg.ARRAY_FIELDS if isinstance(g, rg.StreamingRing) else kv.ARRAY_FIELDS
+        for f in fields:
+            x, y = np.array(getattr(g, f)), np.array(getattr(h, f))
+            assert x.shape == y.shape and np.array_equal(x, y), f
+
+
+def layer(B=3, sink=2, recent=5, C=24, prompt=9, ring_first=False, D=8):
+    """A two-group layer of 4 KV heads (heads 1, 3 plain, 0, 2 streaming), every head's rows
+    distinct, sequences at different offsets (a prefix trim)."""
+    rng = np.random.default_rng(0)
+    k = mx.array(rng.normal(size=(B, 4, prompt, D)).astype(np.float32))
+    v = mx.array(rng.normal(size=(B, 4, prompt, D)).astype(np.float32))
+    plain = kv.reserve(kv.from_full(k[:, [1, 3]], v[:, [1, 3]]), C)
+    ring = rg.update(rg.init(B, 2, D, sink=sink, recent=recent), k[:, [0, 2]], v[:, [0, 2]])
+    groups, heads = (plain, ring), ((1, 3), (0, 2))
+    if ring_first:
+        groups, heads = groups[::-1], heads[::-1]
+    return part.partition(groups, heads)
+
+
+def test_slots_round_trip_and_store_no_union():
+    p = layer()
+    s = sl.from_partitioned(p)
+    same(sl.to_partitioned(s), p)
+    assert s.keys.shape == (3, 2 * 24 + 2 * 7, 8)  # each head its own range, no union
+    assert s.nbytes == p.nbytes
+    r = layer(ring_first=True)
+    same(sl.to_partitioned(sl.from_partitioned(r)), p)  # the plain group first, whatever order
+    assert sl.row_counts(s).tolist() == part.row_counts(p).tolist()
+
+
+@pytest.mark.parametrize("sink", [0, 2])
+def test_slots_one_row_write_equals_the_groups_update(sink):
+    """Law: a decode step's write (one scatter per array over all heads) equals the two-group
+    update, whatever each sequence's offset (below the sinks, wrapping, after a trim)."""
+    p = part.prefix_trim(layer(sink=sink), mx.array([1, 6, 9], mx.int32))
+    s = sl.from_partitioned(p)
+    rng = np.random.default_rng(1)
+    for step in range(12):
+        k = mx.array(rng.normal(size=(3, 4, 1, 8)).astype(np.float32))
+        p, s = part.update(p, k, 2 * k), sl.update(s, k, 2 * k)
+        same(sl.to_partitioned(s), p)
+    shared = sl.appended(s)  # what layers in lockstep share
+    k = mx.ones((3, 4, 1, 8))
+    same(sl.to_partitioned(sl.write_at(s, k, k, **shared)), part.update(p, k, k))
+
+
+def test_slots_chunks_trims_and_masks_are_the_groups():
+    p = layer()
+    s = sl.from_partitioned(p)
+    k = mx.arange(3 * 4 * 5 * 8, dtype=mx.float32).reshape(3, 4, 5, 8)
+    same(sl.to_partitioned(sl.update(s, k, k)), part.update(p, k, k))
+    same(sl.to_partitioned(sl.trim(s, 2)), part.trim(p, 2))
+    same(sl.to_partitioned(sl.prefix_trim(s, 4)), part.prefix_trim(p, 4))
+    same(sl.to_partitioned(sl.reserve(s, 40)), part.partition(
+        (kv.reserve(p.groups[0], 40), p.groups[1]), p.heads))  # fmt: skip
+    for a, b in zip(sl.mask(s, 1), part.mask(p, 1)):
+        assert np.array_equal(np.array(a), np.array(b))
+
+
+def test_slots_reject_bad_input():
+    p = layer()
+    s = sl.from_partitioned(p)
+    with pytest.raises(ValueError, match="two head groups"):
+        sl.from_partitioned(part.partition([p.groups[0]], [(0, 1)]))
+    with pytest.raises(ValueError, match="StreamingRing"):
+        sl.from_partitioned(part.partition([p.groups[1], p.groups[1]], [(0, 2), (1, 3)]))
+    windowed = p.groups[0].replace(sliding_window=4)
+    with pytest.raises(ValueError, match="window"):
+        sl.from_partitioned(p.replace(groups=(windowed, p.groups[1])))
+    with pytest.raises(ValueError, match="HeadPartitionedKVCache"):
+        sl.from_partitioned(p.groups[0])
+    with pytest.raises(ValueError, match="KV heads"):
+        sl.update(s, mx.zeros((3, 3, 1, 8)), mx.zeros((3, 3, 1, 8)))
+    with pytest.raises(ValueError, match="rows"):
+        sl.update(s, mx.zeros((3, 4, 1, 8)), mx.zeros((3, 4, 2, 8)))
+    full = sl.from_partitioned(layer(C=9))  # 9 rows in 9 slots
+    with pytest.raises(ValueError, match="reserve"):
+        sl.update(full, mx.zeros((3, 4, 1, 8)), mx.zeros((3, 4, 1, 8)))
+    with pytest.raises(ValueError, match="one query"):
+        sl.attend(s, mx.zeros((3, 8, 2, 8)), 1.0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("compress", [False, True])
+def test_slots_decode_equals_per_head_masked_full_attention(family, compress):
+    """The oracle, and the same logits and rows as the two-group state, traced once."""
+    fm = kvfn.FunctionalModel(tiny_model(family))
+    ids = np.random.default_rng(1).integers(0, 97, 70).tolist()
+    policy = Duo(retrieval=PATTERN[: len(fm.n_kv_heads)], sink_tokens=2, recent=6,
+                 budget=24 if compress else 2**31 - 1, window=4, compress=compress)  # fmt: skip
+    states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=10)
+    slots = sl.pack_layers(states)
+    assert all(isinstance(s, sl.HeadSlotsKVCache) for s in slots)
+    before = fm.traces
+    got, tokens = greedy_logits(fm, ids, slots, 10)  # the ring wraps
+    assert fm.traces == before + 1
+    two, _ = greedy_logits(fm, ids, states, 10)
+    assert mx.abs(got - two).max().item() < TOL
+    P, T = len(ids) - 1, len(tokens) - 1
+    seq = mx.array([tokens[:T]])
+    ref = reference_logits(fm.model, seq, duo_visibility(fm, states, P, T, policy))[P:]
+    full = reference_logits(fm.model, seq, lambda i: "causal")[P:]
+    assert mx.abs(got - ref).max().item() < TOL
+    assert mx.abs(got - full).max().item() > 100 * TOL  # not vacuous
+
+
+def test_slots_chunk_then_decode_and_grow():
+    """A chunk (through the groups), decode past the plain heads' capacity (they grow), and a
+    rollback: all as the two-group state does."""
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(3).integers(0, 97, 40).tolist()
+    states, _ = kvfn.compact(fm, ids, Duo(retrieval=PATTERN, sink_tokens=2, recent=4),
+                             max_new_tokens=1)  # fmt: skip
+    a, b = states, sl.pack_layers(states)
+    chunk = mx.array([ids[:5]])
+    la, a = fm.step(chunk, a)
+    lb, b = fm.step(chunk, b)
+    assert mx.abs(la - lb).max().item() < TOL
+    token = mx.array([[ids[-1]]])
+    for _ in range(6):  # past the reserved slot: the plain heads grow
+        la, a = fm.decode(token, a)
+        lb, b = fm.decode(token, b)
+        assert mx.abs(la - lb).max().item() < TOL
+        token = mx.argmax(la, axis=-1)[:, None]
+    assert b[0].capacity > states[0].groups[0].capacity
+    for x, y in zip(a, b):
+        same(sl.to_partitioned(sl.trim(y, 3)), part.trim(x, 3))
+
+
+needs_cuda = pytest.mark.skipif(
+    not (mx.default_device() == mx.gpu and mx.cuda.is_available()), reason="CUDA kernel"
+)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_slots_kernel_equals_each_group_alone(dtype):
+    p = layer(B=1, C=300, prompt=200, D=64)
+    p = p.replace(groups=tuple(g.replace(keys=g.keys.astype(dtype), values=g.values.astype(dtype))
+                               for g in p.groups))  # fmt: skip
+    s = sl.from_partitioned(p)
+    q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(0)).astype(dtype)
+    got = sl.attend(s, q, 0.3)
+    assert kernels.slots_fused(q, s.keys, s.values) and s.full
+    want = part.attend(p, p, q, [None, None], [None, None], 0.3)  # per group
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < tol
