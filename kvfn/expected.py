@@ -86,6 +86,10 @@ class ExpectedAttention(Policy):
             return 0
         return prompt_length - self.sink_tokens
 
+    def scoring(self) -> tuple:
+        return (ExpectedAttention.score_prompt, self.future, self.covariance, self.value_norm,
+                self.sink_tokens)  # fmt: skip
+
     def score_prompt(self, fmodel, tokens, states, gathered=None) -> Optional[tuple]:
         P = tokens.shape[1]
         if self.keeps_whole(P):

@@ -127,6 +127,9 @@ class KVzip(Policy):
         if self.chunk < 1:
             raise ValueError(f"kvzip chunk must be >= 1, got {self.chunk}")
 
+    def scoring(self) -> tuple:
+        return (KVzip.score_prompt, self.prompt, self.chunk)  # kvzip-layer, adakvzip: one pass
+
     def for_tokenizer(self, tokenizer) -> "KVzip":
         """With the tokenizer's repeat instruction (``repeat_prompt``) unless one is set."""
         return self if self.prompt else self.replace(prompt=repeat_prompt(tokenizer))

@@ -109,6 +109,11 @@ class Policy:
         gathered query moments; None (the default): the gathered attention is the scores."""
         return None
 
+    def scoring(self) -> tuple:
+        """What ``score_prompt``'s result depends on besides the prompt and its states:
+        policies with equal ``scoring()`` may share one scoring (the evaluator does)."""
+        return (type(self).score_prompt,)
+
     def for_tokenizer(self, tokenizer) -> "Policy":
         """The policy with the settings that come from the model's tokenizer (KVzip's
         instruction to repeat the context); itself by default."""

@@ -241,9 +241,9 @@ class Evaluator:
                    moments=None) -> tuple:  # fmt: skip
         """A policy's own scores of ``states`` of the prompt ``tokens`` (KVzip's reconstruction
         pass; Expected Attention's, from the context's query ``moments``; None for the others)
-        and their seconds, once per state and scoring (``memo``: kvzip, kvzip-layer and
-        adakvzip share one pass; no budget changes it)."""
-        key = type(policy).score_prompt
+        and their seconds, once per state and ``policy.scoring()`` (``memo``: kvzip,
+        kvzip-layer and adakvzip share one pass; no budget changes it)."""
+        key = policy.scoring()
         if key not in memo:
             t0 = time.perf_counter()
             gathered = moments if policy.statistic == "moments" else None
