@@ -12,7 +12,8 @@ head_dim 128); --q4 quantizes their weights to 4 bits. Without --shape, the embe
 prefill  per prompt length and chunk size: mlx-lm's chunked prefill (its KVCache) vs kvfn's
          scored prefill (window 32): seconds and peak GB above the weights, and their ratios;
          kvfn's prefill without scoring beside them, and Expected Attention's (the queries'
-         moments gathered in every chunk, then each layer's expected attention per row).
+         moments gathered in every chunk, then each layer's expected attention per row) and
+         KVzip's (the unscored prefill, then its reconstruction pass over the context).
 evict    the compaction after the last prefill chunk: kvfn.compact_states (one compiled step,
          no host sync) vs the same selection and gather done eagerly with checks
          (evict_prompt_cache), up to the first decoded token.
@@ -140,6 +141,16 @@ def kvfn_expected_prefill(fm, tokens, chunk, sinks=4):
     return states, scores
 
 
+def kvfn_kvzip_prefill(fm, tokens, chunk):
+    """KVzip's prefill: the plain prefill, then the reconstruction pass over its states (the
+    context repeated, ``chunk`` queries a step; no instruction: random weights)."""
+    context = mx.array([tokens])
+    states = kvfn.prefill(fm, context, prefill_step_size=chunk)
+    scores = kvfn.reconstruction_scores(fm, context, states, chunk=chunk)
+    mx.eval(kvfn.cache.arrays(states), scores)
+    return states, scores
+
+
 def kvfn_plain_prefill(fm, tokens, chunk):
     states = kvfn.prefill(fm, mx.array([tokens]), prefill_step_size=chunk)
     mx.eval(kvfn.cache.arrays(states))
@@ -156,17 +167,18 @@ def prefill_rows(model, fm, lengths, chunks, weights, repeat=2):
                 for name, fn in (("mlx", lambda: mlx_prefill(model, tokens, chunk)),
                                  ("kvfn", lambda: kvfn_prefill(fm, tokens, chunk)),
                                  ("plain", lambda: kvfn_plain_prefill(fm, tokens, chunk)),
-                                 ("expected", lambda: kvfn_expected_prefill(fm, tokens, chunk))):  # fmt: skip
+                                 ("expected", lambda: kvfn_expected_prefill(fm, tokens, chunk)),
+                                 ("kvzip", lambda: kvfn_kvzip_prefill(fm, tokens, chunk))):  # fmt: skip
                     out, s, peak = measured(fn)
                     del out
                     b = best.get(name, (1e9, 1e18))
                     best[name] = (min(b[0], s), min(b[1], peak - weights))
             (ms, mm), (ks, km), (ps, pm) = best["mlx"], best["kvfn"], best["plain"]
-            es, em = best["expected"]
+            (es, em), (zs, zm) = best["expected"], best["kvzip"]
             rows.append(dict(L=L, chunk=chunk, mlx_s=ms, mlx_gb=mm / 1e9, kvfn_s=ks,
                              kvfn_gb=km / 1e9, time_ratio=ks / ms, mem_ratio=km / max(mm, 1),
                              plain_s=ps, plain_gb=pm / 1e9, expected_s=es,
-                             expected_gb=em / 1e9))  # fmt: skip
+                             expected_gb=em / 1e9, kvzip_s=zs, kvzip_gb=zm / 1e9))  # fmt: skip
     return rows
 
 
@@ -275,13 +287,14 @@ def decode_rows(model, fm, lengths, budgets, chunk, steps, weights):
 
 def markdown(result: dict) -> str:
     out = ["prefill (seconds / GB peak above the weights)", "",
-           "| L | chunk | mlx-lm s / GB | kvfn scored s / GB | time ratio | memory ratio | kvfn unscored s / GB | kvfn expected s / GB |",
-           "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+           "| L | chunk | mlx-lm s / GB | kvfn scored s / GB | time ratio | memory ratio | kvfn unscored s / GB | kvfn expected s / GB | kvfn kvzip s / GB |",
+           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in result["prefill"]:
         out.append(f"| {r['L']} | {r['chunk']} | {r['mlx_s']:.3f} / {r['mlx_gb']:.2f} | "
                    f"{r['kvfn_s']:.3f} / {r['kvfn_gb']:.2f} | {r['time_ratio']:.2f} | "
                    f"{r['mem_ratio']:.2f} | {r['plain_s']:.3f} / {r['plain_gb']:.2f} | "
-                   f"{r['expected_s']:.3f} / {r['expected_gb']:.2f} |")  # fmt: skip
+                   f"{r['expected_s']:.3f} / {r['expected_gb']:.2f} | "
+                   f"{r['kvzip_s']:.3f} / {r['kvzip_gb']:.2f} |")  # fmt: skip
     out += ["", "eviction after prefill, to the first decoded token (ms)", "",
             "| L | R | compiled compact_states | eager, checked | saved |", "|---|---|---|---|---|"]  # fmt: skip
     for r in result["evict"]:

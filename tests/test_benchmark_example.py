@@ -11,6 +11,7 @@ def test_benchmark_prints_kvfn_and_mlx_lm_side_by_side(capsys, tmp_path):
     assert pre["L"] == 96 and pre["chunk"] == 32
     assert pre["time_ratio"] == pytest.approx(pre["kvfn_s"] / pre["mlx_s"])
     assert pre["expected_s"] > 0 and pre["expected_gb"] > 0  # Expected Attention's prefill
+    assert pre["kvzip_s"] > 0 and pre["kvzip_gb"] > 0  # KVzip's: the prefill and its own pass
     (ev,) = result["evict"]
     assert ev["traced_ms"] > 0 and ev["eager_ms"] > 0
     (row,) = result["decode"]
