@@ -22,8 +22,6 @@ from .snapkv import pool1d
 from .wrapper import FunctionalModel, QuerySlice
 
 REPEAT = "\n\nRepeat the previous context exactly."
-# per-query score rows of one step, all layers together (4 bytes each): bounds the step's size
-SCORE_FLOATS = 1 << 28
 
 
 def repeat_prompt(tokenizer, text: str = REPEAT) -> tuple[int, ...]:
@@ -39,13 +37,6 @@ def repeat_prompt(tokenizer, text: str = REPEAT) -> tuple[int, ...]:
     return tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
-def queries_per_step(fmodel: FunctionalModel, capacity: int, chunk: int) -> int:
-    """Reconstruction queries one step runs: ``chunk``, fewer when their per-query attention
-    rows (every layer's query heads x ``capacity``) would pass ``SCORE_FLOATS``."""
-    per_query = sum(fmodel.n_heads) * capacity
-    return max(1, min(chunk, SCORE_FLOATS // per_query))
-
-
 def reconstruction_scores(
     fmodel: FunctionalModel,
     tokens: mx.array,
@@ -57,7 +48,8 @@ def reconstruction_scores(
     """Per layer, the most attention (B, n_heads, P) float32 each of the P rows of ``states``
     (freshly prefilled from ``tokens``, (B, P)) gets from any query of the reconstruction
     (``prompt`` then ``tokens``), run over them in steps of at most ``chunk`` queries; zeros for
-    sliding-window layers. Only one step's attention rows exist at a time, never a
+    sliding-window layers. Each layer keeps a running maximum; at most (heads x 64 x rows)
+    weights of one layer exist at once (``kvfn.scores.window_attention_max``), never a
     (heads x P x P) matrix. ``states`` are left as they were."""
     if not isinstance(tokens, mx.array) or tokens.ndim != 2 or tokens.shape[1] < 1:
         shape = tuple(tokens.shape) if isinstance(tokens, mx.array) else type(tokens).__name__
@@ -74,19 +66,18 @@ def reconstruction_scores(
     head = mx.broadcast_to(mx.array(list(prompt), mx.int32)[None], (B, len(prompt)))
     recon = mx.concatenate([head, tokens.astype(mx.int32)], axis=1)
     n = recon.shape[1]
-    step = queries_per_step(fmodel, max(s.capacity for s in states) + n, chunk)
-    best = tuple(mx.zeros((B, h, P), mx.float32) for h in fmodel.n_heads)
-    for start in range(0, n, step):
-        part = recon[:, start : start + step]
+    best = None
+    for start in range(0, n, chunk):
+        part = recon[:, start : start + chunk]
         w = part.shape[1]
         # exactly the room this step needs: each query's rows span only the rows so far
         states = tuple(with_room(s, w) for s in states)
-        # broadcast zeros: the shape scored_forward adds the rows to, with no buffer behind it
-        zeros = tuple(mx.broadcast_to(mx.zeros((1, 1, 1, 1)), (B, h, w, s.capacity))
+        zeros = tuple(mx.zeros((B, h, s.capacity), mx.float32)
                       for h, s in zip(fmodel.n_heads, states))  # fmt: skip
-        _, states, attn = fmodel.scored_forward(part, states, zeros, QuerySlice(0, w))
-        best = tuple(mx.maximum(b, mx.max(a[..., :P], axis=2)) for b, a in zip(best, attn))
-        del attn  # each layer's rows can go as soon as its max is taken
+        query = QuerySlice(0, w, "max_attention")
+        _, states, top = fmodel.scored_forward(part, states, zeros, query)
+        top = tuple(t[..., :P] for t in top)
+        best = top if best is None else tuple(map(mx.maximum, best, top))
         mx.eval(best, tree.arrays(states))
     return best
 

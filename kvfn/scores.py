@@ -31,6 +31,25 @@ def window_attention_scores(
     return mx.sum(weights, axis=-2).reshape(B, n_heads, -1)
 
 
+@typechecked
+def window_attention_max(
+    queries: mx.array, query_positions: mx.array, state: State, scale: float, piece: int = 64
+) -> mx.array:
+    """The most softmax attention any of ``queries`` (B, n_heads, w, D; after RoPE) pays each
+    slot of ``state``: (B, n_heads, capacity), float32. Causal over true positions. The queries
+    go ``piece`` at a time, so at most (n_heads x piece x capacity) weights exist at once."""
+    if piece < 1:
+        raise ValueError(f"piece must be >= 1, got {piece}")
+    best = None
+    for i in range(0, queries.shape[2], piece):
+        rows = window_attention_scores(queries[:, :, i : i + piece],
+                                       query_positions[:, i : i + piece], state, scale,
+                                       reduce=False)  # fmt: skip
+        top = mx.max(rows, axis=2)
+        best = top if best is None else mx.maximum(best, top)
+    return best
+
+
 def query_moments(batch: int, n_heads: int, head_dim: int) -> mx.array:
     """Empty running moments of a layer's queries, (B, n_heads, head_dim + 2, head_dim) float32:
     per head, row 0 sums the queries, row 1 counts them (every entry), rows 2: sum their outer

@@ -34,7 +34,7 @@ from . import partitioned as part
 from . import slots as sl
 from . import tree
 from .distributed import head_group
-from .scores import add_query_moments, window_attention_scores
+from .scores import add_query_moments, window_attention_max, window_attention_scores
 
 ATTENTION_NAMES = ("self_attn", "attention", "attn")
 N_HEADS_NAMES = ("n_heads", "num_heads", "num_attention_heads")
@@ -44,15 +44,16 @@ GROWTH = 256  # capacities grow to multiples of this, at least doubling
 _current = contextvars.ContextVar("kvfn_layer_adapter", default=None)
 
 
-STATISTICS = ("attention", "moments")
+STATISTICS = ("attention", "max_attention", "moments")
 
 
 @dataclass(frozen=True)
 class QuerySlice:
     """The query rows of one call (a static slice) that a scored call reads, and what it adds
-    to each layer's scores: ``"attention"``, their attention over every key (the observation
-    window), or ``"moments"``, the sums of their queries before RoPE and of their outer
-    products (``kvfn.scores.add_query_moments``)."""
+    to each layer's scores: ``"attention"``, their attention over every key, summed (the
+    observation window); ``"max_attention"``, the most any of them pays each key, kept as a
+    running maximum (KVzip's reconstruction); or ``"moments"``, the sums of their queries
+    before RoPE and of their outer products (``kvfn.scores.add_query_moments``)."""
 
     start: int
     stop: int
@@ -176,6 +177,10 @@ class _LayerAdapter:
                 return self._fetch(r, keys.shape[2])
             q = self.queries[:, :, qs.start : qs.stop]
             qpos = before[:, None] + mx.arange(qs.start, qs.stop, dtype=mx.int32)[None]
+            if qs.statistic == "max_attention":
+                top = window_attention_max(q, qpos, self.state, self.scale)
+                self.scores = mx.maximum(self.scores, top)
+                return self._fetch(r, keys.shape[2])
             rows = window_attention_scores(q, qpos, self.state, self.scale,
                                            reduce=self.scores.ndim == 3)  # fmt: skip
             self.scores = self.scores + rows
@@ -575,7 +580,7 @@ class FunctionalModel:
             raise TypeError("a scored step needs plain states (score before partitioning)")
         old = [s.capacity for s in states] if isinstance(states, (tuple, list)) else None
         tokens, states = self._prepare(tokens, states)
-        grows = isinstance(queries, QuerySlice) and queries.statistic == "attention"
+        grows = isinstance(queries, QuerySlice) and queries.statistic != "moments"
         if grows and old is not None and len(scores) == len(states):  # states grew: so do scores
             scores = tuple(
                 (
@@ -600,7 +605,9 @@ class FunctionalModel:
             want = (st.keys.shape[0], self.n_heads[i], st.capacity)
             if queries.statistic == "moments":
                 want = (*want[:2], self.head_dims[i] + 2, self.head_dims[i])
-            elif s.ndim == 4:  # one row per query (kvfn.heads profiles heads with them)
+            elif (
+                s.ndim == 4 and queries.statistic == "attention"
+            ):  # one row per query (kvfn.heads profiles heads with them)
                 want = (*want[:2], w, want[2])
             if tuple(s.shape) != want:
                 raise ValueError(f"scores[{i}] must have shape {want}, got {tuple(s.shape)}")

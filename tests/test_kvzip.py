@@ -9,7 +9,7 @@ import pytest
 
 import kvfn
 from kvfn import KVzip, parse_policy, reconstruction_scores, repeat_prompt
-from kvfn.kvzip import AdaKVzip, queries_per_step
+from kvfn.kvzip import AdaKVzip
 from kvfn_eval import answers, tasks
 from kvfn_eval.evaluator import Evaluator, Method, prompt_tokens, token_counter
 from tests.tiny import tiny_model
@@ -118,11 +118,19 @@ def test_the_pass_is_the_max_over_reconstruction_queries_of_one_full_forward(fam
     assert int(states[0].rows.item()) == 37  # the prefilled states are untouched
 
 
-def test_steps_shrink_to_bound_the_score_rows():
-    fm = kvfn.FunctionalModel(tiny_model("llama"))  # 3 layers x 4 query heads
-    assert queries_per_step(fm, 1000, 512) == 512
-    assert queries_per_step(fm, 100_000, 512) == (1 << 28) // (12 * 100_000) == 223
-    assert queries_per_step(fm, 1 << 30, 512) == 1
+def test_window_attention_max_is_the_max_over_queries_in_any_pieces():
+    rng = np.random.default_rng(4)
+    state = kvfn.cache.init(1, 2, 8, 24)
+    k = mx.array(rng.normal(size=(1, 2, 20, 8)), mx.float32)
+    state = kvfn.update(state, k, k)
+    q = mx.array(rng.normal(size=(1, 4, 9, 8)), mx.float32)
+    qpos = mx.arange(11, 20)[None]
+    want = mx.max(kvfn.scores.window_attention_scores(q, qpos, state, 0.3, reduce=False), axis=2)
+    for piece in (1, 4, 9, 64):
+        got = kvfn.scores.window_attention_max(q, qpos, state, 0.3, piece=piece)
+        assert got.shape == (1, 4, 24) and mx.allclose(got, want).item()
+    with pytest.raises(ValueError, match="piece must be >= 1, got 0"):
+        kvfn.scores.window_attention_max(q, qpos, state, 0.3, piece=0)
 
 
 def test_compact_with_kvzip_on_smollm2_finds_the_passkey(smollm2):
@@ -204,7 +212,9 @@ def test_bad_reconstruction_inputs_are_named():
 def test_the_tokenizer_gives_kvzip_its_repeat_instruction(smollm2):
     _, tokenizer = smollm2
     policy = parse_policy("adakvzip-global", budget=64)
-    assert policy.prompt == () and policy.for_tokenizer(tokenizer).prompt == repeat_prompt(tokenizer)
+    assert policy.prompt == () and policy.for_tokenizer(tokenizer).prompt == repeat_prompt(
+        tokenizer
+    )
     own = KVzip(budget=64, prompt=(5, 6))
     assert own.for_tokenizer(tokenizer) is own  # a prompt of its own stays
     snap = parse_policy("snapkv", budget=64)
