@@ -162,8 +162,10 @@ needs_cuda = pytest.mark.skipif(
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_slots_kernel_equals_each_group_alone(dtype):
     p = layer(B=1, C=300, prompt=200, D=64)
+    plain, ring = p.groups
+    ring = ring.replace(full=True)  # one sequence, 200 rows through a ring of 7: every slot holds
     p = p.replace(groups=tuple(g.replace(keys=g.keys.astype(dtype), values=g.values.astype(dtype))
-                               for g in p.groups))  # fmt: skip
+                               for g in (plain, ring)))  # fmt: skip
     s = sl.from_partitioned(p)
     q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(0)).astype(dtype)
     got = sl.attend(s, q, 0.3)
