@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	$(BIN)/python examples/generate.py --kv-eviction snapkv --compare $(ARGS)
+	$(BIN)/python examples/generate.py --kv-eviction chunkkv --compare $(ARGS)
 
 test: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(ARGS)

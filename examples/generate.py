@@ -80,7 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     kv.add_argument(
         "--kv-eviction",
         default="none",
-        help="none, or a policy name: snapkv, snapkv-k15-avg-layer, streaming, random, ...",
+        help="none, or a policy name: chunkkv (the default of `make demo`: the prompt ends "
+        "with its question), adakvzip-global, snapkv, streaming, ... (README: Policies)",
     )
     kv.add_argument(
         "--compare", action="store_true", help="also generate with the full cache, side by side"
@@ -98,13 +99,26 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0,
         help="prompts this short are never compacted",
     )
-    duo = p.add_argument_group("DuoAttention (--kv-eviction duo, or duo-snapkv to compress retrieval heads to --kv-budget)")
-    duo.add_argument("--kv-head-pattern", help="a DuoAttention pattern folder or .tsv (make one with `kvfn heads`)")
+    duo = p.add_argument_group(
+        "DuoAttention (--kv-eviction duo, or duo-snapkv to compress retrieval heads to --kv-budget)"
+    )
+    duo.add_argument(
+        "--kv-head-pattern",
+        help="a DuoAttention pattern folder or .tsv (make one with `kvfn heads`)",
+    )
     duo.add_argument("--kv-retrieval-ratio", type=probability,
                      help="fraction of KV heads that keep the long context (default: the "
                      "pattern's config.json sparsity or threshold, else 0.5)")  # fmt: skip
-    duo.add_argument("--kv-sink-size", type=non_negative_int, help="streaming heads' sink rows (default: the pattern's)")
-    duo.add_argument("--kv-recent-size", type=positive_int, help="streaming heads' recent rows (default: the pattern's)")
+    duo.add_argument(
+        "--kv-sink-size",
+        type=non_negative_int,
+        help="streaming heads' sink rows (default: the pattern's)",
+    )
+    duo.add_argument(
+        "--kv-recent-size",
+        type=positive_int,
+        help="streaming heads' recent rows (default: the pattern's)",
+    )
     args = p.parse_args(argv)
     if args.top_k < 0:
         p.error(f"argument --top-k: must be >= 0, got {args.top_k}")

@@ -152,7 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantized-kv-start", type=int, default=mlx_server.DEFAULT_QUANTIZED_KV_START)
     p.add_argument("--pipeline", action="store_true")
     kv = p.add_argument_group("KV-cache eviction (off unless --kv-eviction names a policy)")
-    kv.add_argument("--kv-eviction", default="none", help="none, or a policy: snapkv, streaming...")
+    kv.add_argument(
+        "--kv-eviction",
+        default="none",
+        help="none, or a policy: chunkkv (recommended), snapkv, streaming...",
+    )
     kv.add_argument("--kv-budget", type=positive_int, default=512, help="rows kept per layer/head")
     kv.add_argument("--kv-window", type=positive_int, default=32, help="observation window")
     kv.add_argument("--kv-sink-tokens", type=non_negative_int, default=4)
