@@ -422,13 +422,16 @@ def _per_query_head(lengths, group):
     return limit
 
 
-def _kernel_applies(q, k, v) -> bool:
+def _kernel_applies(q, k, v, rows=None) -> bool:
+    """The split kernel's conditions: CUDA, one supported dtype, a head_dim it tiles, and rows
+    (``k.shape[2]`` unless given) to read."""
     if not ENABLED or mx.default_device() != mx.gpu or not mx.cuda.is_available():
         return False
     if not (q.dtype == k.dtype == v.dtype) or k.dtype not in KERNEL_DTYPES:
         return False
+    rows = k.shape[2] if rows is None else rows
     lanes = q.shape[3] * k.dtype.size // 16  # lanes holding one row, 16 bytes each
-    return k.shape[2] > 0 and lanes * 16 == q.shape[3] * k.dtype.size and lanes in (2, 4, 8, 16, 32)
+    return rows > 0 and lanes * 16 == q.shape[3] * k.dtype.size and lanes in (2, 4, 8, 16, 32)
 
 
 def plan(batch, q_heads, kv_heads, capacity):
@@ -441,25 +444,22 @@ def plan(batch, q_heads, kv_heads, capacity):
     return tile, group // tile, splits
 
 
-def _kernel_attention(q, k, v, lengths, scale):
+def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale, template):
+    """One split-K launch of ``split_kernel`` (its ``inputs`` then the scale; its own
+    ``template`` entries after the shared ones) over ``capacity`` rows a KV head, then the
+    combine: (B, n_q_heads, 1, D) in q's dtype."""
     batch, q_heads, _, dim = q.shape
-    kv_heads, capacity = k.shape[1], k.shape[2]
     tile, tiles, splits = plan(batch, q_heads, kv_heads, capacity)
-    lb, lh = lengths.shape + (1,) * (2 - lengths.ndim)
-    split_kernel, combine_kernel = _kernels()
     o_part, lse = split_kernel(
-        inputs=[q, k, v, lengths.reshape(-1), mx.array([scale * LOG2E], dtype=mx.float32)],
+        inputs=[*inputs, mx.array([scale * LOG2E], dtype=mx.float32)],
         template=[
-            ("T", k.dtype),
+            ("T", dtype),
             ("D", dim),
             ("G", tile),
             ("GT", q_heads // kv_heads),
             ("NT", tiles),
             ("NS", splits),
-            ("C", capacity),
-            ("HKV", kv_heads),
-            ("LSB", lh if lb > 1 else 0),
-            ("LSH", 1 if lh > 1 else 0),
+            *template,
             ("P", PREFETCH),
         ],
         grid=(splits * THREADS, batch * kv_heads * tiles, 1),
@@ -467,7 +467,7 @@ def _kernel_attention(q, k, v, lengths, scale):
         output_shapes=[(batch * q_heads * splits * dim,), (batch * q_heads * splits,)],
         output_dtypes=[mx.float32, mx.float32],
     )
-    (out,) = combine_kernel(
+    (out,) = _kernels()[1](
         inputs=[o_part, lse],
         template=[("T", q.dtype), ("D", dim), ("NS", splits)],
         grid=(batch * q_heads * dim, 1, 1),
@@ -476,6 +476,15 @@ def _kernel_attention(q, k, v, lengths, scale):
         output_dtypes=[q.dtype],
     )
     return out
+
+
+def _kernel_attention(q, k, v, lengths, scale):
+    kv_heads, capacity = k.shape[1], k.shape[2]
+    lb, lh = lengths.shape + (1,) * (2 - lengths.ndim)
+    template = [("C", capacity), ("HKV", kv_heads), ("LSB", lh if lb > 1 else 0),
+                ("LSH", 1 if lh > 1 else 0)]  # fmt: skip
+    return _split_and_combine(_kernels()[0], [q, k, v, lengths.reshape(-1)], q, kv_heads,
+                              capacity, k.dtype, scale, template)  # fmt: skip
 
 
 def two_group_decode_attention(q, k0, v0, lengths, k1, v1, length1: int, head_map, *, scale):
@@ -497,40 +506,12 @@ def two_group_decode_attention(q, k0, v0, lengths, k1, v1, length1: int, head_ma
         raise ValueError(f"groups {k0.shape}, {k1.shape} do not hold {kv_heads} KV heads")
     if lengths.dtype != mx.int32 or lengths.ndim > 1 or lengths.size not in (1, batch):
         raise ValueError(f"lengths must be int32 () or ({batch},), got {lengths.shape}")
-    tile, tiles, splits = plan(batch, q_heads, kv_heads, max(k0.shape[2], k1.shape[2]))
-    o_part, lse = _two_group_kernel()(
-        inputs=[q, k0, v0, k1, v1, lengths.reshape(-1), head_map,
-                mx.array([scale * LOG2E], dtype=mx.float32)],  # fmt: skip
-        template=[
-            ("T", k0.dtype),
-            ("D", dim),
-            ("G", tile),
-            ("GT", q_heads // kv_heads),
-            ("NT", tiles),
-            ("NS", splits),
-            ("C0", k0.shape[2]),
-            ("C1", k1.shape[2]),
-            ("H0", k0.shape[1]),
-            ("H1", k1.shape[1]),
-            ("L1", int(length1)),
-            ("HKV", kv_heads),
-            ("LSB", 1 if lengths.size > 1 else 0),
-            ("P", PREFETCH),
-        ],
-        grid=(splits * THREADS, batch * kv_heads * tiles, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(batch * q_heads * splits * dim,), (batch * q_heads * splits,)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
-    (out,) = _kernels()[1](
-        inputs=[o_part, lse],
-        template=[("T", q.dtype), ("D", dim), ("NS", splits)],
-        grid=(batch * q_heads * dim, 1, 1),
-        threadgroup=(dim, 1, 1),
-        output_shapes=[q.shape],
-        output_dtypes=[q.dtype],
-    )
-    return out
+    template = [("C0", k0.shape[2]), ("C1", k1.shape[2]), ("H0", k0.shape[1]),
+                ("H1", k1.shape[1]), ("L1", int(length1)), ("HKV", kv_heads),
+                ("LSB", 1 if lengths.size > 1 else 0)]  # fmt: skip
+    inputs = [q, k0, v0, k1, v1, lengths.reshape(-1), head_map]
+    return _split_and_combine(_two_group_kernel(), inputs, q, kv_heads,
+                              max(k0.shape[2], k1.shape[2]), k0.dtype, scale, template)  # fmt: skip
 
 
 def slots_decode_attention(q, k, v, lengths, capacity: int, ring: int, head_map, *, scale):
@@ -547,39 +528,10 @@ def slots_decode_attention(q, k, v, lengths, capacity: int, ring: int, head_map,
         raise ValueError(f"slots keys {k.shape} and values {v.shape} do not fit q {q.shape}")
     if lengths.dtype != mx.int32 or lengths.ndim > 1 or lengths.size not in (1, batch):
         raise ValueError(f"lengths must be int32 () or ({batch},), got {lengths.shape}")
-    tile, tiles, splits = plan(batch, q_heads, kv_heads, max(capacity, ring))
-    o_part, lse = _slots_kernel()(
-        inputs=[q, k, v, lengths.reshape(-1), head_map,
-                mx.array([scale * LOG2E], dtype=mx.float32)],  # fmt: skip
-        template=[
-            ("T", k.dtype),
-            ("D", dim),
-            ("G", tile),
-            ("GT", q_heads // kv_heads),
-            ("NT", tiles),
-            ("NS", splits),
-            ("S", k.shape[1]),
-            ("C0", int(capacity)),
-            ("C1", int(ring)),
-            ("L1", int(ring)),
-            ("HKV", kv_heads),
-            ("LSB", 1 if lengths.size > 1 else 0),
-            ("P", PREFETCH),
-        ],
-        grid=(splits * THREADS, batch * kv_heads * tiles, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(batch * q_heads * splits * dim,), (batch * q_heads * splits,)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
-    (out,) = _kernels()[1](
-        inputs=[o_part, lse],
-        template=[("T", q.dtype), ("D", dim), ("NS", splits)],
-        grid=(batch * q_heads * dim, 1, 1),
-        threadgroup=(dim, 1, 1),
-        output_shapes=[q.shape],
-        output_dtypes=[q.dtype],
-    )
-    return out
+    template = [("S", k.shape[1]), ("C0", int(capacity)), ("C1", int(ring)), ("L1", int(ring)),
+                ("HKV", kv_heads), ("LSB", 1 if lengths.size > 1 else 0)]  # fmt: skip
+    return _split_and_combine(_slots_kernel(), [q, k, v, lengths.reshape(-1), head_map], q,
+                              kv_heads, max(capacity, ring), k.dtype, scale, template)  # fmt: skip
 
 
 def slots_fused(q, k, v) -> bool:
@@ -587,12 +539,7 @@ def slots_fused(q, k, v) -> bool:
     conditions; ``KVFN_TWO_GROUP_KERNEL=0`` turns it off)."""
     if not TWO_GROUP_ENABLED or k.shape != v.shape or k.ndim != 3:
         return False
-    if not ENABLED or mx.default_device() != mx.gpu or not mx.cuda.is_available():
-        return False
-    if not (q.dtype == k.dtype == v.dtype) or k.dtype not in KERNEL_DTYPES:
-        return False
-    lanes = q.shape[3] * k.dtype.size // 16  # lanes holding one row, 16 bytes each
-    return k.shape[1] > 0 and lanes * 16 == q.shape[3] * k.dtype.size and lanes in (2, 4, 8, 16, 32)
+    return _kernel_applies(q, k, v, rows=k.shape[1])
 
 
 @lru_cache(maxsize=None)
