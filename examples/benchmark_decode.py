@@ -78,16 +78,21 @@ def median_ms(step, steps: int, warmup: int = 3) -> float:
 
 def pipelined_ms(build, steps: int) -> float:
     """Median ms per step when each step is built while the previous one runs (``async_eval``,
-    as mlx-lm's generate_step does); ``build()`` returns the step's arrays to evaluate."""
-    pending = build()
-    mx.async_eval(pending)
+    as mlx-lm's generate_step does); ``build()`` returns the step's arrays to evaluate. Only the
+    first (the logits or next token) is kept between steps, as in a decode loop: a state array
+    still referenced when the next step is queued could not be written in place."""
+    out = build()
+    mx.async_eval(out)
+    pending = out[0]
+    del out
     times = []
     for _ in range(steps + 3):
         t = time.perf_counter()
-        nxt = build()
-        mx.async_eval(nxt)
+        out = build()
+        mx.async_eval(out)
         mx.eval(pending)
-        pending = nxt
+        pending = out[0]
+        del out
         times.append(time.perf_counter() - t)
     mx.eval(pending)
     return 1e3 * statistics.median(times[3:])

@@ -1,0 +1,156 @@
+"""Where kvfn's compiled full-cache decode step loses to mlx-lm's eager step: the whole 8B-shaped
+step (random weights, K/V filled with random rows, no prefill), timed synchronously and
+pipelined, with and without kvfn's ragged kernel, holding the previous step's state or not.
+
+    python examples/profile_decode.py --lengths 8192 32768            # MLX CUDA
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \\
+        python examples/profile_decode.py --lengths 8192 --ncu           # one step of each, per kernel
+
+sync        build + evaluate one step, median ms
+piped       a greedy loop that builds step t+1 while step t runs (``mx.async_eval``), holding
+            only the next token between steps, as mlx-lm's generate_step does
+piped-held  the same, but the previous step's state arrays stay referenced while the next step
+            is queued (what benchmark_decode's pipelined column did), so no write is in place
+"""
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from examples.benchmark_decode import SHAPES, random_model  # noqa: E402
+
+
+def sync_ms(step, steps: int) -> float:
+    for _ in range(3):
+        step()
+    ts = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        ts.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(ts)
+
+
+def piped_ms(build, steps: int, held: bool) -> float:
+    """``build()`` returns (next token, other arrays to evaluate)."""
+    token, rest = build()
+    mx.async_eval(token, rest)
+    pending = [token, rest] if held else [token]
+    del rest
+    ts = []
+    for _ in range(steps + 3):
+        t = time.perf_counter()
+        token, rest = build()
+        mx.async_eval(token, rest)
+        mx.eval(pending)
+        pending = [token, rest] if held else [token]
+        del rest
+        ts.append(time.perf_counter() - t)
+    mx.eval(pending)
+    return 1e3 * statistics.median(ts[3:])
+
+
+def mlx_loop(model, cache):
+    box = [mx.array([[1]])]
+
+    def build():
+        logits = model(box[0], cache=cache)
+        box[0] = mx.argmax(logits[:, -1], axis=-1)[:, None]
+        return box[0], []
+
+    return build
+
+
+def kvfn_loop(fm, states):
+    box = [mx.array([[1]]), tuple(states)]
+
+    def build():
+        logits, box[1] = fm.decode(box[0], box[1])
+        box[0] = mx.argmax(logits, axis=-1)[:, None]
+        return box[0], kvfn.tree.arrays(box[1])
+
+    build.box = box
+    return build
+
+
+def filled(model, L: int, room: int, dtype):
+    """(mlx-lm caches, kvfn states) holding the same L random rows a layer."""
+    args = model.args
+    shape = (1, args.num_key_value_heads, L, args.head_dim)
+    caches, states = make_prompt_cache(model), []
+    for c in caches:
+        k = mx.random.normal(shape).astype(dtype)
+        v = mx.random.normal(shape).astype(dtype)
+        c.update_and_fetch(k, v)
+        states.append(kvfn.reserve(kvfn.from_full(k, v), L + room))
+    mx.eval([c.keys for c in caches], [c.values for c in caches], kvfn.tree.arrays(states))
+    return caches, tuple(states)
+
+
+def profiler(on: bool) -> None:
+    lib = ctypes.CDLL("libcuda.so.1")
+    (lib.cuProfilerStart if on else lib.cuProfilerStop)()
+
+
+def marker(name: str) -> None:
+    """A named no-op kernel: ncu's kernel list reads as phases between markers."""
+    kernel = mx.fast.cuda_kernel(name=name, input_names=["x"], output_names=["y"],
+                                 source="y[0] = x[0];")  # fmt: skip
+    mx.eval(kernel(inputs=[mx.zeros((1,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                   output_shapes=[(1,)], output_dtypes=[mx.float32]))  # fmt: skip
+    mx.synchronize()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--ncu", action="store_true", help="one step of each, between markers")
+    args = p.parse_args(argv)
+    dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+    model = random_model(args.shape, False, dtype)
+    room = 12 * (args.steps + 8)
+    if not args.ncu:
+        print(f"{args.shape}, {dtype}, ms per step:     sync   piped  piped-held")
+    for L in args.lengths:
+        caches, states = filled(model, L, room, dtype)
+        fm = kvfn.FunctionalModel(model)
+        mlx_build, kvfn_build = mlx_loop(model, caches), kvfn_loop(fm, states)
+        del states
+        if args.ncu:
+            for _ in range(3):
+                mx.eval(mlx_build()), mx.eval(kvfn_build())
+            mx.synchronize()
+            profiler(True)
+            marker("phase_mlx")
+            mx.eval(mlx_build())
+            marker("phase_kvfn")
+            mx.eval(kvfn_build())
+            marker("phase_end")
+            profiler(False)
+            continue
+        rows = {"mlx-lm": mlx_build, "kvfn": kvfn_build}
+        kvfn.kernels.ENABLED = False  # read when a step is traced: this model's steps mask
+        rows["kvfn masked SDPA"] = kvfn_loop(kvfn.FunctionalModel(model), kvfn_build.box[1])
+        mx.eval(rows["kvfn masked SDPA"]())
+        kvfn.kernels.ENABLED = True
+        for name, build in rows.items():
+            t = [sync_ms(lambda: mx.eval(build()), args.steps),
+                 piped_ms(build, args.steps, held=False), piped_ms(build, args.steps, held=True)]
+            print(f"L={L:6d} {name:18s} " + " ".join(f"{x:7.2f}" for x in t), flush=True)
+        del caches, rows, mlx_build, kvfn_build
+
+
+if __name__ == "__main__":
+    main()
