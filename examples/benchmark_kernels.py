@@ -179,20 +179,25 @@ def compiled_table(kk, capacities, layers, iters):
 
 
 def sweep(kk, capacities, iters):
-    print("\nSplit sweep (kernel only, us per call, x20 per eval)")
+    print("\nSplit and unroll sweep (kernel only, us per call, x20 per eval); U=keys per lane step")
     plan = kk.plan
     for capacity in capacities:
         q, k, v = operands(capacity)
-        for name, lengths, rows in cases(capacity):
-            results = []
-            for splits in (8, 16, 24, 32, 49, 66, 98, 132, 196):
-                if splits * 64 > capacity:
-                    continue
-                kk.plan = lambda *a, s=splits: plan(*a)[:2] + (s,)
-                fn = {"k": lambda: kk.ragged_decode_attention(q, k, v, lengths, scale=0.1)}
-                results.append(f"{splits}:{timed(fn, max(10, iters // 10), repeat=20)['k']:.1f}")
-            kk.plan = plan
-            print(capacity, name, " ".join(results))
+        for name, lengths, rows in cases(capacity)[:2]:
+            ideal = {"i": variants(kk, q, k, v, lengths, rows)["ideal"]}
+            print(capacity, name, f"ideal:{timed(ideal, max(10, iters // 10), repeat=20)['i']:.1f}")
+            for unroll in (1, 2, 4, 8):
+                kk.UNROLL = unroll
+                results = []
+                for splits in (16, 32, 49, 66, 98, 132, 196, 264, 396):
+                    if splits * 64 > capacity:
+                        continue
+                    kk.plan = lambda *a, s=splits: plan(*a)[:2] + (s,)
+                    fn = {"k": lambda: kk.ragged_decode_attention(q, k, v, lengths, scale=0.1)}
+                    us = timed(fn, max(10, iters // 10), repeat=20)["k"]
+                    results.append(f"{splits}:{us:.1f}")
+                print(f"   U={unroll}", " ".join(results), flush=True)
+            kk.plan, kk.UNROLL = plan, None
 
 
 def check(kk):

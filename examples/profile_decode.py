@@ -30,6 +30,9 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from examples.benchmark_decode import SHAPES, random_model  # noqa: E402
 
 
+MODES = ("sync", "piped", "piped-held")
+
+
 def sync_ms(step, steps: int) -> float:
     for _ in range(3):
         step()
@@ -116,13 +119,15 @@ def main(argv=None):
     p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--ncu", action="store_true", help="one step of each, between markers")
     args = p.parse_args(argv)
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     model = random_model(args.shape, False, dtype)
-    room = 12 * (args.steps + 8)
+    room = 3 * args.rounds * 2 * (args.steps + 8)
     if not args.ncu:
-        print(f"{args.shape}, {dtype}, ms per step:     sync   piped  piped-held")
+        print(f"{args.shape}, {dtype}, ms per step (median of {args.rounds} rounds):"
+              "     sync   piped  piped-held")
     for L in args.lengths:
         caches, states = filled(model, L, room, dtype)
         fm = kvfn.FunctionalModel(model)
@@ -145,10 +150,17 @@ def main(argv=None):
         rows["kvfn masked SDPA"] = kvfn_loop(kvfn.FunctionalModel(model), kvfn_build.box[1])
         mx.eval(rows["kvfn masked SDPA"]())
         kvfn.kernels.ENABLED = True
-        for name, build in rows.items():
-            t = [sync_ms(lambda: mx.eval(build()), args.steps),
-                 piped_ms(build, args.steps, held=False), piped_ms(build, args.steps, held=True)]
-            print(f"L={L:6d} {name:18s} " + " ".join(f"{x:7.2f}" for x in t), flush=True)
+        times = {(name, m): [] for name in rows for m in MODES}
+        for _ in range(args.rounds):  # interleaved: the shared machine's drift hits all alike
+            for name, build in rows.items():
+                times[name, "sync"].append(sync_ms(lambda: mx.eval(build()), args.steps))
+                times[name, "piped"].append(piped_ms(build, args.steps, held=False))
+                times[name, "piped-held"].append(piped_ms(build, args.steps, held=True))
+        for name in rows:
+            cells = [statistics.median(times[name, m]) for m in MODES]
+            spread = max(max(t) - min(t) for m in MODES for t in [times[name, m]])
+            print(f"L={L:6d} {name:18s} " + " ".join(f"{x:7.2f}" for x in cells)
+                  + f"   (largest spread over rounds {spread:.2f})", flush=True)  # fmt: skip
         del caches, rows, mlx_build, kvfn_build
 
 

@@ -20,6 +20,7 @@ MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 256
 MAX_HEADS_PER_BLOCK = 8
 PREFETCH = True
+UNROLL = None  # keys a lane group loads per step (U); None: 4 for up to 4 heads a block, else 2
 # KVFN_DECODE_KERNEL=0 turns the CUDA kernel off (every call takes the masked SDPA)
 ENABLED = os.environ.get("KVFN_DECODE_KERNEL", "1") != "0"
 # KVFN_TWO_GROUP_KERNEL=0 keeps a head-partitioned layer's decode attention per group
@@ -75,14 +76,14 @@ __device__ __forceinline__ void merge(
 # One block per (key split, batch x KV head x head tile). Template constants: T (dtype), D
 # (head_dim), G (query heads per block), GT (query heads per KV head), NT = GT / G, NS (splits),
 # C (capacity), HKV (KV heads), LSB / LSH (lengths' batch / head strides, 0 where broadcast),
-# P (load the next step's rows before this step's math). Each lane holds 16 bytes of a row; LPK lanes hold one row; a warp step covers
+# U (consecutive keys a lane group loads per step), P (load the next step's rows before this
+# step's math). Each lane holds 16 bytes of a row; LPK lanes hold one row; a warp step covers
 # KPW groups x U consecutive keys. Scores are in base 2 (q is scaled by scale * log2(e)).
 SPLIT_SOURCE = r"""
   constexpr int W = 4;
   constexpr int EPT = 16 / sizeof(T);
   constexpr int LPK = D / EPT;
   constexpr int KPW = 32 / LPK;
-  constexpr int U = G <= 4 ? 4 : 2;
   constexpr int STEP = W * KPW * U;
   static_assert(LPK * EPT == D && LPK <= 32 && 32 % LPK == 0, "unsupported head_dim");
 
@@ -460,6 +461,7 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
             ("NT", tiles),
             ("NS", splits),
             *template,
+            ("U", UNROLL or (4 if tile <= 4 else 2)),
             ("P", PREFETCH),
         ],
         grid=(splits * THREADS, batch * kv_heads * tiles, 1),
