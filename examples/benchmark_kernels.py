@@ -178,18 +178,18 @@ def compiled_table(kk, capacities, layers, iters):
             mx.clear_cache()
 
 
-def sweep(kk, capacities, iters):
+def sweep(kk, capacities, iters, splits_list, unrolls):
     print("\nSplit and unroll sweep (kernel only, us per call, x20 per eval); U=keys per lane step")
     plan = kk.plan
     for capacity in capacities:
         q, k, v = operands(capacity)
-        for name, lengths, rows in cases(capacity)[:2]:
+        for name, lengths, rows in cases(capacity)[:1]:
             ideal = {"i": variants(kk, q, k, v, lengths, rows)["ideal"]}
             print(capacity, name, f"ideal:{timed(ideal, max(10, iters // 10), repeat=20)['i']:.1f}")
-            for unroll in (1, 2, 4, 8):
+            for unroll in unrolls:
                 kk.UNROLL = unroll
                 results = []
-                for splits in (16, 32, 49, 66, 98, 132, 196, 264, 396):
+                for splits in splits_list:
                     if splits * 64 > capacity:
                         continue
                     kk.plan = lambda *a, s=splits: plan(*a)[:2] + (s,)
@@ -251,6 +251,8 @@ def main():
     parser.add_argument("--capacities", type=int, nargs="+", default=CAPACITIES)
     parser.add_argument("--layers", type=int, default=32, help="0 skips the compiled table")
     parser.add_argument("--sweep", action="store_true", help="time other split counts")
+    parser.add_argument("--splits", type=int, nargs="+", default=[16, 32, 49, 66, 98, 132, 196])
+    parser.add_argument("--unrolls", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--check", action="store_true", help="check many shapes first")
     args = parser.parse_args()
     kk = load_kernels()
@@ -261,7 +263,7 @@ def main():
     if args.layers:
         compiled_table(kk, args.capacities, args.layers, max(10, args.iters // 4))
     if args.sweep:
-        sweep(kk, args.capacities, args.iters)
+        sweep(kk, args.capacities, args.iters, args.splits, args.unrolls)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,24 @@ def filled(model, L: int, room: int, dtype):
     return caches, tuple(states)
 
 
+def phases_ms(build, steps: int) -> list:
+    """Median ms of one step's phases with the GPU idle at its start: building the graph,
+    ``async_eval`` (MLX encodes every kernel launch on the calling thread), waiting for the GPU."""
+    ts = []
+    for i in range(steps + 3):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        out = build()
+        t1 = time.perf_counter()
+        mx.async_eval(out)
+        t2 = time.perf_counter()
+        mx.eval(out)
+        t3 = time.perf_counter()
+        del out
+        ts.append((t1 - t0, t2 - t1, t3 - t2))
+    return [1e3 * statistics.median(t[i] for t in ts[3:]) for i in range(3)]
+
+
 def profiler(on: bool) -> None:
     lib = ctypes.CDLL("libcuda.so.1")
     (lib.cuProfilerStart if on else lib.cuProfilerStop)()
@@ -120,11 +138,12 @@ def main(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--phases", action="store_true", help="also time build / encode / wait")
     p.add_argument("--ncu", action="store_true", help="one step of each, between markers")
     args = p.parse_args(argv)
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     model = random_model(args.shape, False, dtype)
-    room = 3 * args.rounds * 2 * (args.steps + 8)
+    room = (3 * args.rounds + 1) * 2 * (args.steps + 8)
     if not args.ncu:
         print(f"{args.shape}, {dtype}, ms per step (median of {args.rounds} rounds):"
               "     sync   piped  piped-held")
@@ -150,6 +169,11 @@ def main(argv=None):
         rows["kvfn masked SDPA"] = kvfn_loop(kvfn.FunctionalModel(model), kvfn_build.box[1])
         mx.eval(rows["kvfn masked SDPA"]())
         kvfn.kernels.ENABLED = True
+        if args.phases:
+            for name, build in rows.items():
+                cells = phases_ms(build, args.steps)
+                print(f"L={L:6d} {name:18s} build {cells[0]:6.2f}  encode {cells[1]:6.2f}  "
+                      f"wait {cells[2]:6.2f} ms", flush=True)  # fmt: skip
         times = {(name, m): [] for name in rows for m in MODES}
         for _ in range(args.rounds):  # interleaved: the shared machine's drift hits all alike
             for name, build in rows.items():
