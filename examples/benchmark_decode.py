@@ -162,28 +162,31 @@ def kvfn_plain_prefill(fm, tokens, chunk):
     return states
 
 
-def prefill_rows(model, fm, lengths, chunks, weights, repeat=2):
+PREFILL_VARIANTS = ("plain", "expected", "kvzip")  # beside mlx-lm and kvfn's SnapKV prefill
+
+
+def prefill_rows(model, fm, lengths, chunks, weights, variants=PREFILL_VARIANTS, repeat=2):
+    fns = dict(mlx=mlx_prefill, kvfn=kvfn_prefill, plain=kvfn_plain_prefill,
+               expected=kvfn_expected_prefill, kvzip=kvfn_kvzip_prefill)  # fmt: skip
+    names = ["mlx", "kvfn", *variants]
     rows = []
     for L in lengths:
         tokens = mx.random.randint(0, VOCAB, (L,), key=mx.random.key(L)).tolist()
         for chunk in chunks:
             best = {}
             for _ in range(repeat):  # interleaved rounds; keep each side's best
-                for name, fn in (("mlx", lambda: mlx_prefill(model, tokens, chunk)),
-                                 ("kvfn", lambda: kvfn_prefill(fm, tokens, chunk)),
-                                 ("plain", lambda: kvfn_plain_prefill(fm, tokens, chunk)),
-                                 ("expected", lambda: kvfn_expected_prefill(fm, tokens, chunk)),
-                                 ("kvzip", lambda: kvfn_kvzip_prefill(fm, tokens, chunk))):  # fmt: skip
-                    out, s, peak = measured(fn)
+                for name in names:
+                    out, s, peak = measured(lambda: fns[name](model if name == "mlx" else fm,
+                                                              tokens, chunk))  # fmt: skip
                     del out
                     b = best.get(name, (1e9, 1e18))
                     best[name] = (min(b[0], s), min(b[1], peak - weights))
-            (ms, mm), (ks, km), (ps, pm) = best["mlx"], best["kvfn"], best["plain"]
-            (es, em), (zs, zm) = best["expected"], best["kvzip"]
-            rows.append(dict(L=L, chunk=chunk, mlx_s=ms, mlx_gb=mm / 1e9, kvfn_s=ks,
-                             kvfn_gb=km / 1e9, time_ratio=ks / ms, mem_ratio=km / max(mm, 1),
-                             plain_s=ps, plain_gb=pm / 1e9, expected_s=es,
-                             expected_gb=em / 1e9, kvzip_s=zs, kvzip_gb=zm / 1e9))  # fmt: skip
+            row = dict(L=L, chunk=chunk)
+            for name, (t, m) in best.items():
+                row.update({f"{name}_s": t, f"{name}_gb": m / 1e9})
+            row.update(time_ratio=row["kvfn_s"] / row["mlx_s"],
+                       mem_ratio=best["kvfn"][1] / max(best["mlx"][1], 1))  # fmt: skip
+            rows.append(row)
     return rows
 
 
@@ -297,9 +300,9 @@ def markdown(result: dict) -> str:
     for r in result["prefill"]:
         out.append(f"| {r['L']} | {r['chunk']} | {r['mlx_s']:.3f} / {r['mlx_gb']:.2f} | "
                    f"{r['kvfn_s']:.3f} / {r['kvfn_gb']:.2f} | {r['time_ratio']:.2f} | "
-                   f"{r['mem_ratio']:.2f} | {r['plain_s']:.3f} / {r['plain_gb']:.2f} | "
-                   f"{r['expected_s']:.3f} / {r['expected_gb']:.2f} | "
-                   f"{r['kvzip_s']:.3f} / {r['kvzip_gb']:.2f} |")  # fmt: skip
+                   f"{r['mem_ratio']:.2f} | "
+                   + " | ".join(f"{r[n + '_s']:.3f} / {r[n + '_gb']:.2f}" if n + "_s" in r
+                                else "-" for n in PREFILL_VARIANTS) + " |")  # fmt: skip
     out += ["", "eviction after prefill, to the first decoded token (ms)", "",
             "| L | R | compiled compact_states | eager, checked | saved |", "|---|---|---|---|---|"]  # fmt: skip
     for r in result["evict"]:
@@ -342,6 +345,8 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=20, help="decode steps timed (median)")
     p.add_argument("--tables", nargs="+", default=["prefill", "evict", "decode"],
                    choices=["prefill", "evict", "decode"])  # fmt: skip
+    p.add_argument("--prefill-variants", nargs="*", default=list(PREFILL_VARIANTS),
+                   choices=PREFILL_VARIANTS, help="kvfn prefills timed beside mlx-lm and SnapKV's")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args(argv)
     check_at_least(p, "lengths", args.lengths, 64)
@@ -367,7 +372,8 @@ def main(argv=None) -> dict:
                   decode=[])  # fmt: skip
     chunk = args.chunks[0]
     if "prefill" in args.tables:
-        result["prefill"] = prefill_rows(model, fm, args.lengths, args.chunks, weights)
+        result["prefill"] = prefill_rows(model, fm, args.lengths, args.chunks, weights,
+                                         args.prefill_variants)
     if "evict" in args.tables:
         result["evict"] = evict_rows(fm, args.lengths, args.budgets, chunk)
     if "decode" in args.tables:

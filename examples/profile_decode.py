@@ -169,6 +169,11 @@ def main(argv=None):
         rows["kvfn masked SDPA"] = kvfn_loop(kvfn.FunctionalModel(model), kvfn_build.box[1])
         mx.eval(rows["kvfn masked SDPA"]())
         kvfn.kernels.ENABLED = True
+        if mx.default_device() == mx.gpu:  # the split kernel with 2 keys a lane step (128
+            kvfn.kernels.UNROLL, kvfn.kernels.BLOCKS_PER_SM = 2, 4  # registers: 4 blocks an SM)
+            rows["kvfn U=2"] = kvfn_loop(kvfn.FunctionalModel(model), kvfn_build.box[1])
+            mx.eval(rows["kvfn U=2"]())
+            kvfn.kernels.UNROLL, kvfn.kernels.BLOCKS_PER_SM = None, 3
         if args.phases:
             for name, build in rows.items():
                 cells = phases_ms(build, args.steps)

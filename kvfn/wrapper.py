@@ -180,10 +180,13 @@ class _LayerAdapter:
             if qs.statistic == "max_attention":
                 top = window_attention_max(q, qpos, self.state, self.scale)
                 self.scores = mx.maximum(self.scores, top)
-                return self._fetch(r, keys.shape[2])
-            rows = window_attention_scores(q, qpos, self.state, self.scale,
-                                           reduce=self.scores.ndim == 3)  # fmt: skip
-            self.scores = self.scores + rows
+            else:
+                rows = window_attention_scores(q, qpos, self.state, self.scale,
+                                               reduce=self.scores.ndim == 3)  # fmt: skip
+                self.scores = self.scores + rows
+            # this layer's attention waits for its scores, so their (heads x window x
+            # capacity) weights are freed before the next layer's exist
+            return mx.depends(list(self._fetch(r, keys.shape[2])), [self.scores])
         return self._fetch(r, keys.shape[2])
 
     def _fetch(self, r, n: int) -> tuple:
