@@ -15,7 +15,7 @@ import mlx.core as mx
 LOG2E = 1.0 / math.log(2.0)
 THREADS = 128  # four warps per block of the split kernel (W in the CUDA source)
 SMS = 132  # multiprocessors of an H100 / H200: the split count aims at a few waves of them
-BLOCKS_PER_SM = 3  # resident blocks of the split kernel (~142 registers a thread at D=128 bf16)
+BLOCKS_PER_SM = 3  # resident blocks of the split kernel (167 registers a thread at D=128, U=4)
 MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 256
 MAX_HEADS_PER_BLOCK = 8

@@ -1,3 +1,9 @@
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -165,3 +171,25 @@ def test_two_groups_in_head_order_match_each_group_alone(lengths, dim, dtype):
         part = ragged_decode_attention(mx.take(q, qi, axis=1), k, v, n, scale=dim**-0.5)
         expected[:, np.array(qi)] = np.array(part.astype(mx.float32))
     np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, atol=tolerance(dtype))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc compiles the kernels offline")
+@pytest.mark.parametrize("name", ["SPLIT_SOURCE", "TWO_GROUP_SOURCE", "SLOTS_SOURCE"])
+def test_split_kernels_compile_to_the_blocks_plan_assumes(name):
+    """Each split kernel's source compiles for Hopper as MLX wraps it, spills nothing, and
+    needs few enough registers for kernels.BLOCKS_PER_SM blocks of THREADS an SM, which
+    ``plan`` sizes its single wave of splits by (more registers: a second, straggling wave)."""
+    import kvfn.kernels as kernels
+    from examples.kernel_registers import load_kernels, wrapped
+
+    cu = wrapped(load_kernels(), name, 128, kernels.UNROLL or 4)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.cu"
+        src.write_text(cu)
+        cmd = ["nvcc", "-arch=sm_90", "-O3", "-Xptxas", "-v", "-c", str(src), "-o",
+               str(Path(tmp) / "k.o")]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    regs = int(re.search(r"Used (\d+) registers", done.stderr).group(1))
+    assert "0 bytes spill stores, 0 bytes spill loads" in done.stderr
+    assert 65536 // (kernels.THREADS * regs) >= kernels.BLOCKS_PER_SM, regs

@@ -1,0 +1,89 @@
+"""Registers, shared memory and spills of kvfn's split decode kernels, compiled offline with
+nvcc (no GPU needed) as MLX wraps an ``mx.fast.cuda_kernel`` body: the header, then a
+``__global__`` template over the inputs and outputs. Registers bound the resident blocks an SM
+holds (65536 / (128 threads x registers)), which ``kernels.BLOCKS_PER_SM`` assumes.
+
+    python examples/kernel_registers.py --unrolls 1 2 4     # D=128, 4 query heads a block
+"""
+
+import argparse
+import importlib.util
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+KERNELS = {  # source name: (the kernel's inputs after q, its own template entries)
+    "SPLIT_SOURCE": (["k", "v", "lengths"], ["C", "HKV", "LSB", "LSH"]),
+    "TWO_GROUP_SOURCE": (["k0", "v0", "k1", "v1", "lengths", "hmap"],
+                         ["C0", "C1", "H0", "H1", "L1", "HKV", "LSB"]),
+    "SLOTS_SOURCE": (["k", "v", "lengths", "hmap"], ["S", "C0", "C1", "L1", "HKV", "LSB"]),
+}  # fmt: skip
+SHARED = ["G", "GT", "NT", "NS"]
+INT_INPUTS = ("lengths", "hmap")
+TEMPLATE = dict(G=4, GT=4, NT=1, NS=49, C=8528, HKV=8, LSB=0, LSH=0, C0=8528, C1=320, H0=4,
+                H1=4, L1=320, S=36000)  # fmt: skip
+
+
+def load_kernels():
+    path = Path(__file__).resolve().parent.parent / "kvfn" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("kvfn_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def wrapped(kk, name: str, dim: int, unroll: int) -> str:
+    source = getattr(kk, name)
+    inputs, own = KERNELS[name]
+    params = dict(D=dim, **{k: TEMPLATE[k] for k in SHARED + own}, U=unroll, P=int(kk.PREFETCH))
+    args = ["const T* q"]
+    args += [f"const {'int' if n in INT_INPUTS else 'T'}* {n}" for n in inputs]
+    args += ["const float* scale", "float* o_part", "float* lse"]
+    template = ", ".join(f"int {k}" for k in params)
+    values = ", ".join(str(v) for v in params.values())
+    types = ", ".join(a.rsplit(" ", 1)[0].replace("T*", "__nv_bfloat16*") for a in args)
+    return (
+        f"#include <cuda_bf16.h>\n{kk.HEADER}\n"
+        f"template <typename T, {template}>\n__global__ void split({', '.join(args)}) {{\n"
+        f"{source}\n}}\n"
+        f"template __global__ void split<__nv_bfloat16, {values}>({types});\n"
+    )
+
+
+def report(cu: str, arch: str) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cu"
+        path.write_text(cu)
+        cmd = ["nvcc", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-c", str(path), "-o",
+               str(Path(tmp) / "kernel.o")]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"nvcc failed:\n{done.stderr[-3000:]}")
+    used = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", done.stderr)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
+    regs = int(used.group(1))
+    blocks = 65536 // (128 * regs)
+    return (f"{regs} registers ({blocks} blocks of 128 threads an SM), {used.group(2)} bytes "
+            f"smem, spills {spills.group(1)} / {spills.group(2)} bytes")  # fmt: skip
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    p.add_argument("--dims", type=int, nargs="+", default=[128])
+    p.add_argument("--unrolls", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--arch", default="sm_90")
+    args = p.parse_args(argv)
+    if shutil.which("nvcc") is None:
+        p.error("nvcc is not on the PATH (the CUDA toolkit compiles the kernels offline)")
+    kk = load_kernels()
+    for name in args.kernels:
+        for dim in args.dims:
+            for unroll in args.unrolls:
+                print(f"{name} D={dim} U={unroll}: {report(wrapped(kk, name, dim, unroll), args.arch)}")
+
+
+if __name__ == "__main__":
+    main()
