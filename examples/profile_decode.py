@@ -4,16 +4,25 @@ pipelined, with and without kvfn's ragged kernel, holding the previous step's st
 
     python examples/profile_decode.py --lengths 8192 32768            # MLX CUDA
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \\
-        python examples/profile_decode.py --lengths 8192 --ncu           # one step of each, per kernel
+        --log-file ncu.csv python examples/profile_decode.py --lengths 8192 --ncu  # one step each
+    python examples/profile_decode.py --read-ncu ncu.csv                  # its kernels per phase
 
 sync        build + evaluate one step, median ms
 piped       a greedy loop that builds step t+1 while step t runs (``mx.async_eval``), holding
             only the next token between steps, as mlx-lm's generate_step does
 piped-held  the same, but the previous step's state arrays stay referenced while the next step
             is queued (what benchmark_decode's pipelined column did), so no write is in place
+--phases    one step's graph building, its ``async_eval`` (MLX encodes every kernel launch on
+            the calling thread) and the wait for the GPU, started with the GPU idle
+
+Rows: mlx-lm's eager step over its KVCache; kvfn's compiled ``decode`` over the same rows
+(the ragged split kernel on CUDA); kvfn with the kernel off (SDPA with a mask array); on CUDA
+also the split kernel with 2 keys a lane step (``kernels.UNROLL``, 4 blocks an SM).
 """
 
 import argparse
+import collections
+import csv
 import ctypes
 import os
 import statistics
@@ -132,6 +141,31 @@ def marker(name: str) -> None:
     mx.synchronize()
 
 
+def read_ncu(path: str, top: int = 14) -> None:
+    """The kernels of an ``--ncu`` run's CSV (``--csv --log-file``) per phase (between the
+    marker kernels): count, summed duration, name and launch shape, largest first."""
+    rows = list(csv.reader(open(path)))
+    at = next(i for i, r in enumerate(rows) if r[:1] == ["ID"])
+    phase, kernels = None, collections.defaultdict(list)
+    for r in rows[at + 1 :]:
+        d = dict(zip(rows[at], r))
+        if "phase_" in d.get("Kernel Name", "phase_"):
+            phase = d.get("Kernel Name", "").split("phase_")[-1].split("(")[0]
+            continue
+        us = float(d["Metric Value"].replace(",", "")) / 1e3
+        kernels[phase].append((d["Kernel Name"][:90] + f" {d['Grid Size']}x{d['Block Size']}", us))
+    for phase, ks in kernels.items():
+        if phase in (None, "end"):
+            continue
+        count, total = collections.Counter(), collections.Counter()
+        for name, us in ks:
+            count[name] += 1
+            total[name] += us
+        print(f"{phase}: {len(ks)} kernels, {sum(total.values()):.0f} us")
+        for name, us in total.most_common(top):
+            print(f"  {count[name]:4d} {us:8.1f} us  {name}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -140,7 +174,10 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--phases", action="store_true", help="also time build / encode / wait")
     p.add_argument("--ncu", action="store_true", help="one step of each, between markers")
+    p.add_argument("--read-ncu", metavar="CSV", help="print an --ncu run's kernels per phase")
     args = p.parse_args(argv)
+    if args.read_ncu:
+        return read_ncu(args.read_ncu)
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     model = random_model(args.shape, False, dtype)
     room = (3 * args.rounds + 1) * 2 * (args.steps + 8)

@@ -41,3 +41,33 @@ def test_benchmark_rejects_bad_values(argv, message, capsys):
     with pytest.raises(SystemExit):
         benchmark_decode.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_benchmark_prefill_variants_leave_the_others_out(capsys):
+    result = benchmark_decode.main(["--shape", "tiny", "--lengths", "96", "--chunks", "32",
+                                    "--tables", "prefill", "--prefill-variants", "plain"])  # fmt: skip
+    (pre,) = result["prefill"]
+    assert pre["plain_s"] > 0 and "kvzip_s" not in pre and "expected_s" not in pre
+    assert capsys.readouterr().out.count("| - |") == 1  # expected and kvzip: one "- | -" cell pair
+
+
+def test_profile_decode_times_each_step_and_reads_ncu_csv(capsys, tmp_path):
+    from examples import profile_decode
+
+    profile_decode.main(["--shape", "tiny", "--lengths", "128", "--steps", "2", "--rounds", "1",
+                         "--phases"])  # fmt: skip
+    out = capsys.readouterr().out
+    for name in ("mlx-lm", "kvfn", "kvfn masked SDPA"):
+        (timed,) = [ln for ln in out.splitlines() if f" {name:18s} " in ln and "spread" in ln]
+        assert all(float(x) > 0 for x in timed.split("(")[0].split()[-3:]), timed
+        assert any(f" {name:18s} build" in ln and "encode" in ln for ln in out.splitlines())
+    head = '"ID","Kernel Name","Grid Size","Block Size","Metric Value"\n'
+    rows = [("phase_mlx", "1"), ("gemv", "2,000"), ("gemv", "1,000"), ("phase_kvfn", "1"),
+            ("split", "3,000"), ("phase_end", "1")]  # fmt: skip
+    csv = head + "".join(f'"{i}","{n}(x)","(1, 1, 1)","(32, 1, 1)","{v}"\n'
+                         for i, (n, v) in enumerate(rows))  # fmt: skip
+    (tmp_path / "ncu.csv").write_text("==PROF== noise\n" + csv)
+    profile_decode.main(["--read-ncu", str(tmp_path / "ncu.csv")])
+    out = capsys.readouterr().out
+    assert "mlx: 2 kernels, 3 us" in out and "kvfn: 1 kernels, 3 us" in out
+    assert "   2      3.0 us  gemv(x)" in out
