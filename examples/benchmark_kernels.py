@@ -200,6 +200,50 @@ def sweep(kk, capacities, iters, splits_list, unrolls):
             kk.plan, kk.UNROLL = plan, None
 
 
+def configs_table(kk, capacities, iters, configs, layers):
+    """Each (query heads a block, keys a lane step, blocks an SM) setting of the split kernel:
+    its error against float32 masked SDPA (full and ragged lengths), us per call (x20 per
+    eval) over all and half the rows, and a compiled step of ``layers`` calls, against the
+    ideal (SDPA with no mask over exactly the valid rows)."""
+    print(f"\nKernel settings (G query heads a block, U keys a lane step, B blocks an SM); "
+          f"us per call x20, ms per compiled step of {layers} calls")  # fmt: skip
+    head = ["C", "G,U,B", "err full", "err ragged", "full", "half", "ideal full", "ideal half",
+            f"x{layers} full", f"x{layers} ideal"]  # fmt: skip
+    print(row(head))
+    print(row(["---"] * len(head)))
+    saved = kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM
+    for capacity in capacities:
+        q, k, v = operands(capacity)
+        (_, full, _), (_, half, _), (_, ragged, _) = cases(capacity)
+        exact = lambda n: kk._masked_attention(  # noqa: E731
+            *(x.astype(mx.float32) for x in (q, k, v)), n, DIM**-0.5
+        )
+        ideal = {n: variants(kk, q, k, v, lengths, rows)["ideal"]
+                 for n, lengths, rows in cases(capacity)[:2]}  # fmt: skip
+        t_ideal = timed(ideal, max(10, iters // 10), repeat=20)
+        fns_ideal, _ = compiled_layers(kk, capacity, full, capacity, layers)
+        c_ideal = timed({"i": fns_ideal["ideal"]}, max(10, iters // 4))["i"] / 1e3
+        del fns_ideal
+        for config in configs:
+            g, u, b = (int(x) for x in config.split(","))
+            kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM = g, u, b
+            err = [max_error(kk.ragged_decode_attention(q, k, v, n, scale=DIM**-0.5), exact(n))
+                   for n in (full, ragged)]  # fmt: skip
+            fns = {n: (lambda n=n: kk.ragged_decode_attention(q, k, v, n, scale=DIM**-0.5))
+                   for n in (full, half)}  # fmt: skip
+            fns = {"full": fns[full], "half": fns[half]}
+            t = timed(fns, max(10, iters // 10), repeat=20)
+            compiled, _ = compiled_layers(kk, capacity, full, capacity, layers)
+            c = timed({"k": compiled["kernel"]}, max(10, iters // 4))["k"] / 1e3
+            del compiled
+            print(row([capacity, config, f"{err[0]:.1e}", f"{err[1]:.1e}", f"{t['full']:.1f}",
+                       f"{t['half']:.1f}", f"{t_ideal['full']:.1f}", f"{t_ideal['half']:.1f}",
+                       f"{c:.3f}", f"{c_ideal:.3f}"]), flush=True)  # fmt: skip
+            mx.clear_cache()
+        del q, k, v
+    kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM = saved
+
+
 def check(kk):
     """Kernel (with and without prefetch) against float32 masked SDPA; prints each mismatch."""
     worst, failures = 0.0, 0
@@ -254,11 +298,15 @@ def main():
     parser.add_argument("--splits", type=int, nargs="+", default=[16, 32, 49, 66, 98, 132, 196])
     parser.add_argument("--unrolls", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--check", action="store_true", help="check many shapes first")
+    parser.add_argument("--configs", nargs="+", metavar="G,U,B",
+                        help="split kernel settings to compare (then only that table)")
     args = parser.parse_args()
     kk = load_kernels()
     print("device", mx.default_device(), "cuda", mx.cuda.is_available(), "mlx", mx.__version__)
     if args.check:
         check(kk)
+    if args.configs:
+        return configs_table(kk, args.capacities, args.iters, args.configs, args.layers or 32)
     one_layer_table(kk, args.capacities, args.iters)
     if args.layers:
         compiled_table(kk, args.capacities, args.layers, max(10, args.iters // 4))
