@@ -475,6 +475,7 @@ class FunctionalModel:
         self.group = head_group(attn, self.n_heads, self.n_kv_heads, self.head_dims)
         self._model = _own_copy(model, self._wrap_layer)
         self._compiled: dict = {}
+        self._traces = 0
         self._dtype = None
 
     def _wrap_layer(self, index: int, layer: nn.Module) -> nn.Module:
@@ -492,8 +493,9 @@ class FunctionalModel:
 
     @property
     def traces(self) -> int:
-        """How many compiled steps were traced (one per distinct signature)."""
-        return len(self._compiled)
+        """How many times a compiled step was traced: once per layout (the states' types and
+        static fields, the lockstep and query slice) and array shapes and dtypes."""
+        return self._traces
 
     # -- states -----------------------------------------------------------------------------
     @property
@@ -622,15 +624,10 @@ class FunctionalModel:
             compiled = self._compiled[key] = mx.compile(fn, inputs=self._model.state)
         return compiled
 
-    @staticmethod
-    def _signature(tokens, flat, static, scores=()) -> tuple:
-        arrays = tree.leaves(flat) + list(scores)
-        return (tokens.shape, static, tuple((a.shape, a.dtype) for a in arrays))
-
     def step(self, tokens, states) -> tuple:
         """Compiled: logits of the last position (B, vocab) and new states, for n >= 1 tokens.
-        Traced once per signature (shapes, dtypes, static layout): a decode loop traces once
-        per capacity, and capacities grow in buckets."""
+        Traced once per layout and shapes (``traces``): a decode loop traces once per
+        capacity, and capacities grow in buckets."""
         tokens, states = self._prepare(tokens, states)
         return self._compiled_call(tokens, states)[:2]
 
@@ -652,13 +649,15 @@ class FunctionalModel:
         flat, static, host = zip(*(tree.flatten(s) for s in states))
         lockstep = self._lockstep(states)
 
-        def run(tokens, flat, scores):
+        def run(tokens, flat, scores):  # runs only when mx.compile traces
+            self._traces += 1
             states_in = tuple(map(tree.unflatten, flat, static))
             logits, out, adapters = self._run(tokens, states_in, scores, queries, lockstep)
             new_scores = self._scores_out(adapters, scores) if queries is not None else ()
             return logits[:, -1], [tree.flatten(s)[0] for s in out], list(new_scores)
 
-        key = (queries, lockstep, self._signature(tokens, flat, static, scores))
+        # what the trace closes over; mx.compile keeps a trace per input shapes and dtypes itself
+        key = (queries, lockstep, static)
         fn = self._compiled_step(key, run)
         logits, out, new_scores = fn(tokens, list(flat), list(scores))
         n = tokens.shape[1]
