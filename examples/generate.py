@@ -24,32 +24,13 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import stream_generate  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
+from kvfn import flags  # noqa: E402
 from kvfn.blas import loaded_openblas  # noqa: E402
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def probability(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
+from kvfn.flags import positive_int, probability  # noqa: E402
 
 
 def non_negative_float(text: str) -> float:
     value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
@@ -76,78 +57,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-step-size", type=positive_int, default=512)
     p.add_argument("--quiet", action="store_true", help="print only the report, not the text")
-    kv = p.add_argument_group("KV-cache eviction (off unless --kv-eviction names a policy)")
-    kv.add_argument(
-        "--kv-eviction",
-        default="none",
-        help="none, or a policy name: chunkkv (the default of `make demo`: the prompt ends "
-        "with its question), adakvzip-global, snapkv, streaming, ... (README: Policies)",
+    flags.add_arguments(
+        p,
+        "none, or a policy name: chunkkv (the default of `make demo`: the prompt ends with its "
+        "question), adakvzip-global, snapkv, streaming, ... (README: Policies)",
     )
-    kv.add_argument(
+    p.add_argument(
         "--compare", action="store_true", help="also generate with the full cache, side by side"
-    )
-    kv.add_argument(
-        "--kv-budget", type=positive_int, default=512, help="rows kept per layer and head"
-    )
-    kv.add_argument(
-        "--kv-window", type=positive_int, default=32, help="observation window (recent rows)"
-    )
-    kv.add_argument("--kv-sink-tokens", type=non_negative_int, default=4)
-    kv.add_argument(
-        "--kv-min-tokens",
-        type=non_negative_int,
-        default=0,
-        help="prompts this short are never compacted",
-    )
-    duo = p.add_argument_group(
-        "DuoAttention (--kv-eviction duo, or duo-snapkv to compress retrieval heads to --kv-budget)"
-    )
-    duo.add_argument(
-        "--kv-head-pattern",
-        help="a DuoAttention pattern folder or .tsv (make one with `kvfn heads`)",
-    )
-    duo.add_argument("--kv-retrieval-ratio", type=probability,
-                     help="fraction of KV heads that keep the long context (default: the "
-                     "pattern's config.json sparsity or threshold, else 0.5)")  # fmt: skip
-    duo.add_argument(
-        "--kv-sink-size",
-        type=non_negative_int,
-        help="streaming heads' sink rows (default: the pattern's)",
-    )
-    duo.add_argument(
-        "--kv-recent-size",
-        type=positive_int,
-        help="streaming heads' recent rows (default: the pattern's)",
     )
     args = p.parse_args(argv)
     if args.top_k < 0:
         p.error(f"argument --top-k: must be >= 0, got {args.top_k}")
-    args.policy = None
-    if args.kv_eviction != "none":
-        if args.kv_budget < args.kv_sink_tokens + args.kv_window:
-            p.error(
-                f"argument --kv-budget: {args.kv_budget} is below --kv-sink-tokens + --kv-window "
-                f"= {args.kv_sink_tokens} + {args.kv_window}"
-            )
-        settings = dict(budget=args.kv_budget, window=args.kv_window,
-                        sink_tokens=args.kv_sink_tokens, min_tokens=args.kv_min_tokens)  # fmt: skip
-        if args.kv_head_pattern is not None:
-            try:
-                pattern = kvfn.HeadPattern.load(args.kv_head_pattern)
-            except (FileNotFoundError, ValueError) as e:
-                p.error(f"argument --kv-head-pattern: {e}")
-            settings.update(
-                pattern=pattern,
-                ratio=None if args.kv_retrieval_ratio is None else round(100 * args.kv_retrieval_ratio),
-                sink_tokens=pattern.sink_size if args.kv_sink_size is None else args.kv_sink_size,
-                recent=args.kv_recent_size or pattern.recent_size,
-            )  # fmt: skip
-        try:
-            args.policy = kvfn.parse_policy(args.kv_eviction, **settings)
-            getattr(args.policy, "heads", None)  # a duo policy without a pattern says so now
-        except ValueError as e:
-            p.error(f"argument --kv-eviction: {e}")
-    elif args.compare:
+    flags.read(args, p)
+    if args.policy is None and args.compare:
         p.error("argument --compare: needs --kv-eviction POLICY")
     args.progress = progress
     return args

@@ -35,7 +35,6 @@ Prompt-cache reuse rule (eviction on):
 """
 
 import argparse
-import dataclasses
 import gc
 import json
 import logging
@@ -61,64 +60,15 @@ from mlx_lm.models.cache import (  # noqa: E402
 )
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator  # noqa: E402
 
+from . import flags  # noqa: E402
 from .batch import HeadGroupsKVCache  # noqa: E402
+from .flags import non_negative_int, positive_int  # noqa: E402
 from .interop import CompactedKVCache, QuantizedCompactedKVCache  # noqa: E402
-from .policy import POLICIES  # noqa: E402
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 
-# -- flags --------------------------------------------------------------------------------------
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def ratio(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
-
-
-def takes_pattern(cls) -> bool:
-    """Whether a policy class takes a DuoAttention head pattern."""
-    return "pattern" in {f.name for f in dataclasses.fields(cls)}
-
-
-def make_policy(name: str, budget: int, window: int, sink_tokens: int, min_tokens: int,
-                duo: Optional[dict] = None):  # fmt: skip
-    """The policy for a ``--kv-eviction`` name (None for "none"); ``duo``: a DuoAttention
-    policy's settings (pattern, ratio, sink_tokens, recent). ValueError names a bad value."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"kv_eviction must be a policy name or 'none', got {name!r}")
-    if name == "none":
-        return None
-    if budget < sink_tokens + window:
-        raise ValueError(
-            f"kv budget {budget} is below sink tokens + window = {sink_tokens} + {window}"
-        )
-    settings = dict(budget=budget, window=window, sink_tokens=sink_tokens, min_tokens=min_tokens)
-    cls = POLICIES.get(name.split("-")[0])
-    if cls is not None:  # a policy without a window (or sinks) takes only its own settings
-        fields = {f.name for f in dataclasses.fields(cls)}
-        settings = {k: v for k, v in settings.items() if k in fields}
-    if duo and cls is not None and takes_pattern(cls):
-        settings.update(duo)
-    policy = kvfn.parse_policy(name, **settings)
-    getattr(policy, "heads", None)  # a duo policy without a pattern says so now
-    return policy
-
-
+# -- flags ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     """mlx_lm.server's flags (its ``main`` builds and parses them inline, so they cannot be
     imported), then kvfn's."""
@@ -151,51 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-group-size", type=int, default=64)
     p.add_argument("--quantized-kv-start", type=int, default=mlx_server.DEFAULT_QUANTIZED_KV_START)
     p.add_argument("--pipeline", action="store_true")
-    kv = p.add_argument_group("KV-cache eviction (off unless --kv-eviction names a policy)")
-    kv.add_argument(
-        "--kv-eviction",
-        default="none",
-        help="none, or a policy: chunkkv (recommended), snapkv, streaming...",
-    )
-    kv.add_argument("--kv-budget", type=positive_int, default=512, help="rows kept per layer/head")
-    kv.add_argument("--kv-window", type=positive_int, default=32, help="observation window")
-    kv.add_argument("--kv-sink-tokens", type=non_negative_int, default=4)
-    kv.add_argument(
-        "--kv-min-tokens", type=non_negative_int, default=0, help="never compact prompts this short"
-    )
-    duo = p.add_argument_group(
-        "DuoAttention (--kv-eviction duo; duo-snapkv compresses retrieval heads to --kv-budget)"
-    )
-    duo.add_argument(
-        "--kv-head-pattern",
-        help="a DuoAttention pattern folder or .tsv (make one with `kvfn heads`)",
-    )
-    duo.add_argument("--kv-retrieval-ratio", type=ratio, help="fraction of KV heads that keep the "
-                     "long context (default: the pattern's config, else 0.5)")  # fmt: skip
-    duo.add_argument(
-        "--kv-sink-size",
-        type=non_negative_int,
-        help="streaming heads' sink rows (default: the pattern's)",
-    )
-    duo.add_argument(
-        "--kv-recent-size",
-        type=positive_int,
-        help="streaming heads' recent rows (default: the pattern's)",
-    )
+    flags.add_arguments(p, "none, or a policy: chunkkv (recommended), snapkv, streaming...")
     return p
-
-
-def duo_settings(args) -> Optional[dict]:
-    """A DuoAttention policy's settings from the flags (None without --kv-head-pattern)."""
-    if args.kv_head_pattern is None:
-        return None
-    pattern = kvfn.HeadPattern.load(args.kv_head_pattern)
-    return dict(
-        pattern=pattern,
-        ratio=None if args.kv_retrieval_ratio is None else round(100 * args.kv_retrieval_ratio),
-        sink_tokens=pattern.sink_size if args.kv_sink_size is None else args.kv_sink_size,
-        recent=args.kv_recent_size or pattern.recent_size,
-    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -204,18 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in ("adapter_path", "draft_model"):
         if getattr(args, flag):
             parser.error(f"argument --{flag.replace('_', '-')}: not supported by kvfn-server")
-    cls = POLICIES.get(args.kv_eviction.split("-")[0])
-    if args.kv_head_pattern is not None and not (cls and takes_pattern(cls)):
-        parser.error(f"argument --kv-head-pattern: needs --kv-eviction duo, got {args.kv_eviction}")
-    try:
-        args.duo = duo_settings(args)
-    except (FileNotFoundError, ValueError) as e:
-        parser.error(f"argument --kv-head-pattern: {e}")
-    try:
-        args.policy = make_policy(args.kv_eviction, args.kv_budget, args.kv_window,
-                                  args.kv_sink_tokens, args.kv_min_tokens, args.duo)  # fmt: skip
-    except ValueError as e:
-        parser.error(f"argument --kv-eviction {args.kv_eviction}: {e}")
+    flags.read(args, parser)
     return args
 
 
@@ -521,8 +417,8 @@ class KVAPIHandler(APIHandler):
             raise ValueError(
                 f"kv_eviction {name!r}: this server runs without eviction (--kv-eviction none)"
             )
-        policy = make_policy(name, budget, cli.kv_window, cli.kv_sink_tokens, cli.kv_min_tokens,
-                             cli.duo)  # fmt: skip
+        policy = flags.make_policy(name, budget, cli.kv_window, cli.kv_sink_tokens,
+                                   cli.kv_min_tokens, cli.duo)  # fmt: skip
         provider = self.response_generator.model_provider
         own = head_groups_of(policy, provider.functional_model())
         if own is not None and own != provider.head_groups:

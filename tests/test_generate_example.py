@@ -1,5 +1,6 @@
 import pytest
 
+import kvfn
 from examples import generate
 
 
@@ -83,4 +84,15 @@ def test_example_runs_duo_from_a_pattern_folder(tmp_path, capsys):
     assert "head pattern" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         generate.parse_args(["--kv-eviction", "snapkv", "--kv-head-pattern", str(tmp_path)])
-    assert "has no setting" in capsys.readouterr().err
+    assert "--kv-head-pattern: needs --kv-eviction duo, got snapkv" in capsys.readouterr().err
+
+
+def test_generate_and_the_server_read_the_eviction_flags_alike():
+    from kvfn.server import parse_args as server_args
+
+    flags = ["--kv-eviction", "snapkv", "--kv-budget", "64", "--kv-window", "8",
+             "--kv-sink-tokens", "2", "--kv-min-tokens", "100"]  # fmt: skip
+    g, s = generate.parse_args(flags), server_args(flags)
+    kv = {k: v for k, v in vars(g).items() if k.startswith("kv_")}  # generate has only kvfn's
+    assert len(kv) == 9 and kv == {k: getattr(s, k) for k in kv}
+    assert g.policy == s.policy == kvfn.SnapKV(budget=64, window=8, sink_tokens=2, min_tokens=100)

@@ -1,0 +1,122 @@
+"""The ``--kv-*`` flags of kvfn's programs (``examples/generate.py``, ``kvfn-server``) and the
+policy they name: one flag group and one reading of it, so both take and refuse alike."""
+
+import argparse
+import dataclasses
+from typing import Optional
+
+from .duo import HeadPattern
+from .policy import POLICIES, Policy, parse_policy
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser, eviction_help: str) -> None:
+    """The eviction flags (off unless ``--kv-eviction`` names a policy) and DuoAttention's."""
+    kv = parser.add_argument_group("KV-cache eviction (off unless --kv-eviction names a policy)")
+    kv.add_argument("--kv-eviction", default="none", help=eviction_help)
+    kv.add_argument("--kv-budget", type=positive_int, default=512,
+                    help="rows kept per layer and head")  # fmt: skip
+    kv.add_argument("--kv-window", type=positive_int, default=32,
+                    help="observation window (recent rows)")  # fmt: skip
+    kv.add_argument("--kv-sink-tokens", type=non_negative_int, default=4)
+    kv.add_argument("--kv-min-tokens", type=non_negative_int, default=0,
+                    help="prompts this short are never compacted")  # fmt: skip
+    duo = parser.add_argument_group(
+        "DuoAttention (--kv-eviction duo; duo-snapkv compresses retrieval heads to --kv-budget)"
+    )
+    duo.add_argument("--kv-head-pattern",
+                     help="a DuoAttention pattern folder or .tsv (make one with `kvfn heads`)")  # fmt: skip
+    duo.add_argument("--kv-retrieval-ratio", type=probability,
+                     help="fraction of KV heads that keep the long context (default: the "
+                     "pattern's config.json sparsity or threshold, else 0.5)")  # fmt: skip
+    duo.add_argument("--kv-sink-size", type=non_negative_int,
+                     help="streaming heads' sink rows (default: the pattern's)")  # fmt: skip
+    duo.add_argument("--kv-recent-size", type=positive_int,
+                     help="streaming heads' recent rows (default: the pattern's)")  # fmt: skip
+
+
+def takes_pattern(cls) -> bool:
+    """Whether a policy class takes a DuoAttention head pattern."""
+    return "pattern" in {f.name for f in dataclasses.fields(cls)}
+
+
+def head_pattern_settings(args: argparse.Namespace) -> Optional[dict]:
+    """A DuoAttention policy's settings from the flags (None without --kv-head-pattern)."""
+    if args.kv_head_pattern is None:
+        return None
+    pattern = HeadPattern.load(args.kv_head_pattern)
+    return dict(
+        pattern=pattern,
+        ratio=None if args.kv_retrieval_ratio is None else round(100 * args.kv_retrieval_ratio),
+        sink_tokens=pattern.sink_size if args.kv_sink_size is None else args.kv_sink_size,
+        recent=args.kv_recent_size or pattern.recent_size,
+    )
+
+
+def make_policy(name: str, budget: int, window: int, sink_tokens: int, min_tokens: int,
+                duo: Optional[dict] = None) -> Optional[Policy]:  # fmt: skip
+    """The policy for a ``--kv-eviction`` name (None for "none"); ``duo``: a DuoAttention
+    policy's settings (``head_pattern_settings``). A ValueError names a bad value."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"kv_eviction must be a policy name or 'none', got {name!r}")
+    if name == "none":
+        return None
+    if budget < sink_tokens + window:
+        raise ValueError(
+            f"kv budget {budget} is below sink tokens + window = {sink_tokens} + {window}"
+        )
+    settings = dict(budget=budget, window=window, sink_tokens=sink_tokens, min_tokens=min_tokens)
+    cls = POLICIES.get(name.split("-")[0])
+    if cls is not None:  # a policy without a window (or sinks) takes only its own settings
+        fields = {f.name for f in dataclasses.fields(cls)}
+        settings = {k: v for k, v in settings.items() if k in fields}
+    if duo and cls is not None and takes_pattern(cls):
+        settings.update(duo)
+    policy = parse_policy(name, **settings)
+    getattr(policy, "heads", None)  # a duo policy without a pattern says so now
+    return policy
+
+
+def read(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Sets ``args.duo`` (``head_pattern_settings``) and ``args.policy`` (None for "none")
+    from the flags; a bad one exits through ``parser.error``, named."""
+    args.duo = args.policy = None
+    cls = POLICIES.get(args.kv_eviction.split("-")[0])
+    if args.kv_head_pattern is not None and not (cls and takes_pattern(cls)):
+        parser.error(f"argument --kv-head-pattern: needs --kv-eviction duo, got {args.kv_eviction}")
+    if args.kv_eviction == "none":
+        return
+    if args.kv_budget < args.kv_sink_tokens + args.kv_window:
+        parser.error(
+            f"argument --kv-budget: {args.kv_budget} is below --kv-sink-tokens + --kv-window = "
+            f"{args.kv_sink_tokens} + {args.kv_window}"
+        )
+    try:
+        args.duo = head_pattern_settings(args)
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(f"argument --kv-head-pattern: {e}")
+    try:
+        args.policy = make_policy(args.kv_eviction, args.kv_budget, args.kv_window,
+                                  args.kv_sink_tokens, args.kv_min_tokens, args.duo)  # fmt: skip
+    except ValueError as e:
+        parser.error(f"argument --kv-eviction {args.kv_eviction}: {e}")
