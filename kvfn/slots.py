@@ -310,10 +310,12 @@ def unflatten(arrays: dict, static: tuple, max_rows: Optional[int] = None) -> He
 
 class _Kind:
     """How ``kvfn.tree`` (and so the model wrapper's compiled steps) flattens the slots layout:
-    host knowledge is ``max_rows``. (``tree.save`` does not know this layout: save
-    ``to_partitioned`` of each layer.)"""
+    host knowledge is ``max_rows``. ``tree.save`` writes it as its two-group state."""
 
     flatten = staticmethod(flatten)
+    saved_as = "slots"
+    to_saved = staticmethod(to_partitioned)
+    from_saved = staticmethod(from_partitioned)
 
     @staticmethod
     def host(s):
@@ -329,3 +331,4 @@ class _Kind:
 
 
 tree.KINDS[HeadSlotsKVCache] = _Kind
+tree.SAVED_AS[_Kind.saved_as] = _Kind

@@ -46,6 +46,9 @@ class _Partitioned:
 
 
 KINDS = {kv.State: _Plain, part.HeadPartitionedKVCache: _Partitioned}
+# Layouts that ``save`` writes as another kind's state: name -> their kind, which gives
+# ``saved_as`` (the name), ``to_saved`` (a state save encodes) and ``from_saved`` (back).
+SAVED_AS: dict = {}
 
 
 def kind(state):
@@ -133,15 +136,18 @@ def _unnamed(prefix: str, flat: dict, static) -> dict | list:
 
 
 def save(path, states, metadata: dict | None = None) -> None:
-    """Write layer states of any kind (plain, partitioned) to a .safetensors file, with what
-    rebuilds them (kinds, heads, sizes, host bounds) in its metadata."""
+    """Write layer states of any kind (plain, partitioned, slots) to a .safetensors file, with
+    what rebuilds them (kinds, heads, sizes, host bounds) in its metadata."""
     import json
 
     arrays, layouts = {}, []
     for i, s in enumerate(states):
+        as_kind = getattr(kind(s), "saved_as", None)
+        if as_kind is not None:
+            s = kind(s).to_saved(s)
         flat, static, host = flatten(s)
         arrays.update(_named(str(i), flat))
-        layouts.append(_encode(static, host))
+        layouts.append(_encode(static, host) | ({"as": as_kind} if as_kind else {}))
     meta = {"kvfn_states": json.dumps(layouts), **{k: str(v) for k, v in (metadata or {}).items()}}
     mx.save_safetensors(str(path), arrays, metadata=meta)
 
@@ -156,5 +162,11 @@ def load(path) -> tuple[tuple, dict]:
     states = []
     for i, layout in enumerate(json.loads(meta.pop("kvfn_states"))):
         static, host = _decode(layout)
-        states.append(unflatten(_unnamed(str(i), flat, static), static, host))
+        state = unflatten(_unnamed(str(i), flat, static), static, host)
+        if "as" in layout:
+            if layout["as"] not in SAVED_AS:
+                raise ValueError(f"{path}: layer {i} was saved as {layout['as']!r}, a layout "
+                                 f"this kvfn does not know (known: {sorted(SAVED_AS)})")  # fmt: skip
+            state = SAVED_AS[layout["as"]].from_saved(state)
+        states.append(state)
     return tuple(states), meta

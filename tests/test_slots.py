@@ -130,6 +130,32 @@ def test_slots_decode_equals_per_head_masked_full_attention(family, compress):
     assert mx.abs(got - full).max().item() > 100 * TOL  # not vacuous
 
 
+def test_slots_states_save_and_load(tmp_path):
+    """``tree.save`` writes a slots layer as its two-group state and ``load`` gives the slots
+    layout back: same arrays, static and host fields, and the same next logits."""
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(3).integers(0, 97, 60).tolist()
+    policy = Duo(retrieval=PATTERN[: len(fm.n_kv_heads)], sink_tokens=2, recent=6, budget=24,
+                 window=4, compress=True)  # fmt: skip
+    states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=6)
+    token = mx.array([[ids[-1]]])
+    slots = sl.pack_layers(fm.decode(token, sl.pack_layers(states))[1])  # a row decoded in slots
+    kvfn.tree.save(tmp_path / "s.safetensors", slots)
+    again, _ = kvfn.tree.load(tmp_path / "s.safetensors")
+    assert all(isinstance(s, sl.HeadSlotsKVCache) for s in again)
+    for a, b in zip(again, slots):
+        assert kvfn.tree.flatten(a)[1:] == kvfn.tree.flatten(b)[1:]
+        for x, y in zip(kvfn.tree.arrays(a), kvfn.tree.arrays(b)):
+            assert x.shape == y.shape and mx.array_equal(x, y).item()
+    assert mx.array_equal(fm.decode(token, again)[0], fm.decode(token, slots)[0]).item()
+    kvfn.tree.SAVED_AS.pop("slots")  # a file of a layout this kvfn does not know
+    try:
+        with pytest.raises(ValueError, match="saved as 'slots'"):
+            kvfn.tree.load(tmp_path / "s.safetensors")
+    finally:
+        kvfn.tree.SAVED_AS["slots"] = sl._Kind
+
+
 def test_slots_chunk_then_decode_and_grow():
     """A chunk (through the groups), decode past the plain heads' capacity (they grow), and a
     rollback: all as the two-group state does."""
