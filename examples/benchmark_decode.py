@@ -345,8 +345,13 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=20, help="decode steps timed (median)")
     p.add_argument("--tables", nargs="+", default=["prefill", "evict", "decode"],
                    choices=["prefill", "evict", "decode"])  # fmt: skip
-    p.add_argument("--prefill-variants", nargs="*", default=list(PREFILL_VARIANTS),
-                   choices=PREFILL_VARIANTS, help="kvfn prefills timed beside mlx-lm and SnapKV's")
+    p.add_argument(
+        "--prefill-variants",
+        nargs="*",
+        default=list(PREFILL_VARIANTS),
+        choices=PREFILL_VARIANTS,
+        help="kvfn prefills timed beside mlx-lm and SnapKV's",
+    )
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args(argv)
     check_at_least(p, "lengths", args.lengths, 64)
@@ -372,8 +377,9 @@ def main(argv=None) -> dict:
                   decode=[])  # fmt: skip
     chunk = args.chunks[0]
     if "prefill" in args.tables:
-        result["prefill"] = prefill_rows(model, fm, args.lengths, args.chunks, weights,
-                                         args.prefill_variants)
+        result["prefill"] = prefill_rows(
+            model, fm, args.lengths, args.chunks, weights, args.prefill_variants
+        )
     if "evict" in args.tables:
         result["evict"] = evict_rows(fm, args.lengths, args.budgets, chunk)
     if "decode" in args.tables:

@@ -200,6 +200,22 @@ def sweep(kk, capacities, iters, splits_list, unrolls):
             kk.plan, kk.UNROLL = plan, None
 
 
+def kernel_config(text: str) -> tuple:
+    """``G,U,B`` (query heads a block at most, keys a lane step, blocks an SM): positive ints."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"must be three positive integers G,U,B; got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def compiled_ms(kk, capacity, lengths, layers, iters, variant) -> str:
+    """ms per compiled step of ``layers`` calls of one variant, as a cell ("-" for 0 layers)."""
+    if not layers:
+        return "-"
+    fns, _ = compiled_layers(kk, capacity, lengths, capacity, layers)
+    return f"{timed({'v': fns[variant]}, max(10, iters // 4))['v'] / 1e3:.3f}"
+
+
 def configs_table(kk, capacities, iters, configs, layers):
     """Each (query heads a block, keys a lane step, blocks an SM) setting of the split kernel:
     its error against float32 masked SDPA (full and ragged lengths), us per call (x20 per
@@ -221,24 +237,20 @@ def configs_table(kk, capacities, iters, configs, layers):
         ideal = {n: variants(kk, q, k, v, lengths, rows)["ideal"]
                  for n, lengths, rows in cases(capacity)[:2]}  # fmt: skip
         t_ideal = timed(ideal, max(10, iters // 10), repeat=20)
-        fns_ideal, _ = compiled_layers(kk, capacity, full, capacity, layers)
-        c_ideal = timed({"i": fns_ideal["ideal"]}, max(10, iters // 4))["i"] / 1e3
-        del fns_ideal
-        for config in configs:
-            g, u, b = (int(x) for x in config.split(","))
+        c_ideal = compiled_ms(kk, capacity, full, layers, iters, "ideal")
+        for g, u, b in configs:
             kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM = g, u, b
+            g = kk.plan(1, HEADS, KV_HEADS, capacity)[0]  # the heads a block plan() takes
             err = [max_error(kk.ragged_decode_attention(q, k, v, n, scale=DIM**-0.5), exact(n))
                    for n in (full, ragged)]  # fmt: skip
             fns = {n: (lambda n=n: kk.ragged_decode_attention(q, k, v, n, scale=DIM**-0.5))
                    for n in (full, half)}  # fmt: skip
             fns = {"full": fns[full], "half": fns[half]}
             t = timed(fns, max(10, iters // 10), repeat=20)
-            compiled, _ = compiled_layers(kk, capacity, full, capacity, layers)
-            c = timed({"k": compiled["kernel"]}, max(10, iters // 4))["k"] / 1e3
-            del compiled
-            print(row([capacity, config, f"{err[0]:.1e}", f"{err[1]:.1e}", f"{t['full']:.1f}",
-                       f"{t['half']:.1f}", f"{t_ideal['full']:.1f}", f"{t_ideal['half']:.1f}",
-                       f"{c:.3f}", f"{c_ideal:.3f}"]), flush=True)  # fmt: skip
+            c = compiled_ms(kk, capacity, full, layers, iters, "kernel")
+            print(row([capacity, f"{g},{u},{b}", f"{err[0]:.1e}", f"{err[1]:.1e}",
+                       f"{t['full']:.1f}", f"{t['half']:.1f}", f"{t_ideal['full']:.1f}",
+                       f"{t_ideal['half']:.1f}", c, c_ideal]), flush=True)  # fmt: skip
             mx.clear_cache()
         del q, k, v
     kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM = saved
@@ -298,15 +310,20 @@ def main():
     parser.add_argument("--splits", type=int, nargs="+", default=[16, 32, 49, 66, 98, 132, 196])
     parser.add_argument("--unrolls", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--check", action="store_true", help="check many shapes first")
-    parser.add_argument("--configs", nargs="+", metavar="G,U,B",
-                        help="split kernel settings to compare (then only that table)")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        metavar="G,U,B",
+        type=kernel_config,
+        help="split kernel settings to compare (then only that table)",
+    )
     args = parser.parse_args()
     kk = load_kernels()
     print("device", mx.default_device(), "cuda", mx.cuda.is_available(), "mlx", mx.__version__)
     if args.check:
         check(kk)
     if args.configs:
-        return configs_table(kk, args.capacities, args.iters, args.configs, args.layers or 32)
+        return configs_table(kk, args.capacities, args.iters, args.configs, args.layers)
     one_layer_table(kk, args.capacities, args.iters)
     if args.layers:
         compiled_table(kk, args.capacities, args.layers, max(10, args.iters // 4))

@@ -26,6 +26,12 @@ TEMPLATE = dict(G=4, GT=4, NT=1, NS=49, C=8528, HKV=8, LSB=0, LSH=0, C0=8528, C1
                 H1=4, L1=320, S=36000)  # fmt: skip
 
 
+def resident_blocks(registers: int, threads: int = 128) -> int:
+    """Blocks of ``threads`` an SM holds by registers (65536 an SM, allocated to a thread in
+    multiples of 8)."""
+    return 65536 // (threads * (-(-registers // 8) * 8))
+
+
 def load_kernels():
     path = Path(__file__).resolve().parent.parent / "kvfn" / "kernels.py"
     spec = importlib.util.spec_from_file_location("kvfn_kernels", path)
@@ -64,7 +70,7 @@ def report(cu: str, arch: str) -> str:
     used = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", done.stderr)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
     regs = int(used.group(1))
-    blocks = 65536 // (128 * regs)
+    blocks = resident_blocks(regs)
     return (f"{regs} registers ({blocks} blocks of 128 threads an SM), {used.group(2)} bytes "
             f"smem, spills {spills.group(1)} / {spills.group(2)} bytes")  # fmt: skip
 
@@ -82,7 +88,9 @@ def main(argv=None):
     for name in args.kernels:
         for dim in args.dims:
             for unroll in args.unrolls:
-                print(f"{name} D={dim} U={unroll}: {report(wrapped(kk, name, dim, unroll), args.arch)}")
+                print(
+                    f"{name} D={dim} U={unroll}: {report(wrapped(kk, name, dim, unroll), args.arch)}"
+                )
 
 
 if __name__ == "__main__":

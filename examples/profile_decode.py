@@ -24,7 +24,6 @@ import argparse
 import collections
 import csv
 import ctypes
-import os
 import statistics
 import sys
 import time
@@ -37,7 +36,6 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from examples.benchmark_decode import SHAPES, random_model  # noqa: E402
-
 
 MODES = ("sync", "piped", "piped-held")
 
@@ -91,7 +89,23 @@ def kvfn_loop(fm, states):
         box[0] = mx.argmax(logits, axis=-1)[:, None]
         return box[0], kvfn.tree.arrays(box[1])
 
-    build.box = box
+    build.box, build.fm = box, fm
+    return build
+
+
+def variant_loop(model, states, **settings):
+    """``kvfn_loop`` of a new FunctionalModel whose step traces with these ``kvfn.kernels``
+    settings (read when a step traces; restored after its first step)."""
+    saved = {k: getattr(kvfn.kernels, k) for k in settings}
+    try:
+        for k, v in settings.items():
+            setattr(kvfn.kernels, k, v)
+        build = kvfn_loop(kvfn.FunctionalModel(model), states)
+        mx.eval(build())
+    finally:
+        for k, v in saved.items():
+            setattr(kvfn.kernels, k, v)
+    build.settings = settings
     return build
 
 
@@ -144,14 +158,19 @@ def marker(name: str) -> None:
 def read_ncu(path: str, top: int = 14) -> None:
     """The kernels of an ``--ncu`` run's CSV (``--csv --log-file``) per phase (between the
     marker kernels): count, summed duration, name and launch shape, largest first."""
-    rows = list(csv.reader(open(path)))
-    at = next(i for i, r in enumerate(rows) if r[:1] == ["ID"])
+    with open(path) as f:
+        rows = list(csv.reader(f))
+    at = next((i for i, r in enumerate(rows) if r[:1] == ["ID"]), None)
+    if at is None:
+        raise SystemExit(f'{path}: no ncu CSV header (a row starting with "ID")')
     phase, kernels = None, collections.defaultdict(list)
     for r in rows[at + 1 :]:
         d = dict(zip(rows[at], r))
         if "phase_" in d.get("Kernel Name", "phase_"):
             phase = d.get("Kernel Name", "").split("phase_")[-1].split("(")[0]
             continue
+        if d.get("Metric Unit", "ns") not in ("ns", "nsecond"):
+            raise SystemExit(f"{path}: durations in {d['Metric Unit']!r}, not ns (use --csv)")
         us = float(d["Metric Value"].replace(",", "")) / 1e3
         kernels[phase].append((d["Kernel Name"][:90] + f" {d['Grid Size']}x{d['Block Size']}", us))
     for phase, ks in kernels.items():
@@ -182,8 +201,10 @@ def main(argv=None):
     model = random_model(args.shape, False, dtype)
     room = (3 * args.rounds + 1) * 2 * (args.steps + 8)
     if not args.ncu:
-        print(f"{args.shape}, {dtype}, ms per step (median of {args.rounds} rounds):"
-              "     sync   piped  piped-held")
+        print(
+            f"{args.shape}, {dtype}, ms per step (median of {args.rounds} rounds):"
+            "     sync   piped  piped-held"
+        )
     for L in args.lengths:
         caches, states = filled(model, L, room, dtype)
         fm = kvfn.FunctionalModel(model)
@@ -202,15 +223,9 @@ def main(argv=None):
             profiler(False)
             continue
         rows = {"mlx-lm": mlx_build, "kvfn": kvfn_build}
-        kvfn.kernels.ENABLED = False  # read when a step is traced: this model's steps mask
-        rows["kvfn masked SDPA"] = kvfn_loop(kvfn.FunctionalModel(model), kvfn_build.box[1])
-        mx.eval(rows["kvfn masked SDPA"]())
-        kvfn.kernels.ENABLED = True
-        if mx.default_device() == mx.gpu:  # the split kernel with 2 keys a lane step (128
-            kvfn.kernels.UNROLL, kvfn.kernels.BLOCKS_PER_SM = 2, 4  # registers: 4 blocks an SM)
-            rows["kvfn U=2"] = kvfn_loop(kvfn.FunctionalModel(model), kvfn_build.box[1])
-            mx.eval(rows["kvfn U=2"]())
-            kvfn.kernels.UNROLL, kvfn.kernels.BLOCKS_PER_SM = None, 3
+        rows["kvfn masked SDPA"] = variant_loop(model, kvfn_build.box[1], ENABLED=False)
+        if mx.default_device() == mx.gpu:  # 2 keys a lane step: 128 registers, 4 blocks an SM
+            rows["kvfn U=2"] = variant_loop(model, kvfn_build.box[1], UNROLL=2, BLOCKS_PER_SM=4)
         if args.phases:
             for name, build in rows.items():
                 cells = phases_ms(build, args.steps)
@@ -222,6 +237,10 @@ def main(argv=None):
                 times[name, "sync"].append(sync_ms(lambda: mx.eval(build()), args.steps))
                 times[name, "piped"].append(piped_ms(build, args.steps, held=False))
                 times[name, "piped-held"].append(piped_ms(build, args.steps, held=True))
+        for name, build in rows.items():
+            if getattr(build, "settings", None) and build.fm.traces != 1:
+                raise RuntimeError(f"{name!r} traced again without {build.settings}: its state "
+                                   "grew; give fewer --steps or --rounds")  # fmt: skip
         for name in rows:
             cells = [statistics.median(times[name, m]) for m in MODES]
             spread = max(max(t) - min(t) for m in MODES for t in [times[name, m]])

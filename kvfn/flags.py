@@ -101,6 +101,8 @@ def read(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Sets ``args.duo`` (``head_pattern_settings``) and ``args.policy`` (None for "none")
     from the flags; a bad one exits through ``parser.error``, named."""
     args.duo = args.policy = None
+    if not args.kv_eviction:
+        parser.error("argument --kv-eviction: must be a policy name or 'none', got ''")
     cls = POLICIES.get(args.kv_eviction.split("-")[0])
     if args.kv_head_pattern is not None and not (cls and takes_pattern(cls)):
         parser.error(f"argument --kv-head-pattern: needs --kv-eviction duo, got {args.kv_eviction}")

@@ -142,9 +142,12 @@ def save(path, states, metadata: dict | None = None) -> None:
 
     arrays, layouts = {}, []
     for i, s in enumerate(states):
-        as_kind = getattr(kind(s), "saved_as", None)
+        k = kind(s)
+        as_kind = getattr(k, "saved_as", None)
         if as_kind is not None:
-            s = kind(s).to_saved(s)
+            if SAVED_AS.get(as_kind) is not k:  # load could not bring it back
+                raise ValueError(f"{type(s).__name__} saves as {as_kind!r}, not in tree.SAVED_AS")
+            s = k.to_saved(s)
         flat, static, host = flatten(s)
         arrays.update(_named(str(i), flat))
         layouts.append(_encode(static, host) | ({"as": as_kind} if as_kind else {}))

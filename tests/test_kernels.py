@@ -180,7 +180,7 @@ def test_split_kernels_compile_to_the_blocks_plan_assumes(name):
     needs few enough registers for kernels.BLOCKS_PER_SM blocks of THREADS an SM, which
     ``plan`` sizes its single wave of splits by (more registers: a second, straggling wave)."""
     import kvfn.kernels as kernels
-    from examples.kernel_registers import load_kernels, wrapped
+    from examples.kernel_registers import load_kernels, resident_blocks, wrapped
 
     cu = wrapped(load_kernels(), name, 128, kernels.UNROLL or 4)
     with tempfile.TemporaryDirectory() as tmp:
@@ -192,4 +192,4 @@ def test_split_kernels_compile_to_the_blocks_plan_assumes(name):
     assert done.returncode == 0, done.stderr[-2000:]
     regs = int(re.search(r"Used (\d+) registers", done.stderr).group(1))
     assert "0 bytes spill stores, 0 bytes spill loads" in done.stderr
-    assert 65536 // (kernels.THREADS * regs) >= kernels.BLOCKS_PER_SM, regs
+    assert resident_blocks(regs, kernels.THREADS) >= kernels.BLOCKS_PER_SM, regs

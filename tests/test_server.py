@@ -239,6 +239,7 @@ def test_malformed_json_and_then_serving(evicting):
         (["--kv-eviction", "duo", "--kv-head-pattern", "/no/such/pattern"], "no head pattern at"),
         (["--kv-eviction", "snapkv", "--kv-head-pattern", "."], "needs --kv-eviction duo"),
         (["--kv-head-pattern", "."], "needs --kv-eviction duo, got none"),
+        (["--kv-eviction", ""], "--kv-eviction: must be a policy name or 'none', got ''"),
         (["--kv-eviction", "duo", "--kv-head-pattern", ".", "--kv-retrieval-ratio", "2"],
          "must be in [0, 1], got 2.0"),
     ],

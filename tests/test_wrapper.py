@@ -8,10 +8,10 @@ import pytest
 from mlx_lm import generate
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvfn import cache as kv
 import kvfn
-from kvfn import compact_prompt_cache, prefill, scored_prefill
 from kvfn import FunctionalModel
+from kvfn import cache as kv
+from kvfn import compact_prompt_cache, prefill, scored_prefill
 from tests.tiny import FAMILIES, tiny_model
 
 TOL = 1e-4  # float32: the same rows summed in another order (gathered vs masked)
@@ -228,3 +228,23 @@ def test_layers_of_unequal_rows_do_not_share_lockstep_arrays():
         b, restricted = fm.decode(token, restricted)
         assert mx.abs(a - b).max().item() < TOL
         token = greedy(a)
+
+
+def test_one_compiled_step_retraces_per_shape_and_reuses_earlier_traces():
+    """A compiled step is keyed by layout only; mx.compile keeps a trace per input shape and
+    dtype. Capacities, batch sizes and chunk lengths that come back reuse their trace, and
+    every call equals the eager step."""
+    fm = FunctionalModel(tiny_model("llama"))
+    rng = np.random.default_rng(7)
+    seen, shapes = fm.traces, set()
+    for batch, capacity, n in [(1, 64, 1), (1, 128, 1), (2, 64, 1), (1, 64, 3), (1, 128, 1),
+                               (1, 64, 1), (2, 64, 1)]:  # fmt: skip
+        states = fm.init_states(batch, capacity)
+        prompt = mx.array(rng.integers(0, 97, (batch, 9)))
+        states = fm.forward(prompt, states)[1]
+        tokens = mx.array(rng.integers(0, 97, (batch, n)))
+        logits, _ = fm.step(tokens, states)
+        eager, _ = fm.forward(tokens, states)
+        assert mx.abs(logits - eager[:, -1]).max().item() < 1e-5
+        shapes.add((batch, capacity, n))
+        assert fm.traces - seen == len(shapes)  # a new trace only for a new shape
