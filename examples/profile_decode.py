@@ -6,6 +6,7 @@ pipelined, with and without kvfn's ragged kernel, holding the previous step's st
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \\
         --log-file ncu.csv python examples/profile_decode.py --lengths 8192 --ncu  # one step each
     python examples/profile_decode.py --read-ncu ncu.csv                  # its kernels per phase
+    python examples/profile_decode.py --shape 1b --prefill-chunk 512       # host time a chunk
 
 sync        build + evaluate one step, median ms
 piped       a greedy loop that builds step t+1 while step t runs (``mx.async_eval``), holding
@@ -185,6 +186,35 @@ def read_ncu(path: str, top: int = 14) -> None:
             print(f"  {count[name]:4d} {us:8.1f} us  {name}")
 
 
+def prefill_build_ms(model, chunk: int, repeat: int = 30) -> dict:
+    """Median ms to build (not evaluate) the graph of one eager prefill chunk after a first:
+    mlx-lm's, kvfn's (``forward``) and kvfn's scored (``scored_forward``, a 32-query window).
+    A prefill evaluates each chunk before building the next, so this host time adds up."""
+    fm = kvfn.FunctionalModel(model)
+    tokens = mx.array([[1] * chunk])
+    cache = make_prompt_cache(model)
+    model(tokens, cache=cache)
+    states = fm.forward(tokens, fm.init_states(1, 2 * chunk))[1]
+    scores = tuple(mx.zeros((1, h, 2 * chunk)) for h in fm.n_heads)
+    window = kvfn.QuerySlice(max(0, chunk - 32), chunk)
+    mx.eval([c.state for c in cache], kvfn.tree.arrays(states), scores)
+    builds = {
+        "mlx-lm": lambda: model(tokens, cache=cache),
+        "kvfn": lambda: fm.forward(tokens, states),
+        "kvfn scored": lambda: fm.scored_forward(tokens, states, scores, window),
+    }
+    times = {name: [] for name in builds}
+    for _ in range(repeat):
+        for name, build in builds.items():
+            t = time.perf_counter()
+            out = build()
+            times[name].append(time.perf_counter() - t)
+            del out  # freeing the unevaluated graph is not timed
+        for c in cache:
+            c.trim(chunk)  # mlx-lm's cache back to the first chunk
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -194,11 +224,18 @@ def main(argv=None):
     p.add_argument("--phases", action="store_true", help="also time build / encode / wait")
     p.add_argument("--ncu", action="store_true", help="one step of each, between markers")
     p.add_argument("--read-ncu", metavar="CSV", help="print an --ncu run's kernels per phase")
+    p.add_argument("--prefill-chunk", type=int, metavar="N",
+                   help="only time building one eager prefill chunk's graph of N tokens")  # fmt: skip
     args = p.parse_args(argv)
     if args.read_ncu:
         return read_ncu(args.read_ncu)
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     model = random_model(args.shape, False, dtype)
+    if args.prefill_chunk:
+        ms = prefill_build_ms(model, args.prefill_chunk)
+        print(f"{args.shape}: ms to build one {args.prefill_chunk}-token prefill chunk's graph: "
+              + ", ".join(f"{name} {t:.2f}" for name, t in ms.items()))  # fmt: skip
+        return ms
     room = (3 * args.rounds + 1) * 2 * (args.steps + 8)
     if not args.ncu:
         print(

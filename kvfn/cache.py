@@ -154,6 +154,12 @@ def update(state: State, keys: mx.array, values: mx.array) -> State:
     chex.assert_rank([keys, values], 4)
     chex.assert_shape(keys, (*state.keys.shape[:2], None, state.keys.shape[3]))
     chex.assert_shape(values, (*state.values.shape[:2], keys.shape[2], state.values.shape[3]))
+    return append(state, keys, values)
+
+
+def append(state: State, keys: mx.array, values: mx.array) -> State:
+    """``update`` without its type and shape checks (the capacity check stays), for a caller
+    whose keys and values are made for this state: the model wrapper's layers, each call."""
     n = keys.shape[2]
     bound = grown_bound(state, n)
     r = state.static_rows

@@ -165,7 +165,7 @@ class _LayerAdapter:
             new_rows = self.call.derived(self.state, keys.shape[2])[0]
             self.state = kv.append_at(self.state, keys, values, **new_rows)
         else:
-            self.state = kv.update(self.state, keys, values)
+            self.state = kv.append(self.state, keys, values)  # the model made them for it
         if self.query_slice is not None:
             if self.queries is None:
                 raise RuntimeError("kvfn could not read this layer's queries (no rope call seen)")

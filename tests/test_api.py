@@ -101,6 +101,14 @@ def test_update_past_capacity_raises_before_writing():
     with pytest.raises(ValueError, match="cannot append 2 rows to a state holding up to 2 rows "
                                          "with capacity 3"):  # fmt: skip
         kv.update(s, mx.ones((1, 2, 2, 4)), mx.ones((1, 2, 2, 4)))
+    with pytest.raises(ValueError, match="cannot append 2 rows"):  # the unchecked path too
+        kv.append(s, mx.ones((1, 2, 2, 4)), mx.ones((1, 2, 2, 4)))
+    with pytest.raises(AssertionError, match="shape"):  # only update checks shapes (chex)
+        kv.update(s, mx.ones((1, 3, 1, 4)), mx.ones((1, 3, 1, 4)))
+    row = mx.arange(8, dtype=mx.float32).reshape(1, 2, 1, 4)
+    a, u = kv.append(s, row, -row), kv.update(s, row, -row)
+    assert all(mx.array_equal(x, y).item() for x, y in zip(kv.arrays(a), kv.arrays(u)))
+    assert (a.max_rows, a.dense, a.packed) == (u.max_rows, u.dense, u.packed) == (3, True, True)
 
 
 def test_chunked_prefill_past_the_given_capacity_loses_no_token():

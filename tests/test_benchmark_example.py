@@ -77,6 +77,8 @@ def test_profile_decode_times_each_step_and_reads_ncu_csv(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "mlx: 2 kernels, 3 us" in out and "kvfn: 1 kernels, 3 us" in out
     assert "   2      3.0 us  gemv(x)" in out
+    ms = profile_decode.main(["--shape", "tiny", "--prefill-chunk", "48"])
+    assert set(ms) == {"mlx-lm", "kvfn", "kvfn scored"} and min(ms.values()) > 0
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     with pytest.raises(SystemExit, match="no ncu CSV header"):
         profile_decode.main(["--read-ncu", str(tmp_path / "other.csv")])
