@@ -76,14 +76,15 @@ def median_ms(step, steps: int, warmup: int = 3) -> float:
     return 1e3 * statistics.median(times)
 
 
-def pipelined_ms(build, steps: int) -> float:
+def pipelined_ms(build, steps: int, held: bool = False) -> float:
     """Median ms per step when each step is built while the previous one runs (``async_eval``,
     as mlx-lm's generate_step does); ``build()`` returns the step's arrays to evaluate. Only the
     first (the logits or next token) is kept between steps, as in a decode loop: a state array
-    still referenced when the next step is queued could not be written in place."""
+    still referenced when the next step is queued could not be written in place (``held``
+    keeps them all, to measure that)."""
     out = build()
     mx.async_eval(out)
-    pending = out[0]
+    pending = out if held else out[0]
     del out
     times = []
     for _ in range(steps + 3):
@@ -91,7 +92,7 @@ def pipelined_ms(build, steps: int) -> float:
         out = build()
         mx.async_eval(out)
         mx.eval(pending)
-        pending = out[0]
+        pending = out if held else out[0]
         del out
         times.append(time.perf_counter() - t)
     mx.eval(pending)

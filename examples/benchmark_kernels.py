@@ -243,9 +243,8 @@ def configs_table(kk, capacities, iters, configs, layers):
             g = kk.plan(1, HEADS, KV_HEADS, capacity)[0]  # the heads a block plan() takes
             err = [max_error(kk.ragged_decode_attention(q, k, v, n, scale=DIM**-0.5), exact(n))
                    for n in (full, ragged)]  # fmt: skip
-            fns = {n: (lambda n=n: kk.ragged_decode_attention(q, k, v, n, scale=DIM**-0.5))
-                   for n in (full, half)}  # fmt: skip
-            fns = {"full": fns[full], "half": fns[half]}
+            fns = {name: (lambda n=n: kk.ragged_decode_attention(q, k, v, n, scale=DIM**-0.5))
+                   for name, n in (("full", full), ("half", half))}  # fmt: skip
             t = timed(fns, max(10, iters // 10), repeat=20)
             c = compiled_ms(kk, capacity, full, layers, iters, "kernel")
             print(row([capacity, f"{g},{u},{b}", f"{err[0]:.1e}", f"{err[1]:.1e}",

@@ -7,12 +7,16 @@ holds (65536 / (128 threads x registers)), which ``kernels.BLOCKS_PER_SM`` assum
 """
 
 import argparse
-import importlib.util
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.benchmark_kernels import load_kernels  # noqa: E402
 
 KERNELS = {  # source name: (the kernel's inputs after q, its own template entries)
     "SPLIT_SOURCE": (["k", "v", "lengths"], ["C", "HKV", "LSB", "LSH"]),
@@ -30,14 +34,6 @@ def resident_blocks(registers: int, threads: int = 128) -> int:
     """Blocks of ``threads`` an SM holds by registers (65536 an SM, allocated to a thread in
     multiples of 8)."""
     return 65536 // (threads * (-(-registers // 8) * 8))
-
-
-def load_kernels():
-    path = Path(__file__).resolve().parent.parent / "kvfn" / "kernels.py"
-    spec = importlib.util.spec_from_file_location("kvfn_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def wrapped(kk, name: str, dim: int, unroll: int) -> str:
@@ -58,7 +54,9 @@ def wrapped(kk, name: str, dim: int, unroll: int) -> str:
     )
 
 
-def report(cu: str, arch: str) -> str:
+def compiled(cu: str, arch: str = "sm_90") -> dict:
+    """nvcc's resource report of a kernel source: registers, smem bytes, spill stores / loads
+    (bytes). SystemExit with nvcc's output when it does not compile."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cu"
         path.write_text(cu)
@@ -69,10 +67,15 @@ def report(cu: str, arch: str) -> str:
         raise SystemExit(f"nvcc failed:\n{done.stderr[-3000:]}")
     used = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", done.stderr)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
-    regs = int(used.group(1))
-    blocks = resident_blocks(regs)
-    return (f"{regs} registers ({blocks} blocks of 128 threads an SM), {used.group(2)} bytes "
-            f"smem, spills {spills.group(1)} / {spills.group(2)} bytes")  # fmt: skip
+    return dict(registers=int(used.group(1)), smem=int(used.group(2)),
+                spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)))  # fmt: skip
+
+
+def report(cu: str, arch: str) -> str:
+    r = compiled(cu, arch)
+    return (f"{r['registers']} registers ({resident_blocks(r['registers'])} blocks of 128 "
+            f"threads an SM), {r['smem']} bytes smem, spills {r['spill_stores']} / "
+            f"{r['spill_loads']} bytes")  # fmt: skip
 
 
 def main(argv=None):

@@ -36,39 +36,14 @@ import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from examples.benchmark_decode import SHAPES, random_model  # noqa: E402
+from examples.benchmark_decode import (  # noqa: E402
+    SHAPES,
+    median_ms,
+    pipelined_ms,
+    random_model,
+)
 
 MODES = ("sync", "piped", "piped-held")
-
-
-def sync_ms(step, steps: int) -> float:
-    for _ in range(3):
-        step()
-    ts = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        ts.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(ts)
-
-
-def piped_ms(build, steps: int, held: bool) -> float:
-    """``build()`` returns (next token, other arrays to evaluate)."""
-    token, rest = build()
-    mx.async_eval(token, rest)
-    pending = [token, rest] if held else [token]
-    del rest
-    ts = []
-    for _ in range(steps + 3):
-        t = time.perf_counter()
-        token, rest = build()
-        mx.async_eval(token, rest)
-        mx.eval(pending)
-        pending = [token, rest] if held else [token]
-        del rest
-        ts.append(time.perf_counter() - t)
-    mx.eval(pending)
-    return 1e3 * statistics.median(ts[3:])
 
 
 def mlx_loop(model, cache):
@@ -77,7 +52,7 @@ def mlx_loop(model, cache):
     def build():
         logits = model(box[0], cache=cache)
         box[0] = mx.argmax(logits[:, -1], axis=-1)[:, None]
-        return box[0], []
+        return [box[0]]
 
     return build
 
@@ -88,7 +63,7 @@ def kvfn_loop(fm, states):
     def build():
         logits, box[1] = fm.decode(box[0], box[1])
         box[0] = mx.argmax(logits, axis=-1)[:, None]
-        return box[0], kvfn.tree.arrays(box[1])
+        return [box[0], *kvfn.tree.arrays(box[1])]
 
     build.box, build.fm = box, fm
     return build
@@ -271,9 +246,9 @@ def main(argv=None):
         times = {(name, m): [] for name in rows for m in MODES}
         for _ in range(args.rounds):  # interleaved: the shared machine's drift hits all alike
             for name, build in rows.items():
-                times[name, "sync"].append(sync_ms(lambda: mx.eval(build()), args.steps))
-                times[name, "piped"].append(piped_ms(build, args.steps, held=False))
-                times[name, "piped-held"].append(piped_ms(build, args.steps, held=True))
+                times[name, "sync"].append(median_ms(lambda: mx.eval(build()), args.steps))
+                times[name, "piped"].append(pipelined_ms(build, args.steps))
+                times[name, "piped-held"].append(pipelined_ms(build, args.steps, held=True))
         for name, build in rows.items():
             if getattr(build, "settings", None) and build.fm.traces != 1:
                 raise RuntimeError(f"{name!r} traced again without {build.settings}: its state "

@@ -331,4 +331,3 @@ class _Kind:
 
 
 tree.KINDS[HeadSlotsKVCache] = _Kind
-tree.SAVED_AS[_Kind.saved_as] = _Kind

@@ -45,10 +45,9 @@ class _Partitioned:
         return tuple(None if b is None else b + n for b in host)
 
 
+# A kind may be saved as another kind's state: it then names itself (``saved_as``) and gives
+# ``to_saved`` (a state ``save`` encodes) and ``from_saved`` (back).
 KINDS = {kv.State: _Plain, part.HeadPartitionedKVCache: _Partitioned}
-# Layouts that ``save`` writes as another kind's state: name -> their kind, which gives
-# ``saved_as`` (the name), ``to_saved`` (a state save encodes) and ``from_saved`` (back).
-SAVED_AS: dict = {}
 
 
 def kind(state):
@@ -142,12 +141,9 @@ def save(path, states, metadata: dict | None = None) -> None:
 
     arrays, layouts = {}, []
     for i, s in enumerate(states):
-        k = kind(s)
-        as_kind = getattr(k, "saved_as", None)
+        as_kind = getattr(kind(s), "saved_as", None)
         if as_kind is not None:
-            if SAVED_AS.get(as_kind) is not k:  # load could not bring it back
-                raise ValueError(f"{type(s).__name__} saves as {as_kind!r}, not in tree.SAVED_AS")
-            s = k.to_saved(s)
+            s = kind(s).to_saved(s)
         flat, static, host = flatten(s)
         arrays.update(_named(str(i), flat))
         layouts.append(_encode(static, host) | ({"as": as_kind} if as_kind else {}))
@@ -162,14 +158,15 @@ def load(path) -> tuple[tuple, dict]:
     flat, meta = mx.load(str(path), return_metadata=True)
     if "kvfn_states" not in meta:
         raise ValueError(f"{path} holds no kvfn states (no 'kvfn_states' metadata)")
+    saved_as = {k.saved_as: k for k in KINDS.values() if hasattr(k, "saved_as")}
     states = []
     for i, layout in enumerate(json.loads(meta.pop("kvfn_states"))):
         static, host = _decode(layout)
         state = unflatten(_unnamed(str(i), flat, static), static, host)
         if "as" in layout:
-            if layout["as"] not in SAVED_AS:
+            if layout["as"] not in saved_as:
                 raise ValueError(f"{path}: layer {i} was saved as {layout['as']!r}, a layout "
-                                 f"this kvfn does not know (known: {sorted(SAVED_AS)})")  # fmt: skip
-            state = SAVED_AS[layout["as"]].from_saved(state)
+                                 f"this kvfn does not know (known: {sorted(saved_as)})")  # fmt: skip
+            state = saved_as[layout["as"]].from_saved(state)
         states.append(state)
     return tuple(states), meta

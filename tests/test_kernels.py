@@ -1,8 +1,4 @@
-import re
 import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -180,16 +176,8 @@ def test_split_kernels_compile_to_the_blocks_plan_assumes(name):
     needs few enough registers for kernels.BLOCKS_PER_SM blocks of THREADS an SM, which
     ``plan`` sizes its single wave of splits by (more registers: a second, straggling wave)."""
     import kvfn.kernels as kernels
-    from examples.kernel_registers import load_kernels, resident_blocks, wrapped
+    from examples.kernel_registers import compiled, load_kernels, resident_blocks, wrapped
 
-    cu = wrapped(load_kernels(), name, 128, kernels.UNROLL or 4)
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.cu"
-        src.write_text(cu)
-        cmd = ["nvcc", "-arch=sm_90", "-O3", "-Xptxas", "-v", "-c", str(src), "-o",
-               str(Path(tmp) / "k.o")]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    regs = int(re.search(r"Used (\d+) registers", done.stderr).group(1))
-    assert "0 bytes spill stores, 0 bytes spill loads" in done.stderr
-    assert resident_blocks(regs, kernels.THREADS) >= kernels.BLOCKS_PER_SM, regs
+    r = compiled(wrapped(load_kernels(), name, 128, kernels.UNROLL or 4))
+    assert r["spill_stores"] == r["spill_loads"] == 0
+    assert resident_blocks(r["registers"], kernels.THREADS) >= kernels.BLOCKS_PER_SM, r
