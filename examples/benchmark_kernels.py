@@ -201,10 +201,15 @@ def sweep(kk, capacities, iters, splits_list, unrolls):
 
 
 def kernel_config(text: str) -> tuple:
-    """``G,U,B`` (query heads a block at most, keys a lane step, blocks an SM): positive ints."""
+    """``G,U,B[,S]`` (query heads a block at most, keys a lane step, blocks an SM: positive;
+    steps staged through shared memory, 0 for none: the default)."""
     parts = text.split(",")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"must be three positive integers G,U,B; got {text!r}")
+    if len(parts) == 3:
+        parts.append("0")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts) or "0" in parts[:3]:
+        raise argparse.ArgumentTypeError(
+            f"must be G,U,B[,S]: three positive integers and stages >= 0; got {text!r}"
+        )
     return tuple(int(p) for p in parts)
 
 
@@ -221,13 +226,13 @@ def configs_table(kk, capacities, iters, configs, layers):
     its error against float32 masked SDPA (full and ragged lengths), us per call (x20 per
     eval) over all and half the rows, and a compiled step of ``layers`` calls, against the
     ideal (SDPA with no mask over exactly the valid rows)."""
-    print(f"\nKernel settings (G query heads a block, U keys a lane step, B blocks an SM); "
-          f"us per call x20, ms per compiled step of {layers} calls")  # fmt: skip
-    head = ["C", "G,U,B", "err full", "err ragged", "full", "half", "ideal full", "ideal half",
+    print(f"\nKernel settings (G query heads a block, U keys a lane step, B blocks an SM, S "
+          f"steps staged); us per call x20, ms per compiled step of {layers} calls")  # fmt: skip
+    head = ["C", "G,U,B,S", "err full", "err ragged", "full", "half", "ideal full", "ideal half",
             f"x{layers} full", f"x{layers} ideal"]  # fmt: skip
     print(row(head))
     print(row(["---"] * len(head)))
-    saved = kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM
+    saved = kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES
     for capacity in capacities:
         q, k, v = operands(capacity)
         (_, full, _), (_, half, _), (_, ragged, _) = cases(capacity)
@@ -238,8 +243,8 @@ def configs_table(kk, capacities, iters, configs, layers):
                  for n, lengths, rows in cases(capacity)[:2]}  # fmt: skip
         t_ideal = timed(ideal, max(10, iters // 10), repeat=20)
         c_ideal = compiled_ms(kk, capacity, full, layers, iters, "ideal")
-        for g, u, b in configs:
-            kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM = g, u, b
+        for g, u, b, st in configs:
+            kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES = g, u, b, st
             g = kk.plan(1, HEADS, KV_HEADS, capacity)[0]  # the heads a block plan() takes
             err = [max_error(kk.ragged_decode_attention(q, k, v, n, scale=DIM**-0.5), exact(n))
                    for n in (full, ragged)]  # fmt: skip
@@ -247,34 +252,40 @@ def configs_table(kk, capacities, iters, configs, layers):
                    for name, n in (("full", full), ("half", half))}  # fmt: skip
             t = timed(fns, max(10, iters // 10), repeat=20)
             c = compiled_ms(kk, capacity, full, layers, iters, "kernel")
-            print(row([capacity, f"{g},{u},{b}", f"{err[0]:.1e}", f"{err[1]:.1e}",
+            print(row([capacity, f"{g},{u},{b},{st}", f"{err[0]:.1e}", f"{err[1]:.1e}",
                        f"{t['full']:.1f}", f"{t['half']:.1f}", f"{t_ideal['full']:.1f}",
                        f"{t_ideal['half']:.1f}", c, c_ideal]), flush=True)  # fmt: skip
             mx.clear_cache()
         del q, k, v
-    kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM = saved
+    kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES = saved
+
+
+LOAD_PATHS = ((True, 0), (False, 0), (True, 1), (True, 3))  # (PREFETCH, STAGES)
 
 
 def check(kk):
-    """Kernel (with and without prefetch) against float32 masked SDPA; prints each mismatch."""
+    """Kernel (each load path: registers with and without prefetch, rows staged in shared
+    memory) against float32 masked SDPA; prints each mismatch."""
     worst, failures = 0.0, 0
+    saved = kk.PREFETCH, kk.STAGES
     shapes = [(mx.bfloat16, d, h, c, b) for d in (64, 128) for h, c, b in ((32, 8, 1), (14, 2, 3))]
     for dtype, dim, heads, kv_heads, batch in shapes + [(mx.float32, 128, 32, 8, 1)]:
         for capacity in (37, 5000):
             q, k, v = operands(capacity, dim, heads, kv_heads, batch, dtype)
             for lengths in check_lengths(capacity, batch, kv_heads):
-                for prefetch in (True, False):
-                    kk.PREFETCH = prefetch
+                for prefetch, stages in LOAD_PATHS:
+                    kk.PREFETCH, kk.STAGES = prefetch, stages
                     err = check_one(kk, q, k, v, lengths)
                     if not err <= (1e-4 if dtype == mx.float32 else 2e-2):
                         failures += 1
                         print(
                             f"MISMATCH {dtype} D={dim} {heads}/{kv_heads} B={batch} C={capacity} "
-                            f"prefetch={prefetch} lengths={lengths.tolist()}: err {err}"
+                            f"prefetch={prefetch} stages={stages} lengths={lengths.tolist()}: "
+                            f"err {err}"
                         )
                     elif dtype != mx.float32:
                         worst = max(worst, err)
-    kk.PREFETCH = True
+    kk.PREFETCH, kk.STAGES = saved
     print(f"check: {failures} mismatches; worst half-precision error {worst:.1e}")
 
 
@@ -312,7 +323,7 @@ def main():
     parser.add_argument(
         "--configs",
         nargs="+",
-        metavar="G,U,B",
+        metavar="G,U,B[,S]",
         type=kernel_config,
         help="split kernel settings to compare (then only that table)",
     )

@@ -36,10 +36,11 @@ def resident_blocks(registers: int, threads: int = 128) -> int:
     return 65536 // (threads * (-(-registers // 8) * 8))
 
 
-def wrapped(kk, name: str, dim: int, unroll: int) -> str:
+def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0) -> str:
     source = getattr(kk, name)
     inputs, own = KERNELS[name]
-    params = dict(D=dim, **{k: TEMPLATE[k] for k in SHARED + own}, U=unroll, P=int(kk.PREFETCH))
+    params = dict(D=dim, **{k: TEMPLATE[k] for k in SHARED + own}, U=unroll, ST=stages,
+                  P=int(kk.PREFETCH))  # fmt: skip
     args = ["const T* q"]
     args += [f"const {'int' if n in INT_INPUTS else 'T'}* {n}" for n in inputs]
     args += ["const float* scale", "float* o_part", "float* lse"]

@@ -18,7 +18,7 @@ piped-held  the same, but the previous step's state arrays stay referenced while
 
 Rows: mlx-lm's eager step over its KVCache; kvfn's compiled ``decode`` over the same rows
 (the ragged split kernel on CUDA); kvfn with the kernel off (SDPA with a mask array); on CUDA
-also the split kernel with 2 keys a lane step (``kernels.UNROLL``, 4 blocks an SM).
+also the split kernel in each ``--configs`` setting (G,U,B,S as in benchmark_kernels.py).
 """
 
 import argparse
@@ -42,6 +42,7 @@ from examples.benchmark_decode import (  # noqa: E402
     pipelined_ms,
     random_model,
 )
+from examples.benchmark_kernels import kernel_config  # noqa: E402
 
 MODES = ("sync", "piped", "piped-held")
 
@@ -196,6 +197,8 @@ def main(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--configs", nargs="*", type=kernel_config, default=[(4, 2, 4, 0)],
+                   metavar="G,U,B[,S]", help="split kernel settings to add as rows (CUDA)")  # fmt: skip
     p.add_argument("--phases", action="store_true", help="also time build / encode / wait")
     p.add_argument("--ncu", action="store_true", help="one step of each, between markers")
     p.add_argument("--read-ncu", metavar="CSV", help="print an --ncu run's kernels per phase")
@@ -236,8 +239,11 @@ def main(argv=None):
             continue
         rows = {"mlx-lm": mlx_build, "kvfn": kvfn_build}
         rows["kvfn masked SDPA"] = variant_loop(model, kvfn_build.box[1], ENABLED=False)
-        if mx.default_device() == mx.gpu:  # 2 keys a lane step: 128 registers, 4 blocks an SM
-            rows["kvfn U=2"] = variant_loop(model, kvfn_build.box[1], UNROLL=2, BLOCKS_PER_SM=4)
+        for g, u, b, st in args.configs if mx.default_device() == mx.gpu else ():
+            rows[f"kvfn {g},{u},{b},{st}"] = variant_loop(
+                model, kvfn_build.box[1], MAX_HEADS_PER_BLOCK=g, UNROLL=u, BLOCKS_PER_SM=b,
+                STAGES=st
+            )  # fmt: skip
         if args.phases:
             for name, build in rows.items():
                 cells = phases_ms(build, args.steps)

@@ -21,6 +21,7 @@ MAX_SPLITS = 256
 MAX_HEADS_PER_BLOCK = 8
 PREFETCH = True
 UNROLL = None  # keys a lane group loads per step (U); None: 4 for up to 4 heads a block, else 2
+STAGES = 0  # steps of rows in flight through shared memory (cp.async); 0: register prefetch
 # KVFN_DECODE_KERNEL=0 turns the CUDA kernel off (every call takes the masked SDPA)
 ENABLED = os.environ.get("KVFN_DECODE_KERNEL", "1") != "0"
 # KVFN_TWO_GROUP_KERNEL=0 keeps a head-partitioned layer's decode attention per group
@@ -54,6 +55,34 @@ __device__ __forceinline__ void load_rows(
   }
 }
 
+// Copies 16 bytes global -> shared without registers (cp.async, L2 only); not `valid`: zeros.
+__device__ __forceinline__ void copy16_async(uint4* dst, const void* src, bool valid) {
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Stage `slot` of this thread's rows [j0, j0 + U) (K then V, 16 bytes each): the rows it reads
+// later, so only its own cp.async groups need waiting for. Rows at or past `stop` are zeros.
+template <typename T, int U, int D, int NTH>
+__device__ __forceinline__ void stage_rows(
+    uint4* staged, int slot, const T* k, const T* v, size_t base, int j0, int stop) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const bool valid = j0 + u < stop;
+    const size_t at = base + (size_t)(valid ? j0 + u : 0) * D;
+    copy16_async(staged + (slot * 2 * U + u) * NTH + threadIdx.x, k + at, valid);
+    copy16_async(staged + (slot * 2 * U + U + u) * NTH + threadIdx.x, v + at, valid);
+  }
+}
+
 // Merges a second online-softmax state (m2, l2, acc2) into (m, l, acc); exponents are base 2.
 template <int N>
 __device__ __forceinline__ void merge(
@@ -76,9 +105,10 @@ __device__ __forceinline__ void merge(
 # One block per (key split, batch x KV head x head tile). Template constants: T (dtype), D
 # (head_dim), G (query heads per block), GT (query heads per KV head), NT = GT / G, NS (splits),
 # C (capacity), HKV (KV heads), LSB / LSH (lengths' batch / head strides, 0 where broadcast),
-# U (consecutive keys a lane group loads per step), P (load the next step's rows before this
-# step's math). Each lane holds 16 bytes of a row; LPK lanes hold one row; a warp step covers
-# KPW groups x U consecutive keys. Scores are in base 2 (q is scaled by scale * log2(e)).
+# U (consecutive keys a lane group loads per step), ST (steps of rows in flight, copied to
+# shared memory by cp.async; 0: registers), P (with ST = 0, load the next step's rows before
+# this step's math). Each lane holds 16 bytes of a row; LPK lanes hold one row; a warp step
+# covers KPW groups x U consecutive keys. Scores are in base 2 (q is scaled by scale * log2(e)).
 SPLIT_SOURCE = r"""
   constexpr int W = 4;
   constexpr int EPT = 16 / sizeof(T);
@@ -130,16 +160,33 @@ SPLIT_SOURCE = r"""
   }
 
   const size_t base = (size_t)bh * C * D + part * EPT;
+  extern __shared__ uint4 staged[];  // ST steps of this thread's K/V rows (ST > 0)
   uint4 kraw[U];
   uint4 vraw[U];
-  if (P) {
+  if (ST > 0) {
+    for (int p = 0; p + 1 < ST; ++p) {
+      stage_rows<T, U, D, W * 32>(staged, p, k, v, base, start + p * STEP + group * U, stop);
+      async_commit();
+    }
+  } else if (P) {
     load_rows<T, U, D>(k, v, base, start + group * U, stop, kraw, vraw);
   }
-  for (int s0 = start; s0 < stop; s0 += STEP) {
+  for (int s0 = start, it = 0; s0 < stop; s0 += STEP, ++it) {
     const int j0 = s0 + group * U;
     uint4 knext[U];
     uint4 vnext[U];
-    if (P) {
+    if (ST > 0) {
+      stage_rows<T, U, D, W * 32>(staged, (it + ST - 1) % ST, k, v, base,
+                                  j0 + (ST - 1) * STEP, stop);
+      async_commit();
+      async_wait<(ST > 1 ? ST - 1 : 0)>();
+      const uint4* mine = staged + (it % ST) * 2 * U * W * 32 + threadIdx.x;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        kraw[u] = mine[u * W * 32];
+        vraw[u] = mine[(U + u) * W * 32];
+      }
+    } else if (P) {
       load_rows<T, U, D>(k, v, base, j0 + STEP, stop, knext, vnext);
     } else {
       load_rows<T, U, D>(k, v, base, j0, stop, kraw, vraw);
@@ -207,13 +254,16 @@ SPLIT_SOURCE = r"""
       }
       m[g] = mn;
     }
-    if (P) {
+    if (ST == 0 && P) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         kraw[u] = knext[u];
         vraw[u] = vnext[u];
       }
     }
+  }
+  if (ST > 0) {
+    async_wait<0>();  // no copy may land in shared memory after the block exits
   }
 
   // Merge the key groups of a warp (lanes LPK apart), then the warps through shared memory.
@@ -445,13 +495,20 @@ def plan(batch, q_heads, kv_heads, capacity):
     return tile, group // tile, splits
 
 
+def staged_bytes(unroll: int) -> int:
+    """Shared memory a block of the split kernel stages its rows in: ``STAGES`` steps of K and
+    V, ``unroll`` rows of 16 bytes a thread each."""
+    return STAGES * 2 * unroll * THREADS * 16
+
+
 def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale, template):
-    """One split-K launch of ``split_kernel`` (its ``inputs`` then the scale; its own
+    """One split-K launch of ``split_kernel(shared bytes)`` (its ``inputs`` then the scale; its own
     ``template`` entries after the shared ones) over ``capacity`` rows a KV head, then the
     combine: (B, n_q_heads, 1, D) in q's dtype."""
     batch, q_heads, _, dim = q.shape
     tile, tiles, splits = plan(batch, q_heads, kv_heads, capacity)
-    o_part, lse = split_kernel(
+    unroll = UNROLL or (4 if tile <= 4 else 2)
+    o_part, lse = split_kernel(staged_bytes(unroll))(
         inputs=[*inputs, mx.array([scale * LOG2E], dtype=mx.float32)],
         template=[
             ("T", dtype),
@@ -461,7 +518,8 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
             ("NT", tiles),
             ("NS", splits),
             *template,
-            ("U", UNROLL or (4 if tile <= 4 else 2)),
+            ("U", unroll),
+            ("ST", STAGES),
             ("P", PREFETCH),
         ],
         grid=(splits * THREADS, batch * kv_heads * tiles, 1),
@@ -469,7 +527,7 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
         output_shapes=[(batch * q_heads * splits * dim,), (batch * q_heads * splits,)],
         output_dtypes=[mx.float32, mx.float32],
     )
-    (out,) = _kernels()[1](
+    (out,) = _combine_kernel()(
         inputs=[o_part, lse],
         template=[("T", q.dtype), ("D", dim), ("NS", splits)],
         grid=(batch * q_heads * dim, 1, 1),
@@ -485,7 +543,7 @@ def _kernel_attention(q, k, v, lengths, scale):
     lb, lh = lengths.shape + (1,) * (2 - lengths.ndim)
     template = [("C", capacity), ("HKV", kv_heads), ("LSB", lh if lb > 1 else 0),
                 ("LSH", 1 if lh > 1 else 0)]  # fmt: skip
-    return _split_and_combine(_kernels()[0], [q, k, v, lengths.reshape(-1)], q, kv_heads,
+    return _split_and_combine(_split_kernel, [q, k, v, lengths.reshape(-1)], q, kv_heads,
                               capacity, k.dtype, scale, template)  # fmt: skip
 
 
@@ -512,7 +570,7 @@ def two_group_decode_attention(q, k0, v0, lengths, k1, v1, length1: int, head_ma
                 ("H1", k1.shape[1]), ("L1", int(length1)), ("HKV", kv_heads),
                 ("LSB", 1 if lengths.size > 1 else 0)]  # fmt: skip
     inputs = [q, k0, v0, k1, v1, lengths.reshape(-1), head_map]
-    return _split_and_combine(_two_group_kernel(), inputs, q, kv_heads,
+    return _split_and_combine(_two_group_kernel, inputs, q, kv_heads,
                               max(k0.shape[2], k1.shape[2]), k0.dtype, scale, template)  # fmt: skip
 
 
@@ -532,7 +590,7 @@ def slots_decode_attention(q, k, v, lengths, capacity: int, ring: int, head_map,
         raise ValueError(f"lengths must be int32 () or ({batch},), got {lengths.shape}")
     template = [("S", k.shape[1]), ("C0", int(capacity)), ("C1", int(ring)), ("L1", int(ring)),
                 ("HKV", kv_heads), ("LSB", 1 if lengths.size > 1 else 0)]  # fmt: skip
-    return _split_and_combine(_slots_kernel(), [q, k, v, lengths.reshape(-1), head_map], q,
+    return _split_and_combine(_slots_kernel, [q, k, v, lengths.reshape(-1), head_map], q,
                               kv_heads, max(capacity, ring), k.dtype, scale, template)  # fmt: skip
 
 
@@ -545,13 +603,14 @@ def slots_fused(q, k, v) -> bool:
 
 
 @lru_cache(maxsize=None)
-def _slots_kernel():
+def _slots_kernel(shared_memory: int):
     return mx.fast.cuda_kernel(
         name="kvfn_slots_decode_split",
         input_names=["q", "k", "v", "lengths", "hmap", "scale"],
         output_names=["o_part", "lse"],
         source=SLOTS_SOURCE,
         header=HEADER,
+        shared_memory=shared_memory,
     )
 
 
@@ -564,33 +623,38 @@ def two_group_fused(q, k0, k1) -> bool:
 
 
 @lru_cache(maxsize=None)
-def _two_group_kernel():
+def _two_group_kernel(shared_memory: int):
     return mx.fast.cuda_kernel(
         name="kvfn_two_group_decode_split",
         input_names=["q", "k0", "v0", "k1", "v1", "lengths", "hmap", "scale"],
         output_names=["o_part", "lse"],
         source=TWO_GROUP_SOURCE,
         header=HEADER,
+        shared_memory=shared_memory,
     )
 
 
 @lru_cache(maxsize=None)
-def _kernels():
-    split = mx.fast.cuda_kernel(
+def _split_kernel(shared_memory: int):
+    return mx.fast.cuda_kernel(
         name="kvfn_ragged_decode_split",
         input_names=["q", "k", "v", "lengths", "scale"],
         output_names=["o_part", "lse"],
         source=SPLIT_SOURCE,
         header=HEADER,
+        shared_memory=shared_memory,
     )
-    combine = mx.fast.cuda_kernel(
+
+
+@lru_cache(maxsize=None)
+def _combine_kernel():
+    return mx.fast.cuda_kernel(
         name="kvfn_ragged_decode_combine",
         input_names=["o_part", "lse"],
         output_names=["out"],
         source=COMBINE_SOURCE,
         header=HEADER,
     )
-    return split, combine
 
 
 def fused(q, k, v) -> bool:
