@@ -15,13 +15,13 @@ import mlx.core as mx
 LOG2E = 1.0 / math.log(2.0)
 THREADS = 128  # four warps per block of the split kernel (W in the CUDA source)
 SMS = 132  # multiprocessors of an H100 / H200: the split count aims at a few waves of them
-BLOCKS_PER_SM = 3  # resident blocks of the split kernel (167 registers a thread at D=128, U=4)
+BLOCKS_PER_SM = 3  # resident blocks of the split kernel (139 registers a thread at D=128, U=4)
 MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 256
 MAX_HEADS_PER_BLOCK = 8
 PREFETCH = True
 UNROLL = None  # keys a lane group loads per step (U); None: 4 for up to 4 heads a block, else 2
-STAGES = 0  # steps of rows in flight through shared memory (cp.async); 0: register prefetch
+STAGES = 2  # steps of rows in flight through shared memory (cp.async); 0: register prefetch
 # KVFN_DECODE_KERNEL=0 turns the CUDA kernel off (every call takes the masked SDPA)
 ENABLED = os.environ.get("KVFN_DECODE_KERNEL", "1") != "0"
 # KVFN_TWO_GROUP_KERNEL=0 keeps a head-partitioned layer's decode attention per group

@@ -174,10 +174,14 @@ def test_two_groups_in_head_order_match_each_group_alone(lengths, dim, dtype):
 def test_split_kernels_compile_to_the_blocks_plan_assumes(name):
     """Each split kernel's source compiles for Hopper as MLX wraps it, spills nothing, and
     needs few enough registers for kernels.BLOCKS_PER_SM blocks of THREADS an SM, which
-    ``plan`` sizes its single wave of splits by (more registers: a second, straggling wave)."""
+    ``plan`` sizes its single wave of splits by (more registers: a second, straggling wave);
+    their shared memory (static, and the rows staged by cp.async) fits as many blocks."""
     import kvfn.kernels as kernels
     from examples.kernel_registers import compiled, load_kernels, resident_blocks, wrapped
 
-    r = compiled(wrapped(load_kernels(), name, 128, kernels.UNROLL or 4))
+    unroll = kernels.UNROLL or 4
+    r = compiled(wrapped(load_kernels(), name, 128, unroll, kernels.STAGES))
     assert r["spill_stores"] == r["spill_loads"] == 0
     assert resident_blocks(r["registers"], kernels.THREADS) >= kernels.BLOCKS_PER_SM, r
+    per_block = r["smem"] + kernels.staged_bytes(unroll) + 1024  # 1 KB the driver reserves
+    assert per_block * kernels.BLOCKS_PER_SM <= 228 * 1024, (per_block, r)  # Hopper, an SM
