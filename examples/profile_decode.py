@@ -7,6 +7,7 @@ pipelined, with and without kvfn's ragged kernel, holding the previous step's st
         --log-file ncu.csv python examples/profile_decode.py --lengths 8192 --ncu  # one step each
     python examples/profile_decode.py --read-ncu ncu.csv                  # its kernels per phase
     python examples/profile_decode.py --shape 1b --prefill-chunk 512       # host time a chunk
+    python examples/profile_decode.py --shape 1b --lengths 1024 --primitives  # ops a step
 
 sync        build + evaluate one step, median ms
 piped       a greedy loop that builds step t+1 while step t runs (``mx.async_eval``), holding
@@ -25,6 +26,8 @@ import argparse
 import collections
 import csv
 import ctypes
+import io
+import re
 import statistics
 import sys
 import time
@@ -98,6 +101,35 @@ def filled(model, L: int, room: int, dtype):
         states.append(kvfn.reserve(kvfn.from_full(k, v), L + room))
     mx.eval([c.keys for c in caches], [c.values for c in caches], kvfn.tree.arrays(states))
     return caches, tuple(states)
+
+
+def primitives(outputs) -> collections.Counter:
+    """The primitives (graph nodes that compute; each a kernel launch on the GPU, or fused
+    into one) behind ``outputs``, by name, read off ``mx.export_to_dot``."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *outputs)
+    return collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue()))
+
+
+def packed(states, L: int, room: int) -> tuple:
+    """The states' first L rows as a packed state that is not dense (what a compaction
+    gives), whose appends are scatters at a traced slot."""
+    idx = mx.broadcast_to(mx.arange(L, dtype=mx.int32), states[0].positions.shape[:2] + (L,))
+    return tuple(kvfn.reserve(kvfn.cache.gather(s, idx, packed=True), L + room) for s in states)
+
+
+def primitives_table(model, caches, states, L: int, room: int) -> dict:
+    """Primitives of one decode step: mlx-lm's eager step, kvfn's compiled step over a dense
+    state and over a packed one."""
+    rows = {"mlx-lm": mlx_loop(model, caches), "kvfn dense": kvfn_loop(kvfn.FunctionalModel(model), states),
+            "kvfn packed": kvfn_loop(kvfn.FunctionalModel(model), packed(states, L, room))}  # fmt: skip
+    counts = {}
+    for name, build in rows.items():
+        mx.eval(build())  # the compiled step traces first
+        counts[name] = primitives(build())
+        top = ", ".join(f"{k} {n}" for k, n in counts[name].most_common(6))
+        print(f"L={L:6d} {name:12s} {sum(counts[name].values()):5d} primitives a step ({top})")
+    return counts
 
 
 def phases_ms(build, steps: int) -> list:
@@ -201,6 +233,8 @@ def main(argv=None):
                    metavar="G,U,B[,S]", help="split kernel settings to add as rows (CUDA)")  # fmt: skip
     p.add_argument("--phases", action="store_true", help="also time build / encode / wait")
     p.add_argument("--ncu", action="store_true", help="one step of each, between markers")
+    p.add_argument("--primitives", action="store_true",
+                   help="only count the primitives of one step (dense and packed states)")  # fmt: skip
     p.add_argument("--read-ncu", metavar="CSV", help="print an --ncu run's kernels per phase")
     p.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="only time building one eager prefill chunk's graph of N tokens")  # fmt: skip
@@ -220,8 +254,12 @@ def main(argv=None):
             f"{args.shape}, {dtype}, ms per step (median of {args.rounds} rounds):"
             "     sync   piped  piped-held"
         )
+    counted = {}
     for L in args.lengths:
         caches, states = filled(model, L, room, dtype)
+        if args.primitives:
+            counted[L] = primitives_table(model, caches, states, L, room)
+            continue
         fm = kvfn.FunctionalModel(model)
         mlx_build, kvfn_build = mlx_loop(model, caches), kvfn_loop(fm, states)
         del states
@@ -265,6 +303,7 @@ def main(argv=None):
             print(f"L={L:6d} {name:18s} " + " ".join(f"{x:7.2f}" for x in cells)
                   + f"   (largest spread over rounds {spread:.2f})", flush=True)  # fmt: skip
         del caches, rows, mlx_build, kvfn_build
+    return counted
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """PositionPreservingKVCache: an immutable KV-cache state and the pure functions over it.
 
 Rows of a compacted cache are a sparse subset of the prompt, so the RoPE position (``offset``)
-and the number of stored rows diverge. Every stored row records its true sequence position; an
-empty slot holds ``EMPTY``, larger than any position, so a causal comparison masks it for free.
-A plain full cache is the same state with positions equal to row indices.
+and the number of stored rows diverge. Every stored row records its true sequence position. A
+free slot below ``rows`` (a row trimmed or masked away) holds ``EMPTY``, larger than any
+position; a slot at or past ``rows`` already holds the position the next appends give it,
+``offset + (slot - rows)`` per sequence (``tail_positions``). Appends move ``rows`` and
+``offset`` together, so they never write a position, and a causal comparison masks both kinds
+of free slot (neither is at or below a query's position). A plain full cache is the same state
+with positions equal to row indices.
 
 Layout: keys/values (B, n_kv_heads, capacity, head_dim); positions (B, n_kv_heads, capacity)
 int32; offset (B,) int32, the next true position per sequence; rows () int32, the slots in use
@@ -96,7 +100,7 @@ def init(
     return State(
         keys=mx.zeros((*shape, head_dim), dtype),
         values=mx.zeros((*shape, value_dim or head_dim), dtype),
-        positions=mx.full(shape, EMPTY, mx.int32),
+        positions=mx.broadcast_to(mx.arange(capacity, dtype=mx.int32), shape),
         offset=mx.zeros((batch,), mx.int32),
         rows=mx.array(0, mx.int32),
         sliding_window=sliding_window,
@@ -125,12 +129,12 @@ def from_full(keys: mx.array, values: mx.array, *, sliding_window: Optional[int]
     )
 
 
-def appended_positions(state: State, n: int) -> mx.array:
-    """The positions array after ``n`` rows are appended (see ``update``)."""
-    slots = mx.arange(state.capacity, dtype=mx.int32)
-    new = (slots >= state.rows) & (slots < state.rows + n)
-    true_pos = state.offset[:, None, None] + (slots - state.rows)[None, None, :]
-    return mx.where(new[None, None, :], true_pos, state.positions)
+def tail_positions(positions: mx.array, offset: mx.array, rows, start: int = 0) -> mx.array:
+    """``positions`` (B, H, n) of slots ``start`` .. ``start + n - 1`` with each slot at or past
+    ``rows`` set to the position an append would give it: ``offset + (slot - rows)``."""
+    slots = mx.arange(start, start + positions.shape[2], dtype=mx.int32)
+    tail = offset[:, None, None] + (slots - rows)[None, None, :]
+    return mx.where((slots >= rows)[None, None, :], tail, positions)
 
 
 def grown_bound(state: State, n: int) -> Optional[int]:
@@ -164,11 +168,9 @@ def append(state: State, keys: mx.array, values: mx.array) -> State:
     bound = grown_bound(state, n)
     r = state.static_rows
     if r is not None:  # a plain cache: static slots, which reuse the buffer
-        positions = mx.broadcast_to(mx.arange(r, r + n, dtype=mx.int32), (*keys.shape[:2], n))
         return state.replace(
             keys=_write(state.keys, keys, r),
             values=_write(state.values, values, r),
-            positions=_write(state.positions, positions, r),
             offset=state.offset + n,
             rows=state.rows + n,
             max_rows=bound,
@@ -177,24 +179,21 @@ def append(state: State, keys: mx.array, values: mx.array) -> State:
 
 
 def appended(state: State, n: int) -> dict:
-    """What appending ``n`` rows derives from ``rows`` and ``offset``: the slots (n,) and true
-    positions (B, 1, n) of the new rows, and the new ``offset`` and ``rows``."""
-    arange = mx.arange(n, dtype=mx.int32)
+    """What appending ``n`` rows derives from ``rows`` and ``offset``: the slots (n,) of the new
+    rows, and the new ``offset`` and ``rows`` (the slots already hold the rows' positions)."""
     return dict(
-        slots=state.rows + arange,
-        positions=state.offset[:, None, None] + arange,
+        slots=state.rows + mx.arange(n, dtype=mx.int32),
         offset=state.offset + n,
         rows=state.rows + n,
     )
 
 
-def append_at(state: State, keys, values, *, slots, positions, offset, rows, max_rows=None):
+def append_at(state: State, keys, values, *, slots, offset, rows, max_rows=None):
     """``update`` with the ``appended`` arrays given, so layers that move in lockstep share one
     computation of them (``FunctionalModel`` does it once a call, not once a layer)."""
     return state.replace(
         keys=_scatter(state.keys, keys, slots),
         values=_scatter(state.values, values, slots),
-        positions=_scatter(state.positions, positions, slots),
         offset=offset,
         rows=rows,
         max_rows=max_rows,
@@ -221,17 +220,20 @@ def prefix_trim(state: State, length) -> State:
     """Keep exactly the rows whose true position is below ``length`` (an int or a (B,) array).
 
     Exact for prompt-cache reuse: what remains is what the state held of the first ``length``
-    tokens. Freed slots become EMPTY; ``rows`` shrinks to just past the last kept slot.
+    tokens. Freed slots below the new ``rows`` become EMPTY; ``rows`` shrinks to just past the
+    last kept slot.
     """
     _check(state)
     static = length if state.static_rows is not None and isinstance(length, int) else None
     length = mx.broadcast_to(mx.array(length, mx.int32), state.offset.shape)
-    keep = state.positions < length[:, None, None]
-    slots = mx.arange(1, state.capacity + 1, dtype=mx.int32)
+    slots = mx.arange(state.capacity, dtype=mx.int32)
+    keep = (state.positions < length[:, None, None]) & (slots < state.rows)
+    offset = mx.minimum(state.offset, length)
+    rows = mx.max(mx.where(keep, slots + 1, 0)).astype(mx.int32)
     out = state.replace(
-        positions=mx.where(keep, state.positions, EMPTY),
-        offset=mx.minimum(state.offset, length),
-        rows=mx.max(mx.where(keep, slots, 0)).astype(mx.int32),
+        positions=tail_positions(mx.where(keep, state.positions, EMPTY), offset, rows),
+        offset=offset,
+        rows=rows,
         dense=False,
         packed=False,
     )
@@ -253,8 +255,8 @@ def trim(state: State, n: int) -> State:
 
 def check_keep_indices(state: State, keep_indices) -> None:
     """Raise a ValueError/TypeError naming what is wrong with ``keep_indices`` for ``state``:
-    an integer array (B, n_kv_heads, k >= 1) of slots below the capacity (a slot past the
-    stored rows is EMPTY and stays masked), strictly increasing along each (sequence, head).
+    an integer array (B, n_kv_heads, k >= 1) of slots below the capacity (a slot at or past
+    ``rows`` holds no row: kept, it is EMPTY), strictly increasing along each (sequence, head).
     Eager: it reads the indices on the host."""
     if not isinstance(keep_indices, mx.array):
         raise TypeError(f"keep_indices must be an mx.array, got {type(keep_indices).__name__}")
@@ -288,10 +290,11 @@ def gather(state: State, keep_indices: mx.array, packed: bool = False) -> State:
     stored row of a packed state."""
     idx = keep_indices.astype(mx.int32)
     k = idx.shape[2]
+    positions = mx.take_along_axis(state.positions, idx, axis=2)
     return state.replace(
         keys=mx.take_along_axis(state.keys, idx[..., None], axis=2),
         values=mx.take_along_axis(state.values, idx[..., None], axis=2),
-        positions=mx.take_along_axis(state.positions, idx, axis=2),
+        positions=mx.where(idx < state.rows, positions, EMPTY),
         rows=mx.array(k, mx.int32),
         max_rows=k,
         dense=False,
@@ -311,7 +314,7 @@ def evict(state: State, keep_indices) -> State:
 
 @typechecked
 def reserve(state: State, capacity: int) -> State:
-    """The same state with room for ``capacity`` rows (EMPTY slots added at the end)."""
+    """The same state with room for ``capacity`` rows (free slots added at the end)."""
     extra = capacity - state.capacity
     if extra < 0:
         raise ValueError(f"reserve cannot shrink capacity {state.capacity} to {capacity}")
@@ -322,8 +325,12 @@ def reserve(state: State, capacity: int) -> State:
     def pad(x, fill):
         return mx.concatenate([x, mx.full((B, H, extra, *x.shape[3:]), fill, x.dtype)], axis=2)
 
+    tail = tail_positions(mx.zeros((B, H, extra), mx.int32), state.offset, state.rows,
+                          start=state.capacity)  # fmt: skip
     return state.replace(
-        keys=pad(state.keys, 0), values=pad(state.values, 0), positions=pad(state.positions, EMPTY)
+        keys=pad(state.keys, 0),
+        values=pad(state.values, 0),
+        positions=mx.concatenate([state.positions, tail], axis=2),
     )
 
 
@@ -331,7 +338,7 @@ def reserve(state: State, capacity: int) -> State:
 def mask(state: State, n_queries: int) -> mx.array:
     """Boolean attention mask (B, n_kv_heads, n_queries, capacity) for the last ``n_queries``
     tokens (true positions ``offset - n_queries`` ...): causal over true positions, per head,
-    limited to ``sliding_window`` for a sliding-window layer; EMPTY slots never attend."""
+    limited to ``sliding_window`` for a sliding-window layer; free slots never attend."""
     _check(state)
     q = state.offset[:, None] - n_queries + mx.arange(n_queries, dtype=mx.int32)[None]
     q = q[:, None, :, None]
@@ -353,8 +360,9 @@ def packed_mask(state: State, n_queries: int) -> mx.array:
 
 @typechecked
 def valid_rows(state: State) -> mx.array:
-    """(B, n_kv_heads) count of stored (non-EMPTY) rows."""
-    return mx.sum(state.positions != EMPTY, axis=-1)
+    """(B, n_kv_heads) count of stored rows (non-EMPTY, below ``rows``)."""
+    slots = mx.arange(state.capacity, dtype=mx.int32)
+    return mx.sum((state.positions != EMPTY) & (slots < state.rows), axis=-1)
 
 
 ARRAY_FIELDS = ("keys", "values", "positions", "offset", "rows")
@@ -382,7 +390,7 @@ def restrict(state: State, keep_indices) -> State:
     _check(state)
     check_keep_indices(state, keep_indices)
     slots = mx.arange(state.capacity, dtype=mx.int32)
-    kept = mx.any(keep_indices[..., :, None] == slots, axis=-2)
+    kept = mx.any(keep_indices[..., :, None] == slots, axis=-2) | (slots >= state.rows)
     return state.replace(
         positions=mx.where(kept, state.positions, EMPTY), dense=False, packed=False
     )
@@ -403,11 +411,14 @@ def stack(states: list[State]) -> State:
     rows = mx.max(mx.stack([s.rows for s in states]))
     padded = [reserve(s, capacity) for s in states]
     bounds = [s.max_rows for s in states]
+    slots = mx.arange(capacity, dtype=mx.int32)
+    positions = [mx.where(slots < s.rows, s.positions, EMPTY) for s in padded]
+    offset = mx.concatenate([s.offset for s in padded])
     return State(
         keys=mx.concatenate([s.keys for s in padded]),
         values=mx.concatenate([s.values for s in padded]),
-        positions=mx.concatenate([s.positions for s in padded]),
-        offset=mx.concatenate([s.offset for s in padded]),
+        positions=tail_positions(mx.concatenate(positions), offset, rows),
+        offset=offset,
         rows=rows,
         sliding_window=states[0].sliding_window,
         max_rows=None if None in bounds else max(bounds),

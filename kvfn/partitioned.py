@@ -198,7 +198,7 @@ def mask(state: HeadPartitionedKVCache, n_queries: int) -> tuple:
 @typechecked
 def row_counts(state: HeadPartitionedKVCache) -> mx.array:
     """(B, n_kv_heads) stored rows per KV head, in head order."""
-    counts = [mx.sum(g.positions != kv.EMPTY, axis=-1) for g in state.groups]
+    counts = [_module(g).valid_rows(g) for g in state.groups]
     order = np.argsort([h for hs in state.heads for h in hs])
     return mx.take(mx.concatenate(counts, axis=1), mx.array(order, mx.int32), axis=1)
 

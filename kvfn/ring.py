@@ -156,6 +156,11 @@ def mask(ring: StreamingRing, n_queries: int) -> mx.array:
     return visible(ring, ring.positions, n_queries)
 
 
+def valid_rows(ring: StreamingRing) -> mx.array:
+    """(B, H) count of the rows the ring holds (non-EMPTY slots)."""
+    return mx.sum(ring.positions != EMPTY, axis=-1)
+
+
 @typechecked
 def prefix_trim(ring: StreamingRing, length) -> StreamingRing:
     """Keep the rows whose true position is below ``length`` (an int or (B,) array)."""

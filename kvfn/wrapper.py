@@ -67,7 +67,7 @@ class QuerySlice:
 class _Call:
     """What the layers of one forward call share: whether the model asked for array masks, and
     for layers in lockstep (packed, full attention, equal rows and capacity: the host knew it
-    before the call) the new rows' slots, positions, offset, rows and mask, computed once."""
+    before the call) the new rows' slots, offset, rows and mask, computed once."""
 
     def __init__(self, lockstep: bool = False):
         self.return_array, self.lockstep = False, lockstep
@@ -137,10 +137,7 @@ class _LayerAdapter:
             return self.call.derived(self.state, n)[1]
         if self.state.packed and self.state.sliding_window is None:
             return kv.packed_mask(self.state, n)
-        after = self.state.replace(
-            positions=kv.appended_positions(self.state, n), offset=self.state.offset + n
-        )
-        m = kv.mask(after, n)
+        m = kv.mask(self.state.replace(offset=self.state.offset + n), n)
         rep = self.n_heads // m.shape[1]
         return mx.repeat(m, rep, axis=1) if rep > 1 else m
 

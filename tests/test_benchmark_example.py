@@ -57,6 +57,19 @@ def test_benchmark_prefill_variants_leave_the_others_out(capsys):
     assert line.endswith(" | - | - |") and not line.endswith("| - | - | - |")
 
 
+def test_profile_decode_counts_a_steps_primitives(capsys):
+    """A decode step over a packed state writes keys and values, one scatter each a layer, and
+    no position (the slots past ``rows`` already hold them); mlx-lm writes at static slices."""
+    from examples import profile_decode
+    from examples.benchmark_decode import SHAPES
+
+    (counts,) = profile_decode.main(["--shape", "tiny", "--lengths", "64", "--primitives"]).values()
+    layers = SHAPES["tiny"]["num_hidden_layers"]
+    assert counts["kvfn packed"]["ScatterAxis"] == 2 * layers
+    assert counts["mlx-lm"]["ScatterAxis"] == 0 and sum(counts["mlx-lm"].values()) > 0
+    assert "kvfn packed" in capsys.readouterr().out
+
+
 def test_profile_decode_times_each_step_and_reads_ncu_csv(capsys, tmp_path):
     from examples import profile_decode
 

@@ -20,17 +20,33 @@ def full_state(B, H, N, D=4, capacity=None, seed=0):
     return s
 
 
+def tail_is_next(s: kv.State) -> bool:
+    """The layout's invariant: each slot at or past ``rows`` holds the position the next
+    appends give it, so appending never writes a position."""
+    pos, slots = np.array(s.positions), np.arange(s.capacity)
+    want = np.array(s.offset)[:, None, None] + (slots - s.rows.item())
+    tail = slots >= s.rows.item()
+    return np.array_equal(pos[..., tail], np.broadcast_to(want, pos.shape)[..., tail])
+
+
+def stored(s: kv.State) -> list:
+    """Per (sequence, head), its stored rows in slot order: (positions, keys, values)."""
+    pos = np.array(s.positions)
+    keys, values = np.array(s.keys), np.array(s.values)
+    valid = (pos != kv.EMPTY) & (np.arange(s.capacity) < s.rows.item())
+    return [(pos[b, h][valid[b, h]], keys[b, h][valid[b, h]], values[b, h][valid[b, h]])
+            for b in range(pos.shape[0]) for h in range(pos.shape[1])]  # fmt: skip
+
+
 def logically_equal(a: kv.State, b: kv.State) -> bool:
-    """Same rows attended in the same way: positions, offset and the valid keys/values."""
+    """Same rows attended in the same way (the same stored rows, positions and offset), both
+    holding the layout's invariant."""
     if a.sliding_window != b.sliding_window or a.capacity != b.capacity:
         return False
-    pa, pb = np.array(a.positions), np.array(b.positions)
-    valid = pa != kv.EMPTY
-    return (
-        np.array_equal(pa, pb)
-        and np.array_equal(np.array(a.offset), np.array(b.offset))
-        and np.array_equal(np.array(a.keys)[valid], np.array(b.keys)[valid])
-        and np.array_equal(np.array(a.values)[valid], np.array(b.values)[valid])
+    if not (tail_is_next(a) and tail_is_next(b)):
+        return False
+    return np.array_equal(np.array(a.offset), np.array(b.offset)) and all(
+        all(np.array_equal(x, y) for x, y in zip(ra, rb)) for ra, rb in zip(stored(a), stored(b))
     )
 
 
@@ -98,7 +114,7 @@ def test_prefix_trim_commutes_with_eviction(d, seed):
     b = kv.evict(kv.prefix_trim(s, length), keep)
     assert logically_equal(a, b)
     assert np.all(np.array(a.offset) == min(length, N))
-    kept = np.array(a.positions)
+    kept = np.array(a.positions)[..., : a.rows.item()]
     assert np.all((kept == kv.EMPTY) | (kept < length))
 
 
@@ -112,11 +128,8 @@ def test_trim_of_generated_rows_restores_the_compacted_state():
     assert logically_equal(kv.trim(grown, 3), compacted)
     # past the generated rows, only the retained rows with those positions go
     trimmed = kv.trim(grown, 5)
-    assert np.array(trimmed.positions)[0, :, :4].tolist() == [
-        [0, 3, 2**31 - 1, 2**31 - 1],
-        [1, 2, 2**31 - 1, 2**31 - 1],
-    ]
-    assert trimmed.offset.item() == 8 and trimmed.rows.item() == 2
+    assert np.array(trimmed.positions)[0, :, :4].tolist() == [[0, 3, 8, 9], [1, 2, 8, 9]]
+    assert trimmed.offset.item() == 8 and trimmed.rows.item() == 2 and tail_is_next(trimmed)
 
 
 def test_restrict_masks_exactly_the_evicted_slots():
@@ -125,6 +138,25 @@ def test_restrict_masks_exactly_the_evicted_slots():
     r = kv.restrict(s, keep)
     assert np.array(r.positions).tolist() == [[[0, kv.EMPTY, kv.EMPTY, kv.EMPTY, 4, kv.EMPTY],
                                                [kv.EMPTY, kv.EMPTY, 2, kv.EMPTY, kv.EMPTY, 5]]]  # fmt: skip
+
+
+@SETTINGS
+@given(dims, st.integers(0, 2**16))
+def test_appends_never_write_a_position(d, seed):
+    """Every function keeps the free tail at the next positions, so an append (at static slots
+    or at traced ones) leaves the positions array as it was, and the invariant holds after."""
+    B, H, N, n = d
+    rng = np.random.default_rng(seed)
+    s = kv.reserve(full_state(B, H, N), N + 2 * n)
+    k = int(rng.integers(1, N + 1))
+    for state in (s, kv.reserve(kv.evict(s, random_keep(rng, B, H, N, k)), k + 2 * n),
+                  kv.trim(s, int(rng.integers(0, N + 1))),
+                  kv.restrict(s, random_keep(rng, B, H, N, k))):  # fmt: skip
+        assert tail_is_next(state)
+        rows = mx.random.normal((B, H, n, 4))
+        grown = kv.update(state, rows, rows)
+        assert grown.positions is state.positions and tail_is_next(grown)
+        assert np.array_equal(np.array(kv.valid_rows(grown)), np.array(kv.valid_rows(state)) + n)
 
 
 def test_functions_do_not_mutate_their_input():
@@ -146,7 +178,9 @@ def test_stack_pads_shorter_sequences_with_empty_slots():
     s = kv.stack([a, b])
     assert s.keys.shape == (2, 2, 8, 4) and s.rows.item() == 6
     assert np.array(s.offset).tolist() == [3, 6]
-    assert np.array(s.positions)[0, 0].tolist() == [0, 1, 2] + [kv.EMPTY] * 5
+    # a's free slots below the shared rows are EMPTY; past them, a's next positions
+    assert np.array(s.positions)[0, 0].tolist() == [0, 1, 2] + [kv.EMPTY] * 3 + [3, 4]
+    assert tail_is_next(s)
 
 
 def test_flatten_round_trip_and_bad_input():
