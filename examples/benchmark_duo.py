@@ -47,7 +47,7 @@ def union_plus_mask(full: tuple, policy, P: int) -> tuple:
         heads = np.array(policy.heads[i])
         pos = np.arange(s.capacity)
         ring = (pos < policy.sink_tokens) | ((pos >= P - policy.recent) & (pos < P))
-        keep = np.where(heads[:, None], pos[None] < P, ring[None])
+        keep = np.where(heads[:, None], pos[None] < P, ring[None]) | (pos >= P)  # free slots
         positions = mx.where(mx.array(keep)[None], s.positions, kv.EMPTY)
         out.append(s.replace(positions=positions, dense=False, packed=False))
     return tuple(out)

@@ -28,6 +28,12 @@ class _Plain:
         max_rows, dense = host
         return (None if max_rows is None else max_rows + n), dense
 
+    @staticmethod
+    def loaded(state):
+        """A file written before free slots held their next positions (EMPTY there) gets the
+        tail rebuilt, so appends to it are seen; a newer file is left as it was."""
+        return state.replace(positions=kv.tail_positions(state.positions, state.offset, state.rows))
+
 
 class _Partitioned:
     flatten = staticmethod(part.flatten)
@@ -43,6 +49,11 @@ class _Partitioned:
     @staticmethod
     def advanced(host, n):
         return tuple(None if b is None else b + n for b in host)
+
+    @staticmethod
+    def loaded(state):
+        groups = (_Plain.loaded(g) if type(g) is kv.State else g for g in state.groups)
+        return state.replace(groups=tuple(groups))
 
 
 # A kind may be saved as another kind's state: it then names itself (``saved_as``) and gives
@@ -162,7 +173,7 @@ def load(path) -> tuple[tuple, dict]:
     states = []
     for i, layout in enumerate(json.loads(meta.pop("kvfn_states"))):
         static, host = _decode(layout)
-        state = unflatten(_unnamed(str(i), flat, static), static, host)
+        state = KINDS[static[0]].loaded(unflatten(_unnamed(str(i), flat, static), static, host))
         if "as" in layout:
             if layout["as"] not in saved_as:
                 raise ValueError(f"{path}: layer {i} was saved as {layout['as']!r}, a layout "

@@ -169,9 +169,13 @@ def greedy(model, prompt: list[int], caches: list, max_tokens: int, eos: set) ->
 
 
 def head_positions(state) -> list:
-    """The kept positions of each KV head of the first sequence (any layer state)."""
-    groups = getattr(state, "groups", (state,))
-    return [p for g in groups for p in np.array(g.positions)[0]]
+    """The kept positions of each KV head of the first sequence (any layer state): its stored
+    rows' (a plain state's slots past ``rows`` are free)."""
+    out = []
+    for g in getattr(state, "groups", (state,)):
+        rows = int(g.rows.item()) if hasattr(g, "rows") else g.positions.shape[-1]
+        out += [p[p != kvfn.EMPTY] for p in np.array(g.positions)[0][:, :rows]]
+    return out
 
 
 def needle_fraction(states: Sequence, tokens) -> float:
