@@ -260,7 +260,7 @@ def configs_table(kk, capacities, iters, configs, layers):
     kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES = saved
 
 
-LOAD_PATHS = ((True, 0), (False, 0), (True, 1), (True, 3))  # (PREFETCH, STAGES)
+LOAD_PATHS = ((True, 0), (False, 0), (True, 1), (True, 2), (True, 3))  # (PREFETCH, STAGES)
 
 
 def check(kk):

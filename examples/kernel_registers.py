@@ -4,6 +4,7 @@ nvcc (no GPU needed) as MLX wraps an ``mx.fast.cuda_kernel`` body: the header, t
 holds (65536 / (128 threads x registers)), which ``kernels.BLOCKS_PER_SM`` assumes.
 
     python examples/kernel_registers.py --unrolls 1 2 4     # D=128, 4 query heads a block
+    python examples/kernel_registers.py --stages 0 2 3      # rows in registers or staged
 """
 
 import argparse
@@ -84,6 +85,8 @@ def main(argv=None):
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     p.add_argument("--dims", type=int, nargs="+", default=[128])
     p.add_argument("--unrolls", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--stages", type=int, nargs="+", default=None,
+                   help="steps staged through shared memory (default: kernels.STAGES)")  # fmt: skip
     p.add_argument("--arch", default="sm_90")
     args = p.parse_args(argv)
     if shutil.which("nvcc") is None:
@@ -92,9 +95,9 @@ def main(argv=None):
     for name in args.kernels:
         for dim in args.dims:
             for unroll in args.unrolls:
-                print(
-                    f"{name} D={dim} U={unroll}: {report(wrapped(kk, name, dim, unroll), args.arch)}"
-                )
+                for st in args.stages or [kk.STAGES]:
+                    cu = wrapped(kk, name, dim, unroll, st)
+                    print(f"{name} D={dim} U={unroll} ST={st}: {report(cu, args.arch)}")
 
 
 if __name__ == "__main__":

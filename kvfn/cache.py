@@ -129,12 +129,16 @@ def from_full(keys: mx.array, values: mx.array, *, sliding_window: Optional[int]
     )
 
 
-def tail_positions(positions: mx.array, offset: mx.array, rows, start: int = 0) -> mx.array:
-    """``positions`` (B, H, n) of slots ``start`` .. ``start + n - 1`` with each slot at or past
-    ``rows`` set to the position an append would give it: ``offset + (slot - rows)``."""
-    slots = mx.arange(start, start + positions.shape[2], dtype=mx.int32)
-    tail = offset[:, None, None] + (slots - rows)[None, None, :]
-    return mx.where((slots >= rows)[None, None, :], tail, positions)
+def next_positions(offset: mx.array, rows, slots: mx.array) -> mx.array:
+    """(B, 1, n): the position an append gives each of ``slots`` (at or past ``rows``)."""
+    return offset[:, None, None] + (slots - rows)[None, None, :]
+
+
+def tail_positions(positions: mx.array, offset: mx.array, rows) -> mx.array:
+    """``positions`` (B, H, capacity) with each slot at or past ``rows`` set to
+    ``next_positions``."""
+    slots = mx.arange(positions.shape[2], dtype=mx.int32)
+    return mx.where((slots >= rows)[None, None, :], next_positions(offset, rows, slots), positions)
 
 
 def grown_bound(state: State, n: int) -> Optional[int]:
@@ -322,15 +326,14 @@ def reserve(state: State, capacity: int) -> State:
         return state
     B, H, _, _ = state.keys.shape
 
-    def pad(x, fill):
-        return mx.concatenate([x, mx.full((B, H, extra, *x.shape[3:]), fill, x.dtype)], axis=2)
+    def pad(x, rows):
+        return mx.concatenate([x, mx.broadcast_to(rows, (B, H, extra, *x.shape[3:]))], axis=2)
 
-    tail = tail_positions(mx.zeros((B, H, extra), mx.int32), state.offset, state.rows,
-                          start=state.capacity)  # fmt: skip
+    slots = mx.arange(state.capacity, capacity, dtype=mx.int32)
     return state.replace(
-        keys=pad(state.keys, 0),
-        values=pad(state.values, 0),
-        positions=mx.concatenate([state.positions, tail], axis=2),
+        keys=pad(state.keys, mx.zeros((), state.keys.dtype)),
+        values=pad(state.values, mx.zeros((), state.values.dtype)),
+        positions=pad(state.positions, next_positions(state.offset, state.rows, slots)),
     )
 
 
