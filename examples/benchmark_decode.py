@@ -20,7 +20,8 @@ evict    the compaction after the last prefill chunk: kvfn.compact_states (one c
 decode   ms per step: mlx-lm's eager step over a KVCache of L and of R rows; kvfn's compiled
          decode over the compacted R rows and over the full L rows; mlx-lm over kvfn's
          compacted interop cache; ratios, KV bytes and the byte-count bound
-         (weights + L rows) / (weights + R rows).
+         (weights + L rows) / (weights + R rows). The MLX ceiling is mlx-lm's full step over
+         its step over a cache of FLOOR_ROWS rows: the speedup no eviction can pass in MLX.
 """
 
 import argparse
@@ -166,7 +167,7 @@ def kvfn_plain_prefill(fm, tokens, chunk):
 PREFILL_VARIANTS = ("plain", "expected", "kvzip")  # beside mlx-lm and kvfn's SnapKV prefill
 
 
-def prefill_rows(model, fm, lengths, chunks, weights, variants=PREFILL_VARIANTS, repeat=2):
+def prefill_rows(model, fm, lengths, chunks, weights, variants=PREFILL_VARIANTS, rounds=3):
     fns = dict(mlx=mlx_prefill, kvfn=kvfn_prefill, plain=kvfn_plain_prefill,
                expected=kvfn_expected_prefill, kvzip=kvfn_kvzip_prefill)  # fmt: skip
     names = ["mlx", "kvfn", *variants]
@@ -175,7 +176,7 @@ def prefill_rows(model, fm, lengths, chunks, weights, variants=PREFILL_VARIANTS,
         tokens = mx.random.randint(0, VOCAB, (L,), key=mx.random.key(L)).tolist()
         for chunk in chunks:
             best = {}
-            for _ in range(repeat):  # interleaved rounds; keep each side's best
+            for _ in range(rounds):  # interleaved rounds; keep each side's best
                 for name in names:
                     out, s, peak = measured(lambda: fns[name](model if name == "mlx" else fm,
                                                               tokens, chunk))  # fmt: skip
@@ -232,9 +233,22 @@ def evict_rows(fm, lengths, budgets, chunk):
     return rows
 
 
-def decode_rows(model, fm, lengths, budgets, chunk, steps, weights):
+FLOOR_ROWS = 16  # a step that reads almost no KV rows: the weights and launches alone
+
+
+def own_copy(states) -> tuple:
+    """States holding their own K/V buffers: a view kept elsewhere (mlx-lm's interop cache)
+    would stop the originals' writes from being in place."""
+    return tuple(s.replace(keys=mx.array(s.keys), values=mx.array(s.values),
+                           positions=mx.array(s.positions)) for s in states)  # fmt: skip
+
+
+def decode_rows(model, fm, lengths, budgets, chunk, steps, weights, rounds=3):
+    """Every step below is timed once a round, the rounds interleaved (a shared machine's load
+    moves between them); each figure is the median over rounds of a round's median."""
     rows = []
     token = mx.array([[1]])
+    room = rounds * (steps + 4) + 8  # rows a timed loop appends
 
     def mlx_build(cache):
         return lambda: [model(token, cache=cache)[:, -1]]
@@ -248,46 +262,57 @@ def decode_rows(model, fm, lengths, budgets, chunk, steps, weights):
 
         return build
 
-    def mlx_step(cache):
-        build = mlx_build(cache)
-        return lambda: mx.eval(build())
-
-    def kvfn_step(states):
-        build = kvfn_build(states)
-        return lambda: mx.eval(build())
+    def sync(build):
+        return lambda: median_ms(lambda: mx.eval(build()), steps)
 
     for L in lengths:
         tokens = mx.random.randint(0, VOCAB, (L,), key=mx.random.key(L + 2)).tolist()
-        cache = mlx_prefill(model, tokens[:-1], chunk)
-        t_mlx_full = median_ms(mlx_step(cache), steps)
-        del cache
-        full = kvfn.prefill(fm, mx.array([tokens[:-1]]), capacity=L + steps + 8,
+        full = kvfn.prefill(fm, mx.array([tokens[:-1]]), capacity=L + room,
                             prefill_step_size=chunk)  # fmt: skip
         full_kv = sum(kvfn.eviction.stored_bytes(s, L - 1) for s in full)
-        t_full = median_ms(kvfn_step(full), steps)
+        timers = dict(
+            mlx_full=sync(mlx_build(mlx_prefill(model, tokens[:-1], chunk))),
+            floor=sync(mlx_build(mlx_prefill(model, tokens[:FLOOR_ROWS], chunk))),
+            kvfn_full=sync(kvfn_build(full)),
+        )
         del full
-        for R in budgets:
-            if R >= L:
-                continue
+        kept = {}
+        for R in [R for R in budgets if R < L]:
             states, result = kvfn.compact(fm, tokens, kvfn.SnapKV(budget=R),
-                                          max_new_tokens=steps + 8, prefill_step_size=chunk)  # fmt: skip
-            t_c = median_ms(kvfn_step(states), steps)
-            host_c = host_ms(kvfn_build(states), steps)
-            pipe_c = pipelined_ms(kvfn_build(states), steps)
-            t_interop = median_ms(mlx_step(kvfn.to_mlx_cache(states)), steps)
+                                          max_new_tokens=room, prefill_step_size=chunk)  # fmt: skip
+            kept[R] = result.total_bytes_after
+
+            def small(R=R):
+                return mlx_build(mlx_prefill(model, tokens[:R], chunk))
+
+            timers.update({  # each timed loop its own state or cache
+                ("kvfn", R): sync(kvfn_build(own_copy(states))),
+                ("kvfn_host", R): lambda b=kvfn_build(own_copy(states)): host_ms(b, steps),
+                ("interop", R): sync(mlx_build(kvfn.to_mlx_cache(own_copy(states)))),
+                ("kvfn_piped", R): lambda b=kvfn_build(states): pipelined_ms(b, steps),
+                ("mlx", R): sync(small()),
+                ("mlx_host", R): lambda b=small(): host_ms(b, steps),
+                ("mlx_piped", R): lambda b=small(): pipelined_ms(b, steps),
+            })  # fmt: skip
             del states
-            small = mlx_prefill(model, tokens[:R], chunk)
-            t_mlx_R = median_ms(mlx_step(small), steps)
-            host_R = host_ms(mlx_build(small), steps)
-            pipe_R = pipelined_ms(mlx_build(small), steps)
-            del small
-            kept_kv = result.total_bytes_after
+        times = {name: [] for name in timers}
+        for _ in range(rounds):
+            for name, timer in timers.items():
+                times[name].append(timer())
+        t = {name: statistics.median(ts) for name, ts in times.items()}
+        del timers
+        for R, kept_kv in kept.items():
             rows.append(dict(
-                L=L, R=R, mlx_full_ms=t_mlx_full, mlx_R_ms=t_mlx_R, kvfn_R_ms=t_c,
-                kvfn_full_ms=t_full, mlx_interop_ms=t_interop, kvfn_R_host_ms=host_c,
-                mlx_R_host_ms=host_R, kvfn_R_pipelined_ms=pipe_c, mlx_R_pipelined_ms=pipe_R,
-                kvfn_R_vs_mlx_R=t_c / t_mlx_R, kvfn_full_vs_mlx_full=t_full / t_mlx_full,
-                speedup_kvfn=t_mlx_full / t_c, speedup_interop=t_mlx_full / t_interop,
+                L=L, R=R, mlx_full_ms=t["mlx_full"], mlx_R_ms=t["mlx", R],
+                kvfn_R_ms=t["kvfn", R], kvfn_full_ms=t["kvfn_full"],
+                mlx_interop_ms=t["interop", R], kvfn_R_host_ms=t["kvfn_host", R],
+                mlx_R_host_ms=t["mlx_host", R], kvfn_R_pipelined_ms=t["kvfn_piped", R],
+                mlx_R_pipelined_ms=t["mlx_piped", R],
+                kvfn_R_vs_mlx_R=t["kvfn", R] / t["mlx", R],
+                kvfn_full_vs_mlx_full=t["kvfn_full"] / t["mlx_full"],
+                speedup_kvfn=t["mlx_full"] / t["kvfn", R],
+                speedup_interop=t["mlx_full"] / t["interop", R],
+                mlx_floor_ms=t["floor"], mlx_ceiling=t["mlx_full"] / t["floor"],
                 kept_kv_mb=kept_kv / 1e6, full_kv_mb=full_kv / 1e6,
                 byte_bound=(weights + full_kv) / (weights + kept_kv),
             ))  # fmt: skip
@@ -310,13 +335,14 @@ def markdown(result: dict) -> str:
         out.append(f"| {r['L']} | {r['R']} | {r['traced_ms']:.1f} | {r['eager_ms']:.1f} | "
                    f"{r['eager_ms'] - r['traced_ms']:.1f} |")  # fmt: skip
     out += ["", "decode (ms per step)", "",
-            "| L -> R | mlx-lm full L | mlx-lm R rows | kvfn compacted R | kvfn full L | mlx-lm over kvfn interop | kvfn R / mlx R | kvfn full / mlx full | speedup kvfn | speedup interop | byte bound |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            "| L -> R | mlx-lm full L | mlx-lm R rows | kvfn compacted R | kvfn full L | mlx-lm over kvfn interop | kvfn R / mlx R | kvfn full / mlx full | speedup kvfn | speedup interop | MLX ceiling | byte bound |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in result["decode"]:
         out.append(f"| {r['L']} -> {r['R']} | {r['mlx_full_ms']:.2f} | {r['mlx_R_ms']:.2f} | "
                    f"{r['kvfn_R_ms']:.2f} | {r['kvfn_full_ms']:.2f} | {r['mlx_interop_ms']:.2f} | "
                    f"{r['kvfn_R_vs_mlx_R']:.2f} | {r['kvfn_full_vs_mlx_full']:.2f} | "
-                   f"{r['speedup_kvfn']:.2f} | {r['speedup_interop']:.2f} | {r['byte_bound']:.2f} |")  # fmt: skip
+                   f"{r['speedup_kvfn']:.2f} | {r['speedup_interop']:.2f} | "
+                   f"{r['mlx_ceiling']:.2f} | {r['byte_bound']:.2f} |")  # fmt: skip
     out += ["", "decode over R rows: host graph building, and steps pipelined with async_eval (ms)", "",
             "| L -> R | mlx-lm host | kvfn host | mlx-lm pipelined | kvfn pipelined | kvfn / mlx-lm pipelined |",
             "|---|---|---|---|---|---|"]  # fmt: skip
@@ -344,6 +370,8 @@ def main(argv=None) -> dict:
     p.add_argument("--budgets", type=int, nargs="+", default=[256])
     p.add_argument("--chunks", type=int, nargs="+", default=[512], help="prefill chunk sizes")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed (median)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds of every prefill and decode timing")  # fmt: skip
     p.add_argument("--tables", nargs="+", default=["prefill", "evict", "decode"],
                    choices=["prefill", "evict", "decode"])  # fmt: skip
     p.add_argument(
@@ -359,6 +387,7 @@ def main(argv=None) -> dict:
     check_at_least(p, "budgets", args.budgets, 40)
     check_at_least(p, "chunks", args.chunks)
     check_at_least(p, "steps", [args.steps])
+    check_at_least(p, "rounds", [args.rounds])
     if args.q4 and not args.shape:
         p.error("argument --q4: needs --shape")
     gpu = mx.default_device() == mx.gpu
@@ -379,13 +408,13 @@ def main(argv=None) -> dict:
     chunk = args.chunks[0]
     if "prefill" in args.tables:
         result["prefill"] = prefill_rows(
-            model, fm, args.lengths, args.chunks, weights, args.prefill_variants
+            model, fm, args.lengths, args.chunks, weights, args.prefill_variants, args.rounds
         )
     if "evict" in args.tables:
         result["evict"] = evict_rows(fm, args.lengths, args.budgets, chunk)
     if "decode" in args.tables:
         result["decode"] = decode_rows(model, fm, args.lengths, args.budgets, chunk, args.steps,
-                                       weights)  # fmt: skip
+                                       weights, args.rounds)  # fmt: skip
     print(f"{result['device']}, {result['shape']}{' q4' if args.q4 else ''}, {dtype}, "
           f"weights {result['weights_gb']:.2f} GB")  # fmt: skip
     print(markdown(result))

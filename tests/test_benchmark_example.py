@@ -24,12 +24,14 @@ def test_benchmark_prints_kvfn_and_mlx_lm_side_by_side(capsys, tmp_path):
     assert row["full_kv_mb"] * 1e6 == pytest.approx(95 * per_row)
     w = result["weights_gb"] * 1e3
     assert row["byte_bound"] == pytest.approx((w + row["full_kv_mb"]) / (w + row["kept_kv_mb"]))
+    assert row["mlx_ceiling"] == pytest.approx(row["mlx_full_ms"] / row["mlx_floor_ms"])
     out = capsys.readouterr().out
     assert (
         "kvfn R / mlx R" in out
         and "memory ratio" in out
         and "kvfn expected" in out
         and "compiled compact_states" in out
+        and "MLX ceiling" in out
     )
     assert (tmp_path / "b.json").stat().st_size > 100
 
