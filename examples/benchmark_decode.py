@@ -21,7 +21,8 @@ decode   ms per step: mlx-lm's eager step over a KVCache of L and of R rows; kvf
          decode over the compacted R rows and over the full L rows; mlx-lm over kvfn's
          compacted interop cache; ratios, KV bytes and the byte-count bound
          (weights + L rows) / (weights + R rows). The MLX ceiling is mlx-lm's full step over
-         its step over a cache of FLOOR_ROWS rows: the speedup no eviction can pass in MLX.
+         its step over a cache of FLOOR_ROWS rows: the most that evicting rows can give while
+         the rest of a step costs what mlx-lm's does.
 """
 
 import argparse

@@ -97,3 +97,26 @@ def test_profile_decode_times_each_step_and_reads_ncu_csv(capsys, tmp_path):
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     with pytest.raises(SystemExit, match="no ncu CSV header"):
         profile_decode.main(["--read-ncu", str(tmp_path / "other.csv")])
+
+
+def test_profile_prefill_shows_kvfn_states_made_at_full_size():
+    from examples import profile_prefill
+
+    result = profile_prefill.main(["--shape", "tiny", "--length", "64", "--chunk", "32",
+                                   "--window", "8", "--rounds", "1"])  # fmt: skip
+    assert set(result) == set(profile_prefill.ROWS)
+    chunks = {name: runs[0] for name, runs in result.items()}
+    assert all(len(c) == 2 for c in chunks.values())
+    full, grown = [c[2] for c in chunks["kvfn"]], [c[2] for c in chunks["grown"]]
+    assert full[0] == pytest.approx(full[1], rel=1e-3)  # the whole capacity from chunk 0
+    # grown to the same K/V (and a positions buffer, where init's is a broadcast arange)
+    assert grown[0] < grown[1] == pytest.approx(full[1], rel=0.02)
+    assert profile_prefill.peak_gb(chunks["kvfn"]) >= full[1]
+
+
+def test_profile_prefill_rejects_a_window_past_the_prompt(capsys):
+    from examples import profile_prefill
+
+    with pytest.raises(SystemExit):
+        profile_prefill.main(["--length", "64", "--window", "65"])
+    assert "--window: must be <= --length (64), got 65" in capsys.readouterr().err
