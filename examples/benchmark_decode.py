@@ -122,11 +122,14 @@ def measured(fn):
     return out, time.perf_counter() - t, mx.get_peak_memory()
 
 
-def mlx_prefill(model, tokens, chunk):
+def mlx_prefill(model, tokens, chunk, progress=None):
+    """mlx-lm's chunked prefill into its KVCache; ``progress(done, n)`` after each chunk."""
     cache = make_prompt_cache(model)
     for i in range(0, len(tokens), chunk):
         model(mx.array([tokens[i : i + chunk]]), cache=cache)
         mx.eval([c.state for c in cache])
+        if progress is not None:
+            progress(min(i + chunk, len(tokens)), len(tokens))
     return cache
 
 
@@ -242,8 +245,8 @@ FLOOR_ROWS = 16  # a step that reads almost no KV rows: the weights and launches
 
 
 def own_copy(states) -> tuple:
-    """States holding their own K/V buffers: a view kept elsewhere (mlx-lm's interop cache)
-    would stop the originals' writes from being in place."""
+    """States holding their own buffers: a view kept elsewhere (mlx-lm's interop cache) would
+    stop the originals' writes from being in place."""
     return tuple(s.replace(keys=mx.array(s.keys), values=mx.array(s.values),
                            positions=mx.array(s.positions)) for s in states)  # fmt: skip
 

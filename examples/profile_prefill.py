@@ -5,9 +5,10 @@
 
 Rows, in interleaved rounds (round 0 is the cold one):
 mlx-lm   its chunked prefill into a KVCache (which grows by concatenation)
-kvfn     kvfn's eager prefill into states made at full size, written in place
-grown    kvfn's prefill into states grown chunk by chunk (``with_room``), as mlx-lm's cache
-scored   kvfn's prefill scoring the last ``--window`` queries (SnapKV's, ``scored_forward``)
+kvfn     kvfn's ``prefill``: states made at full size, written in place
+grown    kvfn's prefill of one chunk after another (``prefill(states=...)`` gives room for the
+         chunk alone), so its states grow as mlx-lm's cache does
+scored   kvfn's ``scored_prefill`` of the last ``--window`` queries (SnapKV's)
 
 Per chunk: ms, peak GB above what was active before the chunk, active GB after it. On a GPU
 a buffer is freed when its kernel completes, so a peak grows with how far the host has run
@@ -15,6 +16,7 @@ ahead of the GPU.
 """
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -23,56 +25,65 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from examples.benchmark_decode import SHAPES, VOCAB, random_model  # noqa: E402
-from kvfn.compact import with_room  # noqa: E402
+from examples.benchmark_decode import SHAPES, VOCAB, mlx_prefill, random_model  # noqa: E402
 
 ROWS = ("mlx-lm", "kvfn", "grown", "scored")
 
 
-def mlx_chunks(model, fm, tokens, chunk, window):
-    cache = make_prompt_cache(model)
-    for i in range(0, tokens.shape[1], chunk):
-        model(tokens[:, i : i + chunk], cache=cache)
-        yield [c.state for c in cache]
+class Chunks:
+    """A prefill's ``progress`` callback that records, for each chunk evaluated, (ms, peak GB
+    above the memory active before the chunk, active GB after it, above the start)."""
 
-
-def kvfn_chunks(model, fm, tokens, chunk, window, grown=False, scored=False):
-    L = tokens.shape[1]
-    states = fm.init_states(1, chunk if grown else L)
-    scores = tuple(mx.zeros((1, h, L), mx.float32) for h in fm.n_heads) if scored else ()
-    for i in range(0, L, chunk):
-        stop = min(i + chunk, L)
-        if grown and i:
-            states = tuple(with_room(s, stop - i) for s in states)
-        first = max(L - window, i)
-        if scored and first < stop:
-            q = kvfn.QuerySlice(first - i, stop - i)
-            states, scores = fm.scored_forward(tokens[:, i:stop], states, scores, q)[1:]
-        else:
-            states = fm.forward(tokens[:, i:stop], states)[1]
-        yield [kvfn.tree.arrays(states), scores]
-
-
-def profile(run) -> list:
-    """[(ms, peak GB above the active memory before the chunk, active GB after)] a chunk."""
-    mx.synchronize()
-    mx.clear_cache()
-    base, out = mx.get_active_memory(), []
-    chunks = iter(run())
-    while True:
-        before = mx.get_active_memory()
-        mx.reset_peak_memory()
-        t = time.perf_counter()
-        arrays = next(chunks, None)
-        if arrays is None:
-            return out
-        mx.eval(arrays)
-        del arrays
+    def __init__(self):
+        gc.collect()  # garbage freed during the prefill would lower the active memory read
         mx.synchronize()
-        out.append((1e3 * (time.perf_counter() - t), (mx.get_peak_memory() - before) / 1e9,
-                    (mx.get_active_memory() - base) / 1e9))  # fmt: skip
+        mx.clear_cache()
+        self.base, self.rows = mx.get_active_memory(), []
+        self._start()
+
+    def _start(self):
+        self.before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        self.t = time.perf_counter()
+
+    def __call__(self, done: int, n: int) -> None:
+        if done < n:  # kvfn leaves its last chunk lazy: ``last`` records it once evaluated
+            self.record()
+
+    def record(self) -> None:
+        mx.synchronize()
+        self.rows.append((1e3 * (time.perf_counter() - self.t),
+                          (mx.get_peak_memory() - self.before) / 1e9,
+                          (mx.get_active_memory() - self.base) / 1e9))  # fmt: skip
+        self._start()
+
+    def last(self, arrays) -> list:
+        mx.eval(arrays)
+        self.record()
+        return self.rows
+
+
+def profile(name, model, fm, tokens, chunk, window) -> list:
+    """One prefill of ``tokens`` (1, L) by the row ``name``: its ``Chunks`` rows."""
+    rec, L = Chunks(), tokens.shape[1]
+    if name == "mlx-lm":
+        cache = mlx_prefill(model, tokens[0].tolist(), chunk, progress=rec)
+        return rec.last([c.state for c in cache])
+    if name == "scored":
+        states, scores = kvfn.scored_prefill(fm, tokens, window=window, prefill_step_size=chunk,
+                                             progress=rec)  # fmt: skip
+        return rec.last([kvfn.tree.arrays(states), scores])
+    if name == "kvfn":
+        states = kvfn.prefill(fm, tokens, prefill_step_size=chunk, progress=rec)
+        return rec.last(kvfn.tree.arrays(states))
+    states = None  # grown: each chunk prefilled after the last, with room for it alone
+    for i in range(0, L, chunk):
+        states = kvfn.prefill(fm, tokens[:, i : i + chunk], states=states)
+        if i + chunk < L:
+            mx.eval(kvfn.tree.arrays(states))
+            rec.record()
+    return rec.last(kvfn.tree.arrays(states))
 
 
 def peak_gb(chunks: list) -> float:
@@ -97,18 +108,12 @@ def main(argv=None) -> dict:
     model = random_model(args.shape, False, mx.bfloat16 if gpu else mx.float32)
     fm = kvfn.FunctionalModel(model)
     tokens = mx.random.randint(0, VOCAB, (1, args.length), key=mx.random.key(args.length))
-    runs = {
-        "mlx-lm": mlx_chunks,
-        "kvfn": kvfn_chunks,
-        "grown": lambda *a: kvfn_chunks(*a, grown=True),
-        "scored": lambda *a: kvfn_chunks(*a, scored=True),
-    }
     result = {name: [] for name in ROWS}
     print(f"{args.shape}, L={args.length}, chunk={args.chunk}: per chunk ms / peak GB above the "
           "active memory before it / active GB after it")  # fmt: skip
     for r in range(args.rounds):
         for name in ROWS:
-            chunks = profile(lambda: runs[name](model, fm, tokens, args.chunk, args.window))
+            chunks = profile(name, model, fm, tokens, args.chunk, args.window)
             result[name].append(chunks)
             print(f"round {r} {name:7s} {sum(c[0] for c in chunks):8.1f} ms  peak "
                   f"{peak_gb(chunks):6.2f} GB | "

@@ -326,8 +326,8 @@ def reserve(state: State, capacity: int) -> State:
         return state
     B, H, _, _ = state.keys.shape
 
-    def pad(x, rows):
-        return mx.concatenate([x, mx.broadcast_to(rows, (B, H, extra, *x.shape[3:]))], axis=2)
+    def pad(x, fill):
+        return mx.concatenate([x, mx.broadcast_to(fill, (B, H, extra, *x.shape[3:]))], axis=2)
 
     slots = mx.arange(state.capacity, capacity, dtype=mx.int32)
     return state.replace(

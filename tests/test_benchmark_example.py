@@ -111,7 +111,7 @@ def test_profile_prefill_shows_kvfn_states_made_at_full_size():
     assert full[0] == pytest.approx(full[1], rel=1e-3)  # the whole capacity from chunk 0
     # grown to the same K/V (and a positions buffer, where init's is a broadcast arange)
     assert grown[0] < grown[1] == pytest.approx(full[1], rel=0.02)
-    assert profile_prefill.peak_gb(chunks["kvfn"]) >= full[1]
+    assert grown[0] < full[0]  # half the rows after the first of two chunks
 
 
 def test_profile_prefill_rejects_a_window_past_the_prompt(capsys):
