@@ -11,7 +11,9 @@ head_dim 128); --q4 quantizes their weights to 4 bits. Without --shape, the embe
 
 prefill  per prompt length and chunk size: mlx-lm's chunked prefill (its KVCache) vs kvfn's
          scored prefill (window 32): seconds and peak GB above the weights, and their ratios;
-         kvfn's prefill without scoring beside them, and Expected Attention's (the queries'
+         kvfn's prefill without scoring beside them, the scored one with the window scored by
+         the stock ops instead of the CUDA kernels (kvfn.window_kernel; the same elsewhere),
+         and Expected Attention's (the queries'
          moments gathered in every chunk, then each layer's expected attention per row) and
          KVzip's (the unscored prefill, then its reconstruction pass over the context).
 evict    the compaction after the last prefill chunk: kvfn.compact_states (one compiled step,
@@ -40,6 +42,8 @@ import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from kvfn import window_kernel  # noqa: E402
 
 SHAPES = {
     "tiny": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1408,
@@ -168,12 +172,23 @@ def kvfn_plain_prefill(fm, tokens, chunk):
     return states
 
 
-PREFILL_VARIANTS = ("plain", "expected", "kvzip")  # beside mlx-lm and kvfn's SnapKV prefill
+def kvfn_stock_prefill(fm, tokens, chunk):
+    """kvfn's scored prefill with the window scored by the stock ops (the CUDA kernels off)."""
+    fused, window_kernel.ENABLED = window_kernel.ENABLED, False
+    try:
+        return kvfn_prefill(fm, tokens, chunk)
+    finally:
+        window_kernel.ENABLED = fused
+
+
+# beside mlx-lm and kvfn's SnapKV prefill
+PREFILL_VARIANTS = ("plain", "stock", "expected", "kvzip")
 
 
 def prefill_rows(model, fm, lengths, chunks, weights, variants=PREFILL_VARIANTS, rounds=3):
     fns = dict(mlx=mlx_prefill, kvfn=kvfn_prefill, plain=kvfn_plain_prefill,
-               expected=kvfn_expected_prefill, kvzip=kvfn_kvzip_prefill)  # fmt: skip
+               stock=kvfn_stock_prefill, expected=kvfn_expected_prefill,
+               kvzip=kvfn_kvzip_prefill)  # fmt: skip
     names = ["mlx", "kvfn", *variants]
     rows = []
     for L in lengths:
@@ -329,8 +344,8 @@ def decode_rows(model, fm, lengths, budgets, chunk, steps, weights, rounds=3):
 
 def markdown(result: dict) -> str:
     out = ["prefill (seconds / GB peak above the weights)", "",
-           "| L | chunk | mlx-lm s / GB | kvfn scored s / GB | time ratio | memory ratio | kvfn unscored s / GB | kvfn expected s / GB | kvfn kvzip s / GB |",
-           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+           "| L | chunk | mlx-lm s / GB | kvfn scored s / GB | time ratio | memory ratio | kvfn unscored s / GB | kvfn scored, stock ops s / GB | kvfn expected s / GB | kvfn kvzip s / GB |",
+           "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in result["prefill"]:
         out.append(f"| {r['L']} | {r['chunk']} | {r['mlx_s']:.3f} / {r['mlx_gb']:.2f} | "
                    f"{r['kvfn_s']:.3f} / {r['kvfn_gb']:.2f} | {r['time_ratio']:.2f} | "

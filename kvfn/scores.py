@@ -4,6 +4,7 @@ import chex
 import mlx.core as mx
 from typeguard import typechecked
 
+from . import window_kernel
 from .cache import State
 
 
@@ -22,7 +23,12 @@ def window_attention_scores(
     # in the keys' dtype (accumulated in float32 by the matmul): no float32 copy of the keys
     q = (queries * scale).astype(state.keys.dtype).reshape(B, n_kv, n_heads // n_kv, w, D)
     k = state.keys[:, :, None]  # (B, n_kv, 1, C, D)
-    logits = (q @ k.swapaxes(-1, -2)).astype(mx.float32)  # (B, n_kv, rep, w, C)
+    logits = q @ k.swapaxes(-1, -2)  # (B, n_kv, rep, w, C)
+    if reduce and window_kernel.applies(logits):
+        return window_kernel.summed_softmax(logits, state.positions, query_positions).reshape(
+            B, n_heads, -1
+        )
+    logits = logits.astype(mx.float32)
     visible = state.positions[:, :, None, None, :] <= query_positions[:, None, None, :, None]
     logits = mx.where(visible, logits, -mx.inf)
     weights = mx.softmax(logits, axis=-1, precise=True)

@@ -1,0 +1,160 @@
+"""The observation window's summed softmax, fused, on MLX's CUDA backend.
+
+``summed_softmax`` takes the window queries' logits over every slot, in the keys' dtype, and
+returns each slot's attention summed over the queries, in float32, as the stock ops do (cast,
+causal mask, softmax, sum; ``kvfn.scores.window_attention_scores``), in two launches: each
+query's log-sum-exp, then each slot's sum. They read the logits twice and write nothing of
+their size, where the stock ops make three float32 arrays of (heads x window x capacity) a
+layer, which pile up in a prefill while the host runs layers ahead of the GPU. This module
+imports nothing from kvfn.
+"""
+
+import os
+from functools import lru_cache
+
+import mlx.core as mx
+
+# KVFN_SCORE_KERNEL=0 turns the CUDA kernels off (the stock ops run everywhere)
+ENABLED = os.environ.get("KVFN_SCORE_KERNEL", "1") != "0"
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+THREADS = 256
+
+HEADER = r"""
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// (m, s) with s = sum of exp(x - m) over what it holds, merged with (m2, s2)
+__device__ __forceinline__ void merge_lse(float& m, float& s, float m2, float s2) {
+  const float top = fmaxf(m, m2);
+  if (top == neg_inf()) {
+    return;
+  }
+  s = s * expf(m - top) + s2 * expf(m2 - top);
+  m = top;
+}
+"""
+
+# One block a query row (sequence b, KV head, group member, query q) of logits (C slots):
+# the log-sum-exp over the slots it sees (position <= its own); -inf where it sees none.
+LSE_SOURCE = r"""
+  const int C = dims[0], W = dims[1], G = dims[2], HKV = dims[3];
+  const int row = blockIdx.x;
+  const int bh = row / (G * W);
+  const int b = bh / HKV;
+  const int qp = qpos[b * W + row % W];
+  const T* x = logits + (size_t)row * C;
+  const int* kp = kpos + (size_t)bh * C;
+  float m = neg_inf(), s = 0.f;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    if (kp[c] <= qp) {
+      merge_lse(m, s, static_cast<float>(x[c]), 1.f);
+    }
+  }
+  for (int d = 16; d > 0; d /= 2) {
+    const float m2 = __shfl_xor_sync(0xffffffff, m, d);
+    const float s2 = __shfl_xor_sync(0xffffffff, s, d);
+    merge_lse(m, s, m2, s2);
+  }
+  __shared__ float ms[32], ss[32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  if (lane == 0) {
+    ms[warp] = m;
+    ss[warp] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < warps; ++i) {
+      merge_lse(m, s, ms[i], ss[i]);
+    }
+    lse[row] = m == neg_inf() ? neg_inf() : m + logf(s);
+  }
+"""
+
+# One thread a slot c of one (sequence, KV head, group member): its softmax weight summed over
+# the W queries that see it.
+SUM_SOURCE = r"""
+  const int C = dims[0], W = dims[1], G = dims[2], HKV = dims[3];
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const int r = blockIdx.y;
+  const int b = r / (G * HKV);
+  if (c < C) {
+    const int p = kpos[(size_t)(r / G) * C + c];
+    const T* x = logits + (size_t)r * W * C + c;
+    float acc = 0.f;
+    for (int q = 0; q < W; ++q) {
+      const float l = lse[r * W + q];
+      if (p <= qpos[b * W + q] && l != neg_inf()) {
+        acc += expf(static_cast<float>(x[(size_t)q * C]) - l);
+      }
+    }
+    out[(size_t)r * C + c] = acc;
+  }
+"""
+
+
+def applies(logits: mx.array) -> bool:
+    """Whether ``summed_softmax`` runs for these logits (MLX's CUDA backend, a floating dtype;
+    ``KVFN_SCORE_KERNEL=0`` turns it off)."""
+    return (
+        ENABLED
+        and logits.dtype in DTYPES
+        and mx.default_device() == mx.gpu
+        and mx.cuda.is_available()
+    )
+
+
+def summed_softmax(logits: mx.array, key_positions: mx.array, query_positions: mx.array):
+    """Softmax over the slots of each query's ``logits`` (B, n_kv, group, w, C), masked to the
+    slots whose ``key_positions`` (B, n_kv or 1, C) are at most the query's
+    ``query_positions`` (B, w), summed over the queries: (B, n_kv, group, C) float32. A query
+    that sees no slot adds nothing. Only where ``applies`` says so."""
+    B, n_kv, group, w, C = logits.shape
+    if key_positions.shape not in ((B, n_kv, C), (B, 1, C)) or query_positions.shape != (B, w):
+        raise ValueError(
+            f"positions {key_positions.shape} and {query_positions.shape} do not fit logits "
+            f"{logits.shape}"
+        )
+    if not applies(logits):
+        raise RuntimeError("the window kernels run on MLX's CUDA backend only")
+    kpos = mx.broadcast_to(key_positions, (B, n_kv, C)).astype(mx.int32)
+    qpos = query_positions.astype(mx.int32)
+    dims = mx.array([C, w, group, n_kv], dtype=mx.int32)
+    rows = B * n_kv * group
+    (lse,) = _lse_kernel()(
+        inputs=[logits, kpos, qpos, dims],
+        template=[("T", logits.dtype)],
+        grid=(rows * w * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(rows * w,)],
+        output_dtypes=[mx.float32],
+    )
+    (out,) = _sum_kernel()(
+        inputs=[logits, kpos, qpos, dims, lse],
+        template=[("T", logits.dtype)],
+        grid=(-(-C // THREADS) * THREADS, rows, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(B, n_kv, group, C)],
+        output_dtypes=[mx.float32],
+    )
+    return out
+
+
+@lru_cache(maxsize=None)
+def _lse_kernel():
+    return mx.fast.cuda_kernel(
+        name="kvfn_window_lse",
+        input_names=["logits", "kpos", "qpos", "dims"],
+        output_names=["lse"],
+        source=LSE_SOURCE,
+        header=HEADER,
+    )
+
+
+@lru_cache(maxsize=None)
+def _sum_kernel():
+    return mx.fast.cuda_kernel(
+        name="kvfn_window_sum",
+        input_names=["logits", "kpos", "qpos", "dims", "lse"],
+        output_names=["out"],
+        source=SUM_SOURCE,
+        header=HEADER,
+    )
