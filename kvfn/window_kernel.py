@@ -46,7 +46,14 @@ LSE_SOURCE = r"""
   float m = neg_inf(), s = 0.f;
   for (int c = threadIdx.x; c < C; c += blockDim.x) {
     if (kp[c] <= qp) {
-      merge_lse(m, s, static_cast<float>(x[c]), 1.f);
+      m = fmaxf(m, static_cast<float>(x[c]));
+    }
+  }
+  if (m != neg_inf()) {  // the second read of the row comes from cache
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+      if (kp[c] <= qp) {
+        s += expf(static_cast<float>(x[c]) - m);
+      }
     }
   }
   for (int d = 16; d > 0; d /= 2) {

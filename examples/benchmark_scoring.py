@@ -1,0 +1,100 @@
+"""The observation window's scoring for one layer: kvfn.window_kernel against the stock ops.
+
+For one layer of an 8B llama (B=1, 32 query / 8 KV heads, D=128, bf16, window 32) and
+capacities 8K-128K, ``kvfn.scores.window_attention_scores`` with the CUDA kernels and with the
+stock ops (cast, mask, softmax, sum), interleaved in one process: the median time of a call
+(mx.eval each), the peak memory above its operands, and the largest difference between the
+two. Off CUDA both rows are the stock ops.
+
+    python examples/benchmark_scoring.py [--iters 50] [--capacities 8192 32768 131072]
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
+import mlx.core as mx  # noqa: E402
+
+from kvfn import window_kernel  # noqa: E402
+from kvfn.scores import window_attention_scores  # noqa: E402
+
+HEADS, KV_HEADS, DIM, WINDOW = 32, 8, 128, 32
+
+
+def operands(capacity, dtype=mx.bfloat16):
+    keys = mx.random.normal((1, KV_HEADS, capacity, DIM)).astype(dtype)
+    positions = mx.broadcast_to(mx.arange(capacity, dtype=mx.int32), (1, KV_HEADS, capacity))
+    state = kvfn.PositionPreservingKVCache(keys=keys, values=keys, positions=positions,
+                                           offset=mx.array([capacity]), rows=mx.array(capacity),
+                                           dense=True, packed=True)  # fmt: skip
+    q = mx.random.normal((1, HEADS, WINDOW, DIM)).astype(dtype)
+    qpos = mx.arange(capacity - WINDOW, capacity, dtype=mx.int32)[None]
+    mx.eval(keys, q, qpos)
+    return q, qpos, state
+
+
+def call(q, qpos, state, fused: bool):
+    before, window_kernel.ENABLED = window_kernel.ENABLED, fused
+    try:
+        out = window_attention_scores(q, qpos, state, DIM**-0.5)
+        mx.eval(out)
+        return out
+    finally:
+        window_kernel.ENABLED = before
+
+
+def measure(capacity, iters):
+    q, qpos, state = operands(capacity)
+    results = {name: call(q, qpos, state, fused) for name, fused in (("kernels", True),
+                                                                     ("stock", False))}  # fmt: skip
+    diff = mx.max(mx.abs(results["kernels"] - results["stock"])).item()
+    times = {"kernels": [], "stock": []}
+    peaks = {"kernels": [], "stock": []}
+    for _ in range(iters):
+        for name in times:
+            mx.synchronize()
+            base = mx.get_active_memory()
+            mx.reset_peak_memory()
+            t = time.perf_counter()
+            call(q, qpos, state, name == "kernels")
+            times[name].append(time.perf_counter() - t)
+            peaks[name].append(mx.get_peak_memory() - base)
+    row = dict(capacity=capacity, max_abs_diff=diff)
+    for name in times:
+        row[f"{name}_ms"] = 1e3 * statistics.median(times[name])
+        row[f"{name}_mb"] = max(peaks[name]) / 1e6
+    return row
+
+
+def main(argv=None) -> list:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--capacities", type=int, nargs="+", default=[8192, 32768, 131072])
+    args = p.parse_args(argv)
+    if args.iters < 1 or min(args.capacities) < WINDOW:
+        p.error(f"--iters must be >= 1 and --capacities >= {WINDOW}; got {args.iters}, "
+                f"{args.capacities}")  # fmt: skip
+    print(f"{mx.default_device()}, kernels apply: "
+          f"{window_kernel.applies(mx.zeros((1,), mx.bfloat16))}")  # fmt: skip
+    print(
+        "| capacity | kernels ms / MB | stock ops ms / MB | time ratio | memory ratio | max |diff| |"
+    )
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for capacity in args.capacities:
+        r = measure(capacity, args.iters)
+        rows.append(r)
+        print(f"| {capacity} | {r['kernels_ms']:.3f} / {r['kernels_mb']:.0f} | "
+              f"{r['stock_ms']:.3f} / {r['stock_mb']:.0f} | "
+              f"{r['kernels_ms'] / r['stock_ms']:.2f} | "
+              f"{r['kernels_mb'] / max(r['stock_mb'], 1e-9):.2f} | {r['max_abs_diff']:.2e} |")  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    main()
