@@ -2,11 +2,12 @@
 
 For one layer of an 8B llama (B=1, 32 query / 8 KV heads, D=128, bf16, window 32) and
 capacities 8K-128K, ``kvfn.scores.window_attention_scores`` with the CUDA kernels and with the
-stock ops (cast, mask, softmax, sum), interleaved in one process: the median time of a call
-(mx.eval each), the peak memory above its operands, and the largest difference between the
-two. Off CUDA both rows are the stock ops.
+stock ops (cast, mask, softmax, sum), interleaved in one process: the time a call of
+``--calls`` queued before one mx.eval (as a prefill queues its layers), the peak memory of one
+call above its operands, and the largest difference between the two. Off CUDA both rows are the
+stock ops.
 
-    python examples/benchmark_scoring.py [--iters 50] [--capacities 8192 32768 131072]
+    python examples/benchmark_scoring.py [--iters 20] [--calls 32] [--capacities 8192 32768]
 """
 
 import argparse
@@ -38,20 +39,22 @@ def operands(capacity, dtype=mx.bfloat16):
     return q, qpos, state
 
 
-def call(q, qpos, state, fused: bool):
+def scores(q, qpos, state, fused: bool, calls: int = 1):
+    """The sum of ``calls`` scorings (each its own launches, queued before one mx.eval)."""
     before, window_kernel.ENABLED = window_kernel.ENABLED, fused
     try:
-        out = window_attention_scores(q, qpos, state, DIM**-0.5)
+        out = sum(window_attention_scores(q * (1 + i / 64), qpos, state, DIM**-0.5)
+                  for i in range(calls))  # fmt: skip
         mx.eval(out)
         return out
     finally:
         window_kernel.ENABLED = before
 
 
-def measure(capacity, iters):
+def measure(capacity, iters, calls):
     q, qpos, state = operands(capacity)
-    results = {name: call(q, qpos, state, fused) for name, fused in (("kernels", True),
-                                                                     ("stock", False))}  # fmt: skip
+    results = {name: scores(q, qpos, state, fused) for name, fused in (("kernels", True),
+                                                                       ("stock", False))}  # fmt: skip
     diff = mx.max(mx.abs(results["kernels"] - results["stock"])).item()
     times = {"kernels": [], "stock": []}
     peaks = {"kernels": [], "stock": []}
@@ -60,10 +63,11 @@ def measure(capacity, iters):
             mx.synchronize()
             base = mx.get_active_memory()
             mx.reset_peak_memory()
-            t = time.perf_counter()
-            call(q, qpos, state, name == "kernels")
-            times[name].append(time.perf_counter() - t)
+            scores(q, qpos, state, name == "kernels")
             peaks[name].append(mx.get_peak_memory() - base)
+            t = time.perf_counter()
+            scores(q, qpos, state, name == "kernels", calls)
+            times[name].append((time.perf_counter() - t) / calls)
     row = dict(capacity=capacity, max_abs_diff=diff)
     for name in times:
         row[f"{name}_ms"] = 1e3 * statistics.median(times[name])
@@ -73,12 +77,13 @@ def measure(capacity, iters):
 
 def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--iters", type=int, default=20, help="interleaved rounds (median)")
+    p.add_argument("--calls", type=int, default=32, help="scorings queued a round (a layer each)")
     p.add_argument("--capacities", type=int, nargs="+", default=[8192, 32768, 131072])
     args = p.parse_args(argv)
-    if args.iters < 1 or min(args.capacities) < WINDOW:
-        p.error(f"--iters must be >= 1 and --capacities >= {WINDOW}; got {args.iters}, "
-                f"{args.capacities}")  # fmt: skip
+    if min(args.iters, args.calls) < 1 or min(args.capacities) < WINDOW:
+        p.error(f"--iters and --calls must be >= 1 and --capacities >= {WINDOW}; got "
+                f"{args.iters}, {args.calls}, {args.capacities}")  # fmt: skip
     print(f"{mx.default_device()}, kernels apply: "
           f"{window_kernel.applies(mx.zeros((1,), mx.bfloat16))}")  # fmt: skip
     print(
@@ -87,7 +92,7 @@ def main(argv=None) -> list:
     print("|---|---|---|---|---|---|")
     rows = []
     for capacity in args.capacities:
-        r = measure(capacity, args.iters)
+        r = measure(capacity, args.iters, args.calls)
         rows.append(r)
         print(f"| {capacity} | {r['kernels_ms']:.3f} / {r['kernels_mb']:.0f} | "
               f"{r['stock_ms']:.3f} / {r['stock_mb']:.0f} | "
