@@ -28,6 +28,7 @@ decode   ms per step: mlx-lm's eager step over a KVCache of L and of R rows; kvf
 """
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -197,6 +198,10 @@ def prefill_rows(model, fm, lengths, chunks, weights, variants=PREFILL_VARIANTS,
             runs = {name: [] for name in names}
             for r in range(rounds + 1):  # interleaved rounds after a warm-up one
                 for name in names:
+                    # from an empty buffer cache: else a run after mlx-lm's (whose cached
+                    # buffers have other sizes) allocates where one after kvfn's reuses
+                    gc.collect()
+                    mx.clear_cache()
                     out, s, peak = measured(lambda: fns[name](model if name == "mlx" else fm,
                                                               tokens, chunk))  # fmt: skip
                     del out
