@@ -15,19 +15,11 @@ def window_attention_scores(
     """Summed softmax attention of ``queries`` (B, n_heads, w, D; after RoPE) over every slot of
     ``state``: (B, n_heads, capacity), float32; with ``reduce=False`` each query's row
     (B, n_heads, w, capacity). Causal over true positions; O(w x capacity)."""
-    chex.assert_rank([queries, query_positions], [4, 2])
-    B, n_heads, w, D = queries.shape
-    n_kv = state.keys.shape[1]
-    if n_heads % n_kv:
-        raise ValueError(f"{n_heads} query heads do not group over {n_kv} KV heads")
-    # in the keys' dtype (accumulated in float32 by the matmul): no float32 copy of the keys
-    q = (queries * scale).astype(state.keys.dtype).reshape(B, n_kv, n_heads // n_kv, w, D)
-    k = state.keys[:, :, None]  # (B, n_kv, 1, C, D)
-    logits = q @ k.swapaxes(-1, -2)  # (B, n_kv, rep, w, C)
+    B, n_heads, w, _ = queries.shape
+    logits = _logits(queries, query_positions, state, scale)
     if reduce and window_kernel.applies(logits):
-        return window_kernel.summed_softmax(logits, state.positions, query_positions).reshape(
-            B, n_heads, -1
-        )
+        out = window_kernel.reduced_softmax(logits, state.positions, query_positions)
+        return out.reshape(B, n_heads, -1)
     logits = logits.astype(mx.float32)
     visible = state.positions[:, :, None, None, :] <= query_positions[:, None, None, :, None]
     logits = mx.where(visible, logits, -mx.inf)
@@ -37,21 +29,37 @@ def window_attention_scores(
     return mx.sum(weights, axis=-2).reshape(B, n_heads, -1)
 
 
+def _logits(queries, query_positions, state, scale) -> mx.array:
+    """(B, n_kv, group, w, capacity) in the keys' dtype (accumulated in float32 by the matmul):
+    no float32 copy of the keys."""
+    chex.assert_rank([queries, query_positions], [4, 2])
+    B, n_heads, w, D = queries.shape
+    n_kv = state.keys.shape[1]
+    if n_heads % n_kv:
+        raise ValueError(f"{n_heads} query heads do not group over {n_kv} KV heads")
+    q = (queries * scale).astype(state.keys.dtype).reshape(B, n_kv, n_heads // n_kv, w, D)
+    return q @ state.keys[:, :, None].swapaxes(-1, -2)
+
+
 @typechecked
 def window_attention_max(
     queries: mx.array, query_positions: mx.array, state: State, scale: float, piece: int = 64
 ) -> mx.array:
     """The most softmax attention any of ``queries`` (B, n_heads, w, D; after RoPE) pays each
-    slot of ``state``: (B, n_heads, capacity), float32. Causal over true positions. The queries
-    go ``piece`` at a time, so at most (n_heads x piece x capacity) weights exist at once."""
+        slot of ``state``: (B, n_heads, capacity), float32. Causal over true positions. The queries
+        go ``piece`` at a time, so at most (n_heads x piece x capacity) weights exist at once (on
+    CUDA, only their logits in the keys' dtype: ``kvfn.window_kernel``)."""
     if piece < 1:
         raise ValueError(f"piece must be >= 1, got {piece}")
     best = None
     for i in range(0, queries.shape[2], piece):
-        rows = window_attention_scores(queries[:, :, i : i + piece],
-                                       query_positions[:, i : i + piece], state, scale,
-                                       reduce=False)  # fmt: skip
-        top = mx.max(rows, axis=2)
+        q, qpos = queries[:, :, i : i + piece], query_positions[:, i : i + piece]
+        logits = _logits(q, qpos, state, scale)
+        if window_kernel.applies(logits):
+            top = window_kernel.reduced_softmax(logits, state.positions, qpos, op="max")
+            top = top.reshape(q.shape[0], q.shape[1], -1)
+        else:
+            top = mx.max(window_attention_scores(q, qpos, state, scale, reduce=False), axis=2)
         best = top if best is None else mx.maximum(best, top)
     return best
 

@@ -1,12 +1,12 @@
 """The observation window's summed softmax, fused, on MLX's CUDA backend.
 
-``summed_softmax`` takes the window queries' logits over every slot, in the keys' dtype, and
-returns each slot's attention summed over the queries, in float32, as the stock ops do (cast,
-causal mask, softmax, sum; ``kvfn.scores.window_attention_scores``), in two launches: each
-query's log-sum-exp, then each slot's sum. They read the logits twice and write nothing of
-their size, where the stock ops make three float32 arrays of (heads x window x capacity) a
-layer, which pile up in a prefill while the host runs layers ahead of the GPU. This module
-imports nothing from kvfn.
+``reduced_softmax`` takes the window queries' logits over every slot, in the keys' dtype, and
+returns each slot's attention summed (SnapKV's window) or maxed (KVzip's reconstruction) over
+the queries, in float32, as the stock ops do (cast, causal mask, softmax, sum or max;
+``kvfn.scores``), in two launches: each query's log-sum-exp, then each slot's reduction. They
+read the logits twice and write nothing of their size, where the stock ops make three float32
+arrays of (heads x queries x capacity) a layer, which pile up in a prefill while the host runs
+layers ahead of the GPU. This module imports nothing from kvfn.
 """
 
 import os
@@ -77,8 +77,8 @@ LSE_SOURCE = r"""
 """
 
 # One thread a slot c of one (sequence, KV head, group member): its softmax weight summed over
-# the W queries that see it.
-SUM_SOURCE = r"""
+# the W queries that see it, or (MAX) their largest.
+REDUCE_SOURCE = r"""
   const int C = dims[0], W = dims[1], G = dims[2], HKV = dims[3];
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   const int r = blockIdx.y;
@@ -90,7 +90,8 @@ SUM_SOURCE = r"""
     for (int q = 0; q < W; ++q) {
       const float l = lse[r * W + q];
       if (p <= qpos[b * W + q] && l != neg_inf()) {
-        acc += expf(static_cast<float>(x[(size_t)q * C]) - l);
+        const float e = expf(static_cast<float>(x[(size_t)q * C]) - l);
+        acc = MAX ? fmaxf(acc, e) : acc + e;
       }
     }
     out[(size_t)r * C + c] = acc;
@@ -98,8 +99,11 @@ SUM_SOURCE = r"""
 """
 
 
+OPS = ("sum", "max")
+
+
 def applies(logits: mx.array) -> bool:
-    """Whether ``summed_softmax`` runs for these logits (MLX's CUDA backend, a floating dtype;
+    """Whether ``reduced_softmax`` runs for these logits (MLX's CUDA backend, a floating dtype;
     ``KVFN_SCORE_KERNEL=0`` turns it off)."""
     return (
         ENABLED
@@ -109,11 +113,16 @@ def applies(logits: mx.array) -> bool:
     )
 
 
-def summed_softmax(logits: mx.array, key_positions: mx.array, query_positions: mx.array):
+def reduced_softmax(
+    logits: mx.array, key_positions: mx.array, query_positions: mx.array, op: str = "sum"
+) -> mx.array:
     """Softmax over the slots of each query's ``logits`` (B, n_kv, group, w, C), masked to the
     slots whose ``key_positions`` (B, n_kv or 1, C) are at most the query's
-    ``query_positions`` (B, w), summed over the queries: (B, n_kv, group, C) float32. A query
-    that sees no slot adds nothing. Only where ``applies`` says so."""
+    ``query_positions`` (B, w), then summed (``op="sum"``) or maxed (``"max"``) over the
+    queries: (B, n_kv, group, C) float32. A query that sees no slot adds nothing. Only where
+    ``applies`` says so."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
     B, n_kv, group, w, C = logits.shape
     if key_positions.shape not in ((B, n_kv, C), (B, 1, C)) or query_positions.shape != (B, w):
         raise ValueError(
@@ -134,9 +143,9 @@ def summed_softmax(logits: mx.array, key_positions: mx.array, query_positions: m
         output_shapes=[(rows * w,)],
         output_dtypes=[mx.float32],
     )
-    (out,) = _sum_kernel()(
+    (out,) = _reduce_kernel()(
         inputs=[logits, kpos, qpos, dims, lse],
-        template=[("T", logits.dtype)],
+        template=[("T", logits.dtype), ("MAX", op == "max")],
         grid=(-(-C // THREADS) * THREADS, rows, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(B, n_kv, group, C)],
@@ -157,11 +166,11 @@ def _lse_kernel():
 
 
 @lru_cache(maxsize=None)
-def _sum_kernel():
+def _reduce_kernel():
     return mx.fast.cuda_kernel(
-        name="kvfn_window_sum",
+        name="kvfn_window_reduce",
         input_names=["logits", "kpos", "qpos", "dims", "lse"],
         output_names=["out"],
-        source=SUM_SOURCE,
+        source=REDUCE_SOURCE,
         header=HEADER,
     )

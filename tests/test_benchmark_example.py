@@ -1,3 +1,4 @@
+import mlx.core as mx
 import pytest
 
 from examples import benchmark_decode
@@ -120,3 +121,18 @@ def test_profile_prefill_rejects_a_window_past_the_prompt(capsys):
     with pytest.raises(SystemExit):
         profile_prefill.main(["--length", "64", "--window", "65"])
     assert "--window: must be <= --length (64), got 65" in capsys.readouterr().err
+
+
+def test_benchmark_scoring_compares_both_ops_and_refuses_bad_limits(capsys):
+    from examples import benchmark_scoring
+
+    rows = benchmark_scoring.main(["--iters", "1", "--calls", "2", "--capacities", "96"])
+    assert [(r["op"], r["queries"]) for r in rows] == [("sum", 32), ("max", 64)]
+    cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    for r in rows:  # off CUDA both columns run the stock ops: the same arrays
+        assert r["kernels_ms"] > 0 and r["stock_ms"] > 0 and r["kernels_mb"] > 0
+        assert r["max_abs_diff"] < 1e-5 if cuda else r["max_abs_diff"] == 0.0
+    assert "| max (64) | 96 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        benchmark_scoring.main(["--capacities", "32"])
+    assert "got 20, 32, [32]" in capsys.readouterr().err
