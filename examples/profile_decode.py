@@ -229,8 +229,8 @@ def main(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--configs", nargs="*", type=kernel_config, default=[(4, 2, 4, 0)],
-                   metavar="G,U,B[,S]", help="split kernel settings to add as rows (CUDA)")  # fmt: skip
+    p.add_argument("--configs", nargs="*", type=kernel_config, default=[], metavar="G,U,B[,S]",
+                   help="split kernel settings to add as rows (CUDA; default none)")  # fmt: skip
     p.add_argument("--phases", action="store_true", help="also time build / encode / wait")
     p.add_argument("--ncu", action="store_true", help="one step of each, between markers")
     p.add_argument("--primitives", action="store_true",
