@@ -13,9 +13,9 @@ prefill  per prompt length and chunk size: mlx-lm's chunked prefill (its KVCache
          scored prefill (window 32): seconds and peak GB above the weights, and their ratios;
          kvfn's prefill without scoring beside them, the scored one with the window scored by
          the stock ops instead of the CUDA kernels (kvfn.window_kernel; the same elsewhere),
-         and Expected Attention's (the queries'
-         moments gathered in every chunk, then each layer's expected attention per row) and
-         KVzip's (the unscored prefill, then its reconstruction pass over the context).
+         Expected Attention's (the queries' moments gathered in every chunk, then each layer's
+         expected attention per row) and KVzip's (the unscored prefill, then its
+         reconstruction pass over the context).
 evict    the compaction after the last prefill chunk: kvfn.compact_states (one compiled step,
          no host sync) vs the same selection and gather done eagerly with checks
          (evict_prompt_cache), up to the first decoded token.
@@ -175,11 +175,8 @@ def kvfn_plain_prefill(fm, tokens, chunk):
 
 def kvfn_stock_prefill(fm, tokens, chunk):
     """kvfn's scored prefill with the window scored by the stock ops (the CUDA kernels off)."""
-    fused, window_kernel.ENABLED = window_kernel.ENABLED, False
-    try:
+    with window_kernel.disabled():
         return kvfn_prefill(fm, tokens, chunk)
-    finally:
-        window_kernel.ENABLED = fused
 
 
 # beside mlx-lm and kvfn's SnapKV prefill

@@ -6,6 +6,7 @@ only the valid rows; elsewhere it falls back to ``mx.fast.scaled_dot_product_att
 boolean mask. This module imports nothing from kvfn, so it can be loaded by file path.
 """
 
+import hashlib
 import math
 import os
 from functools import lru_cache
@@ -605,7 +606,7 @@ def slots_fused(q, k, v) -> bool:
 @lru_cache(maxsize=None)
 def _slots_kernel(shared_memory: int):
     return mx.fast.cuda_kernel(
-        name="kvfn_slots_decode_split",
+        name=module_name("kvfn_slots_decode_split", HEADER, SLOTS_SOURCE),
         input_names=["q", "k", "v", "lengths", "hmap", "scale"],
         output_names=["o_part", "lse"],
         source=SLOTS_SOURCE,
@@ -625,7 +626,7 @@ def two_group_fused(q, k0, k1) -> bool:
 @lru_cache(maxsize=None)
 def _two_group_kernel(shared_memory: int):
     return mx.fast.cuda_kernel(
-        name="kvfn_two_group_decode_split",
+        name=module_name("kvfn_two_group_decode_split", HEADER, TWO_GROUP_SOURCE),
         input_names=["q", "k0", "v0", "k1", "v1", "lengths", "hmap", "scale"],
         output_names=["o_part", "lse"],
         source=TWO_GROUP_SOURCE,
@@ -637,7 +638,7 @@ def _two_group_kernel(shared_memory: int):
 @lru_cache(maxsize=None)
 def _split_kernel(shared_memory: int):
     return mx.fast.cuda_kernel(
-        name="kvfn_ragged_decode_split",
+        name=module_name("kvfn_ragged_decode_split", HEADER, SPLIT_SOURCE),
         input_names=["q", "k", "v", "lengths", "scale"],
         output_names=["o_part", "lse"],
         source=SPLIT_SOURCE,
@@ -649,12 +650,19 @@ def _split_kernel(shared_memory: int):
 @lru_cache(maxsize=None)
 def _combine_kernel():
     return mx.fast.cuda_kernel(
-        name="kvfn_ragged_decode_combine",
+        name=module_name("kvfn_ragged_decode_combine", HEADER, COMBINE_SOURCE),
         input_names=["o_part", "lse"],
         output_names=["out"],
         source=COMBINE_SOURCE,
         header=HEADER,
     )
+
+
+def module_name(name: str, *sources: str) -> str:
+    """``name`` and a digest of the kernel's sources. MLX caches compiled CUDA modules on disk by
+    name (and template arguments) across processes, so an edited source under an old name would
+    run the old code."""
+    return f"{name}_{hashlib.sha256(''.join(sources).encode()).hexdigest()[:12]}"
 
 
 def fused(q, k, v) -> bool:

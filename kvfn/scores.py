@@ -14,19 +14,40 @@ def window_attention_scores(
 ) -> mx.array:
     """Summed softmax attention of ``queries`` (B, n_heads, w, D; after RoPE) over every slot of
     ``state``: (B, n_heads, capacity), float32; with ``reduce=False`` each query's row
-    (B, n_heads, w, capacity). Causal over true positions; O(w x capacity)."""
-    B, n_heads, w, _ = queries.shape
+    (B, n_heads, w, capacity). Causal over true positions (a query that sees no slot adds
+    nothing); O(w x capacity)."""
     logits = _logits(queries, query_positions, state, scale)
+    B, n_heads, w, _ = queries.shape
     if reduce and window_kernel.applies(logits):
         out = window_kernel.reduced_softmax(logits, state.positions, query_positions)
         return out.reshape(B, n_heads, -1)
-    logits = logits.astype(mx.float32)
-    visible = state.positions[:, :, None, None, :] <= query_positions[:, None, None, :, None]
-    logits = mx.where(visible, logits, -mx.inf)
-    weights = mx.softmax(logits, axis=-1, precise=True)
+    weights = _weights(logits, state.positions, query_positions)
     if not reduce:
         return weights.reshape(B, n_heads, w, -1)
     return mx.sum(weights, axis=-2).reshape(B, n_heads, -1)
+
+
+@typechecked
+def window_attention_max(
+    queries: mx.array, query_positions: mx.array, state: State, scale: float, piece: int = 64
+) -> mx.array:
+    """The most softmax attention any of ``queries`` (B, n_heads, w, D; after RoPE) pays each
+    slot of ``state``: (B, n_heads, capacity), float32. Causal over true positions. The queries
+    go ``piece`` at a time, so at most (n_heads x piece x capacity) weights exist at once (on
+    CUDA, only their logits in the keys' dtype: ``kvfn.window_kernel``)."""
+    if piece < 1:
+        raise ValueError(f"piece must be >= 1, got {piece}")
+    best = None
+    for i in range(0, queries.shape[2], piece):
+        q, qpos = queries[:, :, i : i + piece], query_positions[:, i : i + piece]
+        logits = _logits(q, qpos, state, scale)
+        if window_kernel.applies(logits):
+            top = window_kernel.reduced_softmax(logits, state.positions, qpos, op="max")
+        else:
+            top = mx.max(_weights(logits, state.positions, qpos), axis=-2)
+        top = top.reshape(q.shape[0], q.shape[1], -1)
+        best = top if best is None else mx.maximum(best, top)
+    return best
 
 
 def _logits(queries, query_positions, state, scale) -> mx.array:
@@ -41,27 +62,12 @@ def _logits(queries, query_positions, state, scale) -> mx.array:
     return q @ state.keys[:, :, None].swapaxes(-1, -2)
 
 
-@typechecked
-def window_attention_max(
-    queries: mx.array, query_positions: mx.array, state: State, scale: float, piece: int = 64
-) -> mx.array:
-    """The most softmax attention any of ``queries`` (B, n_heads, w, D; after RoPE) pays each
-        slot of ``state``: (B, n_heads, capacity), float32. Causal over true positions. The queries
-        go ``piece`` at a time, so at most (n_heads x piece x capacity) weights exist at once (on
-    CUDA, only their logits in the keys' dtype: ``kvfn.window_kernel``)."""
-    if piece < 1:
-        raise ValueError(f"piece must be >= 1, got {piece}")
-    best = None
-    for i in range(0, queries.shape[2], piece):
-        q, qpos = queries[:, :, i : i + piece], query_positions[:, i : i + piece]
-        logits = _logits(q, qpos, state, scale)
-        if window_kernel.applies(logits):
-            top = window_kernel.reduced_softmax(logits, state.positions, qpos, op="max")
-            top = top.reshape(q.shape[0], q.shape[1], -1)
-        else:
-            top = mx.max(window_attention_scores(q, qpos, state, scale, reduce=False), axis=2)
-        best = top if best is None else mx.maximum(best, top)
-    return best
+def _weights(logits, key_positions, query_positions) -> mx.array:
+    """float32 softmax of ``logits`` over the slots each query sees; zeros where it sees none."""
+    visible = key_positions[:, :, None, None, :] <= query_positions[:, None, None, :, None]
+    weights = mx.softmax(mx.where(visible, logits.astype(mx.float32), -mx.inf), axis=-1,
+                         precise=True)  # fmt: skip
+    return mx.where(visible, weights, 0.0)  # a row that sees nothing is NaN before this
 
 
 def query_moments(batch: int, n_heads: int, head_dim: int) -> mx.array:

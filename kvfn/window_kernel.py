@@ -1,18 +1,21 @@
-"""The observation window's summed softmax, fused, on MLX's CUDA backend.
+"""The window queries' softmax reduced over the queries, fused, on MLX's CUDA backend.
 
 ``reduced_softmax`` takes the window queries' logits over every slot, in the keys' dtype, and
 returns each slot's attention summed (SnapKV's window) or maxed (KVzip's reconstruction) over
 the queries, in float32, as the stock ops do (cast, causal mask, softmax, sum or max;
-``kvfn.scores``), in two launches: each query's log-sum-exp, then each slot's reduction. They
-read the logits twice and write nothing of their size, where the stock ops make three float32
-arrays of (heads x queries x capacity) a layer, which pile up in a prefill while the host runs
-layers ahead of the GPU. This module imports nothing from kvfn.
+``kvfn.scores``), in two launches: each query's log-sum-exp (its maximum, then its sum, over
+the slots it sees), then each slot's reduction. They read the logits three times and write
+nothing of their size, where the stock ops make three float32 arrays of (heads x queries x
+capacity) a layer, which pile up in a prefill while the host runs layers ahead of the GPU.
 """
 
 import os
+from contextlib import contextmanager
 from functools import lru_cache
 
 import mlx.core as mx
+
+from .kernels import module_name
 
 # KVFN_SCORE_KERNEL=0 turns the CUDA kernels off (the stock ops run everywhere)
 ENABLED = os.environ.get("KVFN_SCORE_KERNEL", "1") != "0"
@@ -102,9 +105,21 @@ REDUCE_SOURCE = r"""
 OPS = ("sum", "max")
 
 
+@contextmanager
+def disabled():
+    """Within it the stock ops run everywhere (to compare them with the kernels). It acts on
+    what runs or is traced inside it: a step ``mx.compile`` traced before keeps its kernels."""
+    global ENABLED
+    before, ENABLED = ENABLED, False
+    try:
+        yield
+    finally:
+        ENABLED = before
+
+
 def applies(logits: mx.array) -> bool:
     """Whether ``reduced_softmax`` runs for these logits (MLX's CUDA backend, a floating dtype;
-    ``KVFN_SCORE_KERNEL=0`` turns it off)."""
+    ``KVFN_SCORE_KERNEL=0`` or ``disabled()`` turns it off)."""
     return (
         ENABLED
         and logits.dtype in DTYPES
@@ -118,23 +133,33 @@ def reduced_softmax(
 ) -> mx.array:
     """Softmax over the slots of each query's ``logits`` (B, n_kv, group, w, C), masked to the
     slots whose ``key_positions`` (B, n_kv or 1, C) are at most the query's
-    ``query_positions`` (B, w), then summed (``op="sum"``) or maxed (``"max"``) over the
+    ``query_positions`` (B or 1, w), then summed (``op="sum"``) or maxed (``"max"``) over the
     queries: (B, n_kv, group, C) float32. A query that sees no slot adds nothing. Only where
     ``applies`` says so."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if logits.ndim != 5 or 0 in logits.shape:
+        raise ValueError(f"logits must be (B, n_kv, group, w >= 1, C >= 1), got {logits.shape}")
     B, n_kv, group, w, C = logits.shape
-    if key_positions.shape not in ((B, n_kv, C), (B, 1, C)) or query_positions.shape != (B, w):
+    if key_positions.shape not in ((B, n_kv, C), (B, 1, C)) or query_positions.shape not in (
+        (B, w),
+        (1, w),
+    ):
         raise ValueError(
             f"positions {key_positions.shape} and {query_positions.shape} do not fit logits "
             f"{logits.shape}"
         )
     if not applies(logits):
-        raise RuntimeError("the window kernels run on MLX's CUDA backend only")
-    kpos = mx.broadcast_to(key_positions, (B, n_kv, C)).astype(mx.int32)
-    qpos = query_positions.astype(mx.int32)
-    dims = mx.array([C, w, group, n_kv], dtype=mx.int32)
+        raise RuntimeError(
+            f"the window kernels do not apply to {logits.dtype} logits here: they need MLX's "
+            "CUDA backend, a floating dtype, and not disabled (KVFN_SCORE_KERNEL=0, disabled())"
+        )
     rows = B * n_kv * group
+    if rows * w * THREADS >= 2**31 or rows >= 2**16:  # CUDA's grid limits
+        raise ValueError(f"{rows} x {w} query rows are too many for one launch")
+    kpos = mx.broadcast_to(key_positions, (B, n_kv, C)).astype(mx.int32)
+    qpos = mx.broadcast_to(query_positions, (B, w)).astype(mx.int32)
+    dims = mx.array([C, w, group, n_kv], dtype=mx.int32)
     (lse,) = _lse_kernel()(
         inputs=[logits, kpos, qpos, dims],
         template=[("T", logits.dtype)],
@@ -157,7 +182,7 @@ def reduced_softmax(
 @lru_cache(maxsize=None)
 def _lse_kernel():
     return mx.fast.cuda_kernel(
-        name="kvfn_window_lse",
+        name=module_name("kvfn_window_lse", HEADER, LSE_SOURCE),
         input_names=["logits", "kpos", "qpos", "dims"],
         output_names=["lse"],
         source=LSE_SOURCE,
@@ -168,7 +193,7 @@ def _lse_kernel():
 @lru_cache(maxsize=None)
 def _reduce_kernel():
     return mx.fast.cuda_kernel(
-        name="kvfn_window_reduce",
+        name=module_name("kvfn_window_reduce", HEADER, REDUCE_SOURCE),
         input_names=["logits", "kpos", "qpos", "dims", "lse"],
         output_names=["out"],
         source=REDUCE_SOURCE,

@@ -181,8 +181,8 @@ class _LayerAdapter:
                 rows = window_attention_scores(q, qpos, self.state, self.scale,
                                                reduce=self.scores.ndim == 3)  # fmt: skip
                 self.scores = self.scores + rows
-            # this layer's attention waits for its scores, so their (heads x window x
-            # capacity) weights are freed before the next layer's exist
+            # this layer's attention waits for its scores, so the scoring's (heads x window x
+            # capacity) arrays are freed before the next layer's exist
             return mx.depends(list(self._fetch(r, keys.shape[2])), [self.scores])
         return self._fetch(r, keys.shape[2])
 

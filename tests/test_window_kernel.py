@@ -74,16 +74,36 @@ def window_case():
 
 @cuda_only
 @pytest.mark.parametrize("fn", [window_attention_scores, window_attention_max])
-def test_window_scores_equal_with_and_without_the_kernels(monkeypatch, fn):
+def test_window_scores_equal_with_and_without_the_kernels(fn):
     q, qpos, state, scale = window_case()
-    fused = fn(q, qpos, state, scale)
-    monkeypatch.setattr(window_kernel, "ENABLED", False)
-    stock = fn(q, qpos, state, scale)
-    assert fused.shape == stock.shape == (2, 8, 500)
-    np.testing.assert_allclose(np.array(fused), np.array(stock), rtol=1e-5, atol=1e-6)
+    kernels = fn(q, qpos, state, scale)
+    with window_kernel.disabled():
+        stock = fn(q, qpos, state, scale)
+    assert window_kernel.ENABLED
+    assert kernels.shape == stock.shape == (2, 8, 500)
+    np.testing.assert_allclose(np.array(kernels), np.array(stock), rtol=1e-5, atol=1e-6)
 
 
-def test_reduced_softmax_refuses_what_does_not_fit():
+@pytest.mark.parametrize("fn", [window_attention_scores, window_attention_max])
+def test_a_query_that_sees_nothing_adds_nothing_on_every_backend(fn):
+    """The stock ops' softmax of a row with no visible slot is NaN; both paths add nothing."""
+    q, qpos, state, scale = window_case()
+    blind = mx.concatenate([mx.full((2, 1), -1, mx.int32), qpos[:, 1:]], axis=1)
+    got = fn(q, blind, state, scale)
+    assert not mx.isnan(got).any().item()
+    want = fn(q[:, :, 1:], qpos[:, 1:], state, scale)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-6, atol=1e-7)
+
+
+@cuda_only
+def test_query_positions_of_one_sequence_broadcast():
+    logits, kp, qp = case(2, 2, 1, 3, 50, mx.float32)
+    one = window_kernel.reduced_softmax(logits, kp, qp[:1])
+    both = window_kernel.reduced_softmax(logits, kp, mx.concatenate([qp[:1], qp[:1]]))
+    assert mx.array_equal(one, both).item()
+
+
+def test_reduced_softmax_refuses_bad_input():
     logits, kp, qp = case(2, 2, 1, 3, 10, mx.float32)
     with pytest.raises(ValueError, match=r"positions \(2, 2, 9\)"):
         window_kernel.reduced_softmax(logits, kp[..., :9], qp)
@@ -91,6 +111,17 @@ def test_reduced_softmax_refuses_what_does_not_fit():
         window_kernel.reduced_softmax(logits, kp, mx.zeros((2, 4), mx.int32))
     with pytest.raises(ValueError, match="'mean'"):
         window_kernel.reduced_softmax(logits, kp, qp, "mean")
+    with pytest.raises(ValueError, match=r"got \(2, 2, 3, 10\)"):
+        window_kernel.reduced_softmax(logits[:, :, 0], kp, qp)
+    with pytest.raises(ValueError, match=r"got \(2, 2, 1, 0, 10\)"):
+        window_kernel.reduced_softmax(logits[:, :, :, :0], kp, qp[:, :0])
+
+
+def test_window_scores_refuse_queries_of_the_wrong_rank():
+    q, qpos, state, scale = window_case()
+    for fn in (window_attention_scores, window_attention_max):
+        with pytest.raises(AssertionError, match="rank"):
+            fn(q[0], qpos, state, scale)
 
 
 @pytest.mark.skipif(CUDA, reason="off MLX's CUDA backend")
@@ -99,3 +130,14 @@ def test_the_kernels_apply_only_on_cuda():
     assert not window_kernel.applies(logits)
     with pytest.raises(RuntimeError, match="CUDA"):
         window_kernel.reduced_softmax(logits, kp, qp)
+
+
+def test_disabled_turns_the_kernels_off_and_back():
+    logits = mx.zeros((1, 1, 1, 1, 4), mx.bfloat16)
+    before = window_kernel.applies(logits)
+    with window_kernel.disabled():
+        assert not window_kernel.applies(logits)
+        with pytest.raises(RuntimeError, match="CUDA"):
+            window_kernel.reduced_softmax(logits, mx.zeros((1, 1, 4), mx.int32),
+                                          mx.zeros((1, 1), mx.int32))  # fmt: skip
+    assert window_kernel.applies(logits) == before
