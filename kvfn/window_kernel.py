@@ -5,7 +5,7 @@ returns each slot's attention summed (SnapKV's window) or maxed (KVzip's reconst
 the queries, in float32, as the stock ops do (cast, causal mask, softmax, sum or max;
 ``kvfn.scores``), in two launches: each query's log-sum-exp (its maximum, then its sum, over
 the slots it sees), then each slot's reduction. They read the logits three times and write
-nothing of their size, where the stock ops make three float32 arrays of (heads x queries x
+nothing of their size, where the stock ops make several float32 arrays of (heads x queries x
 capacity) a layer, which pile up in a prefill while the host runs layers ahead of the GPU.
 """
 
