@@ -117,6 +117,14 @@ def host_ms(build, steps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def cleared() -> None:
+    """Garbage collected and MLX's buffer cache emptied, once the device is idle: a run starts
+    as after a fresh load, whatever ran before it."""
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
+
+
 def measured(fn):
     """(result, seconds, peak bytes) of fn(), which must evaluate what it returns."""
     mx.synchronize()
@@ -195,10 +203,9 @@ def prefill_rows(model, fm, lengths, chunks, weights, variants=PREFILL_VARIANTS,
             runs = {name: [] for name in names}
             for r in range(rounds + 1):  # interleaved rounds after a warm-up one
                 for name in names:
-                    # from an empty buffer cache: else a run after mlx-lm's (whose cached
-                    # buffers have other sizes) allocates where one after kvfn's reuses
-                    gc.collect()
-                    mx.clear_cache()
+                    # else a run after mlx-lm's (whose cached buffers have other sizes)
+                    # allocates where one after kvfn's reuses
+                    cleared()
                     out, s, peak = measured(lambda: fns[name](model if name == "mlx" else fm,
                                                               tokens, chunk))  # fmt: skip
                     del out

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 
+from examples.benchmark_decode import measured  # noqa: E402
 from kvfn import window_kernel  # noqa: E402
 from kvfn.scores import window_attention_max, window_attention_scores  # noqa: E402
 
@@ -59,11 +60,9 @@ def measure(op, capacity, iters, calls):
     peaks = {"kernels": [], "stock": []}
     for _ in range(iters):
         for name in times:
-            mx.synchronize()
             base = mx.get_active_memory()
-            mx.reset_peak_memory()
-            scores(fn, q, qpos, state, name == "kernels")
-            peaks[name].append(mx.get_peak_memory() - base)
+            peak = measured(lambda: scores(fn, q, qpos, state, name == "kernels"))[2]
+            peaks[name].append(peak - base)
             t = time.perf_counter()
             scores(fn, q, qpos, state, name == "kernels", calls)
             times[name].append((time.perf_counter() - t) / calls)

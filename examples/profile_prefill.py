@@ -16,7 +16,6 @@ ahead of the GPU.
 """
 
 import argparse
-import gc
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 
-from examples.benchmark_decode import SHAPES, VOCAB, mlx_prefill, random_model  # noqa: E402
+from examples.benchmark_decode import (  # noqa: E402
+    SHAPES,
+    VOCAB,
+    cleared,
+    mlx_prefill,
+    random_model,
+)
 
 ROWS = ("mlx-lm", "kvfn", "grown", "scored")
 
@@ -36,9 +41,7 @@ class Chunks:
     above the memory active before the chunk, active GB after it, above the start)."""
 
     def __init__(self):
-        gc.collect()  # garbage freed during the prefill would lower the active memory read
-        mx.synchronize()
-        mx.clear_cache()
+        cleared()  # garbage freed during the prefill would lower the active memory read
         self.base, self.rows = mx.get_active_memory(), []
         self._start()
 

@@ -477,7 +477,7 @@ def _per_query_head(lengths, group):
 def _kernel_applies(q, k, v, rows=None) -> bool:
     """The split kernel's conditions: CUDA, one supported dtype, a head_dim it tiles, and rows
     (``k.shape[2]`` unless given) to read."""
-    if not ENABLED or mx.default_device() != mx.gpu or not mx.cuda.is_available():
+    if not ENABLED or not on_cuda():
         return False
     if not (q.dtype == k.dtype == v.dtype) or k.dtype not in KERNEL_DTYPES:
         return False
@@ -605,14 +605,8 @@ def slots_fused(q, k, v) -> bool:
 
 @lru_cache(maxsize=None)
 def _slots_kernel(shared_memory: int):
-    return mx.fast.cuda_kernel(
-        name=module_name("kvfn_slots_decode_split", HEADER, SLOTS_SOURCE),
-        input_names=["q", "k", "v", "lengths", "hmap", "scale"],
-        output_names=["o_part", "lse"],
-        source=SLOTS_SOURCE,
-        header=HEADER,
-        shared_memory=shared_memory,
-    )
+    return cuda_kernel("kvfn_slots_decode_split", ["q", "k", "v", "lengths", "hmap", "scale"],
+                       ["o_part", "lse"], SLOTS_SOURCE, shared_memory=shared_memory)  # fmt: skip
 
 
 def two_group_fused(q, k0, k1) -> bool:
@@ -625,44 +619,35 @@ def two_group_fused(q, k0, k1) -> bool:
 
 @lru_cache(maxsize=None)
 def _two_group_kernel(shared_memory: int):
-    return mx.fast.cuda_kernel(
-        name=module_name("kvfn_two_group_decode_split", HEADER, TWO_GROUP_SOURCE),
-        input_names=["q", "k0", "v0", "k1", "v1", "lengths", "hmap", "scale"],
-        output_names=["o_part", "lse"],
-        source=TWO_GROUP_SOURCE,
-        header=HEADER,
-        shared_memory=shared_memory,
-    )
+    return cuda_kernel("kvfn_two_group_decode_split",
+                       ["q", "k0", "v0", "k1", "v1", "lengths", "hmap", "scale"],
+                       ["o_part", "lse"], TWO_GROUP_SOURCE, shared_memory=shared_memory)  # fmt: skip
 
 
 @lru_cache(maxsize=None)
 def _split_kernel(shared_memory: int):
-    return mx.fast.cuda_kernel(
-        name=module_name("kvfn_ragged_decode_split", HEADER, SPLIT_SOURCE),
-        input_names=["q", "k", "v", "lengths", "scale"],
-        output_names=["o_part", "lse"],
-        source=SPLIT_SOURCE,
-        header=HEADER,
-        shared_memory=shared_memory,
-    )
+    return cuda_kernel("kvfn_ragged_decode_split", ["q", "k", "v", "lengths", "scale"],
+                       ["o_part", "lse"], SPLIT_SOURCE, shared_memory=shared_memory)  # fmt: skip
 
 
 @lru_cache(maxsize=None)
 def _combine_kernel():
-    return mx.fast.cuda_kernel(
-        name=module_name("kvfn_ragged_decode_combine", HEADER, COMBINE_SOURCE),
-        input_names=["o_part", "lse"],
-        output_names=["out"],
-        source=COMBINE_SOURCE,
-        header=HEADER,
-    )
+    return cuda_kernel("kvfn_ragged_decode_combine", ["o_part", "lse"], ["out"], COMBINE_SOURCE)
 
 
-def module_name(name: str, *sources: str) -> str:
-    """``name`` and a digest of the kernel's sources. MLX caches compiled CUDA modules on disk by
-    name (and template arguments) across processes, so an edited source under an old name would
-    run the old code."""
-    return f"{name}_{hashlib.sha256(''.join(sources).encode()).hexdigest()[:12]}"
+def cuda_kernel(name, input_names, output_names, source, header=HEADER, shared_memory=0):
+    """``mx.fast.cuda_kernel`` named ``name`` and a digest of its header and source: MLX caches
+    compiled CUDA modules on disk by name (and template arguments) across processes, so an
+    edited source under an old name would run the old code."""
+    digest = hashlib.sha256((header + source).encode()).hexdigest()[:12]
+    return mx.fast.cuda_kernel(name=f"{name}_{digest}", input_names=input_names,
+                               output_names=output_names, source=source, header=header,
+                               shared_memory=shared_memory)  # fmt: skip
+
+
+def on_cuda() -> bool:
+    """Whether arrays run on MLX's CUDA backend (the default device a CUDA GPU)."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 def fused(q, k, v) -> bool:

@@ -15,11 +15,10 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from .kernels import module_name
+from .kernels import KERNEL_DTYPES, cuda_kernel, on_cuda
 
 # KVFN_SCORE_KERNEL=0 turns the CUDA kernels off (the stock ops run everywhere)
 ENABLED = os.environ.get("KVFN_SCORE_KERNEL", "1") != "0"
-DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 THREADS = 256
 
 HEADER = r"""
@@ -120,12 +119,7 @@ def disabled():
 def applies(logits: mx.array) -> bool:
     """Whether ``reduced_softmax`` runs for these logits (MLX's CUDA backend, a floating dtype;
     ``KVFN_SCORE_KERNEL=0`` or ``disabled()`` turns it off)."""
-    return (
-        ENABLED
-        and logits.dtype in DTYPES
-        and mx.default_device() == mx.gpu
-        and mx.cuda.is_available()
-    )
+    return ENABLED and logits.dtype in KERNEL_DTYPES and on_cuda()
 
 
 def reduced_softmax(
@@ -181,21 +175,11 @@ def reduced_softmax(
 
 @lru_cache(maxsize=None)
 def _lse_kernel():
-    return mx.fast.cuda_kernel(
-        name=module_name("kvfn_window_lse", HEADER, LSE_SOURCE),
-        input_names=["logits", "kpos", "qpos", "dims"],
-        output_names=["lse"],
-        source=LSE_SOURCE,
-        header=HEADER,
-    )
+    return cuda_kernel("kvfn_window_lse", ["logits", "kpos", "qpos", "dims"], ["lse"], LSE_SOURCE,
+                       HEADER)  # fmt: skip
 
 
 @lru_cache(maxsize=None)
 def _reduce_kernel():
-    return mx.fast.cuda_kernel(
-        name=module_name("kvfn_window_reduce", HEADER, REDUCE_SOURCE),
-        input_names=["logits", "kpos", "qpos", "dims", "lse"],
-        output_names=["out"],
-        source=REDUCE_SOURCE,
-        header=HEADER,
-    )
+    return cuda_kernel("kvfn_window_reduce", ["logits", "kpos", "qpos", "dims", "lse"], ["out"],
+                       REDUCE_SOURCE, HEADER)  # fmt: skip

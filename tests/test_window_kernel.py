@@ -134,10 +134,10 @@ def test_the_kernels_apply_only_on_cuda():
 
 def test_disabled_turns_the_kernels_off_and_back():
     logits = mx.zeros((1, 1, 1, 1, 4), mx.bfloat16)
-    before = window_kernel.applies(logits)
+    before, enabled = window_kernel.applies(logits), window_kernel.ENABLED
     with window_kernel.disabled():
-        assert not window_kernel.applies(logits)
+        assert window_kernel.ENABLED is False and not window_kernel.applies(logits)
         with pytest.raises(RuntimeError, match="CUDA"):
             window_kernel.reduced_softmax(logits, mx.zeros((1, 1, 4), mx.int32),
                                           mx.zeros((1, 1), mx.int32))  # fmt: skip
-    assert window_kernel.applies(logits) == before
+    assert window_kernel.ENABLED is enabled and window_kernel.applies(logits) == before
