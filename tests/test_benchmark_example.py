@@ -136,3 +136,36 @@ def test_benchmark_scoring_compares_both_ops_and_refuses_bad_limits(capsys):
     with pytest.raises(SystemExit):
         benchmark_scoring.main(["--capacities", "32"])
     assert "got 20, 32, [32]" in capsys.readouterr().err
+
+
+def test_profile_timeline_reads_busy_idle_and_kernel_classes():
+    from examples import profile_timeline as pt
+
+    kernels = [  # (name, start us, duration us): two steps
+        ("void mlx::core::cu::gemv_single<bf16, 4>", 0.0, 10.0),
+        ("mlx::core::cu::custom_kernel_kvfn_ragged_decode_split_802aff<bf16>", 5.0, 10.0),
+        ("void mlx::core::cu::scatter_axis<>", 40.0, 5.0),
+        ("void mlx::core::cu::gemv_single<bf16, 4>", 100.0, 10.0),
+    ]
+    s = pt.summary(kernels, steps=2, wall_s=0.004)
+    assert s["wall_ms"] == pytest.approx(2.0)
+    assert s["kernels"] == 2 and s["kernel_ms"] == pytest.approx(0.0175)
+    assert s["busy_ms"] == pytest.approx(0.015)  # 0-15, 40-45, 100-110: overlap counted once
+    assert s["span_ms"] == pytest.approx(0.055) and s["idle_ms"] == pytest.approx(0.04)
+    assert s["gaps_over_20us"] == 1.0  # 15 -> 40 and 45 -> 100, in two steps
+    assert s["classes_ms"] == pytest.approx({"attention": 0.005, "kv write": 0.0025,
+                                             "matmul": 0.01})  # fmt: skip
+    calls, per_call, per_step = s["names"]["void mlx::core::cu::gemv_single"]
+    assert (calls, per_call, per_step) == (1.0, 10.0, 10.0)
+    assert pt.kernel_class("cudnn_generated_fort_native_sdpa_sm80_flash") == "attention"
+    assert pt.kernel_class("void mlx::core::cu::rms_norm_small<>") == "norm"
+    assert pt.kernel_class("void mlx::core::cu::arange<>") == "other"
+
+
+def test_profile_timeline_needs_cuda(capsys):
+    from examples import profile_timeline as pt
+
+    if mx.default_device() == mx.gpu:
+        pytest.skip("on a GPU it would run")
+    with pytest.raises(SystemExit, match="CUDA"):
+        pt.main(["--shape", "tiny"])

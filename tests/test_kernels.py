@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvfn.kernels import plan, ragged_decode_attention
+from kvfn.kernels import MIN_KEYS_PER_SPLIT, plan, ragged_decode_attention
 
 B, KV, C = 2, 2, 16
 
@@ -137,7 +137,7 @@ def test_validation(change, message):
 
 def test_plan_fills_the_gpu_and_tiles_heads():
     tile, tiles, small = plan(1, 32, 8, 1024)
-    assert (tile, tiles) == (4, 1) and small == 1024 // 64
+    assert (tile, tiles) == (4, 1) and small == 1024 // MIN_KEYS_PER_SPLIT
     assert plan(1, 32, 8, 131072)[2] > small
     assert plan(64, 32, 8, 131072)[2] == 1  # enough (batch, head) rows already
     assert plan(1, 64, 4, 4096)[:2] == (8, 2)

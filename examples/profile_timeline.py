@@ -1,0 +1,192 @@
+"""The GPU's timeline of decode loops: how long a step keeps the GPU busy, how long it leaves it
+idle, and which kernels fill it, for mlx-lm's eager step and kvfn's compiled one over the same
+rows (8B-shaped llama, random weights, bf16, K/V filled with random rows, no prefill).
+
+    python examples/profile_timeline.py --rows 1024 4096 32768    # MLX CUDA, with PyTorch
+
+The kernels are recorded by CUPTI through ``torch.profiler`` (Kineto), which sees every kernel of
+the process, MLX's included (the device machine has no Nsight Systems). Per step, averaged over
+``--steps`` steps of each loop: wall ms, kernel count, kernel ms (summed durations), busy ms (the
+union of the kernels' intervals), span ms (first kernel start to last kernel end, over the steps,
+divided by their count) and idle ms (span - busy), then the busy time by kernel class and
+(``--top N``) the costliest kernels by name. Kernels of one step can overlap (MLX's CUDA graphs
+run independent nodes side by side), so kernel ms can exceed busy ms. CUPTI adds host work to
+every launch: wall ms here run slower than unprofiled steps (``benchmark_decode.py`` times
+those); the kernels' own durations are what this script is for.
+
+Loops: ``piped`` builds step t+1 while step t runs (``mx.async_eval``, as mlx-lm's generate_step
+does); ``sync`` builds then evaluates each step. Rows: mlx-lm over a KVCache of R rows; kvfn over
+a packed state of the same R rows (what a compaction gives: appends scatter at a traced slot);
+kvfn with its CUDA decode kernel off (SDPA with a mask array).
+"""
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
+import mlx.core as mx  # noqa: E402
+
+from examples.benchmark_decode import SHAPES, random_model  # noqa: E402
+from examples.profile_decode import filled, kvfn_loop, mlx_loop, packed, variant_loop  # noqa: E402
+
+CLASSES = (  # first match wins
+    ("attention", r"sdpa|flash|cudnn|attention|kvfn_ragged|lean|softmax"),
+    ("matmul", r"gemv|gemm|matmul|cutlass|sm90|xmma|qmv|qmm"),
+    ("kv write", r"scatter|slice_update|copy"),
+    ("rope", r"rope"),
+    ("norm", r"rms|layer_norm"),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((c for c, pattern in CLASSES if re.search(pattern, low)), "other")
+
+
+def merged(intervals: list) -> list:
+    """The union of (start, stop) intervals as disjoint intervals, in order."""
+    out = []
+    for start, stop in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], stop)
+        else:
+            out.append([start, stop])
+    return out
+
+
+def union_us(intervals: list) -> float:
+    return sum(stop - start for start, stop in merged(intervals))
+
+
+def summary(kernels: list, steps: int, wall_s: float) -> dict:
+    """Per-step figures of ``kernels``, a list of (name, start us, duration us)."""
+    intervals = [(t, t + d) for _, t, d in kernels]
+    span = max(b for _, b in intervals) - min(a for a, _ in intervals) if kernels else 0.0
+    busy = union_us(intervals)
+    runs = merged(intervals)
+    by_class = {}
+    for name, _, d in kernels:
+        c = kernel_class(name)
+        by_class[c] = by_class.get(c, 0.0) + d
+    gaps = [b[0] - a[1] for a, b in zip(runs, runs[1:])]
+    return dict(
+        wall_ms=1e3 * wall_s / steps,
+        kernels=len(kernels) / steps,
+        kernel_ms=sum(d for *_, d in kernels) / steps / 1e3,
+        busy_ms=busy / steps / 1e3,
+        span_ms=span / steps / 1e3,
+        idle_ms=(span - busy) / steps / 1e3,
+        gaps_over_20us=sum(1 for g in gaps if g > 20) / steps,
+        idle_in_gaps_over_20us_ms=sum(g for g in gaps if g > 20) / steps / 1e3,
+        classes_ms={c: t / steps / 1e3 for c, t in sorted(by_class.items())},
+        names=named(kernels, steps),
+    )
+
+
+def named(kernels: list, steps: int) -> dict:
+    """Per kernel name (template arguments dropped): (calls, us a call, us) a step, by time."""
+    totals = {}
+    for name, _, d in kernels:
+        key = re.sub(r"<.*", "", name)[:60]
+        calls, us = totals.get(key, (0, 0.0))
+        totals[key] = (calls + 1, us + d)
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])
+    return {k: (n / steps, us / n, us / steps) for k, (n, us) in ranked}
+
+
+def recorded(run, steps: int):
+    """(kernels, wall seconds) of ``run(steps)`` under ``torch.profiler``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    mx.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        run(steps)
+        mx.synchronize()
+        wall = time.perf_counter() - t
+    torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    kernels = [(e["name"], float(e["ts"]), float(e["dur"])) for e in trace["traceEvents"]
+               if e.get("cat") == "kernel"]  # fmt: skip
+    return kernels, wall
+
+
+def piped(build):
+    def run(steps):
+        pending = build()[0]
+        mx.async_eval(pending)
+        for _ in range(steps - 1):
+            out = build()
+            mx.async_eval(out)
+            mx.eval(pending)
+            pending = out[0]
+            del out
+        mx.eval(pending)
+
+    return run
+
+
+def sync(build):
+    def run(steps):
+        for _ in range(steps):
+            mx.eval(build())
+
+    return run
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    p.add_argument("--rows", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=0, help="print each row's N costliest kernels")
+    p.add_argument("--json", help="write the figures here")
+    args = p.parse_args(argv)
+    if mx.default_device() != mx.gpu:
+        raise SystemExit("profile_timeline reads CUDA kernels: run it with MLX's CUDA backend")
+    dtype = mx.bfloat16
+    model = random_model(args.shape, False, dtype)
+    room = 8 * (args.steps + 8)
+    results = {}
+    for R in args.rows:
+        caches, states = filled(model, R, room, dtype)
+        compacted = packed(states, R, room)
+        del states
+        rows = {
+            "mlx-lm": mlx_loop(model, caches),
+            "kvfn": kvfn_loop(kvfn.FunctionalModel(model), compacted),
+            "kvfn masked SDPA": variant_loop(model, compacted, ENABLED=False),
+        }
+        for name, build in rows.items():
+            for mode, loop in (("piped", piped), ("sync", sync)):
+                run = loop(build)
+                run(5)  # warm: compiled traces, cuDNN plans, the buffer cache
+                kernels, wall = recorded(run, args.steps)
+                s = summary(kernels, args.steps, wall)
+                results[f"R={R} {name} {mode}"] = s
+                classes = " ".join(f"{c} {t:.2f}" for c, t in s["classes_ms"].items())
+                print(f"R={R:6d} {name:17s} {mode:5s} wall {s['wall_ms']:5.2f} busy "
+                      f"{s['busy_ms']:5.2f} idle {s['idle_ms']:5.2f} (gaps>20us "
+                      f"{s['gaps_over_20us']:4.1f}: {s['idle_in_gaps_over_20us_ms']:5.2f}) "
+                      f"kernels {s['kernels']:5.0f} {s['kernel_ms']:5.2f} ms | {classes}",
+                      flush=True)  # fmt: skip
+                for k, (n, per, us) in list(s["names"].items())[: args.top]:
+                    print(f"      {n:6.1f} x {per:7.2f} us = {us:8.1f} us  {k}")
+        del caches, compacted, rows
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
