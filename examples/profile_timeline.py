@@ -17,7 +17,8 @@ those); the kernels' own durations are what this script is for.
 Loops: ``piped`` builds step t+1 while step t runs (``mx.async_eval``, as mlx-lm's generate_step
 does); ``sync`` builds then evaluates each step. Rows: mlx-lm over a KVCache of R rows; kvfn over
 a packed state of the same R rows (what a compaction gives: appends scatter at a traced slot);
-kvfn with its CUDA decode kernel off (SDPA with a mask array).
+kvfn with its CUDA decode kernel off (SDPA with a mask array); with ``--splits``, kvfn with
+the split kernel's key splits fixed.
 """
 
 import argparse
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 
-from examples.benchmark_decode import SHAPES, random_model  # noqa: E402
+from examples.benchmark_decode import SHAPES, check_at_least, random_model  # noqa: E402
 from examples.profile_decode import filled, kvfn_loop, mlx_loop, packed, variant_loop  # noqa: E402
 
 CLASSES = (  # first match wins
@@ -121,6 +122,16 @@ def recorded(run, steps: int):
     return kernels, wall
 
 
+def fixed_splits(n: int):
+    """``kernels.plan`` with the split count set to ``n``."""
+    plan = kvfn.kernels.plan
+
+    def fixed(batch, q_heads, kv_heads, capacity):
+        return plan(batch, q_heads, kv_heads, capacity)[:2] + (n,)
+
+    return fixed
+
+
 def piped(build):
     def run(steps):
         pending = build()[0]
@@ -150,8 +161,13 @@ def main(argv=None) -> dict:
     p.add_argument("--rows", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=0, help="print each row's N costliest kernels")
+    p.add_argument("--splits", type=int, nargs="*", default=[],
+                   help="add kvfn rows whose split kernel takes this many key splits")  # fmt: skip
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
+    check_at_least(p, "rows", args.rows)
+    check_at_least(p, "steps", [args.steps])
+    check_at_least(p, "splits", args.splits)
     if mx.default_device() != mx.gpu:
         raise SystemExit("profile_timeline reads CUDA kernels: run it with MLX's CUDA backend")
     dtype = mx.bfloat16
@@ -167,6 +183,8 @@ def main(argv=None) -> dict:
             "kvfn": kvfn_loop(kvfn.FunctionalModel(model), compacted),
             "kvfn masked SDPA": variant_loop(model, compacted, ENABLED=False),
         }
+        for n in args.splits:
+            rows[f"kvfn {n} splits"] = variant_loop(model, compacted, plan=fixed_splits(n))
         for name, build in rows.items():
             for mode, loop in (("piped", piped), ("sync", sync)):
                 run = loop(build)

@@ -169,3 +169,6 @@ def test_profile_timeline_needs_cuda(capsys):
         pytest.skip("on a GPU it would run")
     with pytest.raises(SystemExit, match="CUDA"):
         pt.main(["--shape", "tiny"])
+    with pytest.raises(SystemExit):
+        pt.main(["--splits", "0"])
+    assert "argument --splits: values must be >= 1" in capsys.readouterr().err
