@@ -85,25 +85,26 @@ def median_ms(step, steps: int, warmup: int = 3) -> float:
 
 def pipelined_ms(build, steps: int, held: bool = False) -> float:
     """Median ms per step when each step is built while the previous one runs (``async_eval``,
-    as mlx-lm's generate_step does); ``build()`` returns the step's arrays to evaluate. Only the
-    first (the logits or next token) is kept between steps, as in a decode loop: a state array
-    still referenced when the next step is queued could not be written in place (``held``
-    keeps them all, to measure that)."""
-    out = build()
-    mx.async_eval(out)
-    pending = out if held else out[0]
-    del out
+    as mlx-lm's generate_step does); ``build()`` returns the step's arrays, the logits or next
+    token first. Only that first array is queued and kept between steps, as mlx-lm queues only
+    its next token: the state's arrays are computed as its inputs. Queuing them too would hold
+    them until the step's last command buffer completes (``mx.async_eval`` keeps its outputs
+    alive as the inputs of a final synchronizing array), so the next step's writes, encoded
+    while this one runs, would copy their buffers instead of writing in place; ``held`` queues
+    and keeps them all, to measure that."""
     times = []
-    for _ in range(steps + 3):
+    pending = None
+    for _ in range(steps + 4):
         t = time.perf_counter()
         out = build()
-        mx.async_eval(out)
-        mx.eval(pending)
+        mx.async_eval(out if held else out[0])
+        if pending is not None:
+            mx.eval(pending)
         pending = out if held else out[0]
         del out
         times.append(time.perf_counter() - t)
     mx.eval(pending)
-    return 1e3 * statistics.median(times[3:])
+    return 1e3 * statistics.median(times[4:])
 
 
 def host_ms(build, steps: int) -> float:

@@ -129,19 +129,31 @@ def compact(fm, tokens: list[int], args) -> tuple:
 
 
 def kvfn_stream(fm, tokenizer, states, token: int, args, sampler):
-    """Decode with kvfn's compiled step (for states mlx-lm cannot hold: per-head groups)."""
+    """Decode with kvfn's compiled step (for states mlx-lm cannot hold: per-head groups),
+    pipelined as mlx-lm's generate_step is: step t+1 is queued before token t is read. Only
+    the token is queued; the state is computed as its input (queuing the state too would hold
+    its buffers until the step completes, so the next step's writes would copy them)."""
+
+    def step(y, states):
+        logits, states = fm.decode(y, states)
+        y = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[:, None]
+        mx.async_eval(y)
+        return y, states
+
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     start, n = time.perf_counter(), 0
-    token = mx.array([[token]])
+    y, states = step(mx.array([[token]]), states)
     for n in range(1, args.max_tokens + 1):
-        logits, states = fm.decode(token, states)
-        token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[:, None]
-        t = token.item()
+        if n < args.max_tokens:  # the state holds room for max_tokens steps
+            next_y, states = step(y, states)
+        t = y.item()
         if t in tokenizer.eos_token_ids:
             break
         detokenizer.add_token(t)
         yield detokenizer.last_segment, None
+        if n < args.max_tokens:
+            y = next_y
     detokenizer.finalize()
     yield detokenizer.last_segment, {"generated_tokens": n,
                                      "decode_tokens_per_s": round(n / (time.perf_counter() - start), 1)}  # fmt: skip

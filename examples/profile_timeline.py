@@ -133,15 +133,16 @@ def fixed_splits(n: int):
 
 
 def piped(build):
+    """``benchmark_decode.pipelined_ms``'s loop: only each step's first array is queued."""
+
     def run(steps):
         pending = build()[0]
         mx.async_eval(pending)
         for _ in range(steps - 1):
-            out = build()
-            mx.async_eval(out)
+            step = build()[0]
+            mx.async_eval(step)
             mx.eval(pending)
-            pending = out[0]
-            del out
+            pending = step
         mx.eval(pending)
 
     return run

@@ -172,3 +172,31 @@ def test_profile_timeline_needs_cuda(capsys):
     with pytest.raises(SystemExit):
         pt.main(["--splits", "0"])
     assert "argument --splits: values must be >= 1" in capsys.readouterr().err
+
+
+def test_pipelined_loop_writes_the_state_in_place():
+    """Only the step's first array is queued, so the next step's K/V writes reuse the buffers;
+    holding (and queuing) the state makes every write copy its buffer."""
+    import gc
+
+    import kvfn
+    from examples.profile_decode import filled, kvfn_loop, packed
+
+    model = benchmark_decode.random_model("tiny", False, mx.float32)
+    caches, states = filled(model, 4096, 64, mx.float32)
+    state = packed(states, 4096, 64)
+    del caches, states
+    layer_kv = state[0].keys.nbytes
+    grown = {}
+    for held in (False, True):
+        build = kvfn_loop(kvfn.FunctionalModel(model), state)
+        mx.eval(build())  # the first step copies: `state` still holds the buffers it read
+        gc.collect()
+        mx.synchronize()
+        mx.clear_cache()
+        start = mx.get_active_memory()
+        mx.reset_peak_memory()
+        benchmark_decode.pipelined_ms(build, 6, held=held)
+        grown[held] = mx.get_peak_memory() - start
+    assert grown[False] < layer_kv / 4, grown
+    assert grown[True] > len(state) * layer_kv, grown

@@ -1,3 +1,4 @@
+import mlx.core as mx
 import pytest
 
 import kvfn
@@ -96,3 +97,48 @@ def test_generate_and_the_server_read_the_eviction_flags_alike():
     kv = {k: v for k, v in vars(g).items() if k.startswith("kv_")}  # generate has only kvfn's
     assert len(kv) == 9 and kv == {k: getattr(s, k) for k in kv}
     assert g.policy == s.policy == kvfn.SnapKV(budget=64, window=8, sink_tokens=2, min_tokens=100)
+
+
+def test_kvfn_stream_pipelined_gives_the_synchronous_tokens():
+    from types import SimpleNamespace
+
+    from tests.tiny import tiny_model
+
+    class Detokenizer:
+        def reset(self):
+            self.ids, self.last_segment = [], ""
+
+        def add_token(self, t):
+            self.ids.append(t)
+            self.last_segment = f"<{t}>"
+
+        def finalize(self):
+            self.last_segment = ""
+
+    model = tiny_model("llama")
+    fm = kvfn.FunctionalModel(model)
+    prompt = [int(t) for t in mx.random.randint(0, 97, (40,), key=mx.random.key(3)).tolist()]
+    policy = kvfn.SnapKV(budget=16, window=4, sink_tokens=2)
+
+    def greedy(logits):
+        return mx.argmax(logits, axis=-1)
+
+    states, _ = kvfn.compact(fm, prompt, policy, max_new_tokens=6)
+    want, token, s = [], mx.array([[prompt[-1]]]), states
+    for _ in range(6):  # the synchronous loop: one step, then read its token
+        logits, s = fm.decode(token, s)
+        token = greedy(logits)[:, None]
+        want.append(token.item())
+    eos = want[4]
+    tokenizer = SimpleNamespace(detokenizer=Detokenizer(), eos_token_ids={eos})
+    args = SimpleNamespace(max_tokens=6)
+    pieces = list(generate.kvfn_stream(fm, tokenizer, states, prompt[-1], args, greedy))
+    stop = want.index(eos)
+    assert tokenizer.detokenizer.ids == want[:stop]
+    assert pieces[-1][1]["generated_tokens"] == stop + 1
+    calls = []
+    counted = SimpleNamespace(decode=lambda *a: calls.append(1) or fm.decode(*a))
+    tokenizer = SimpleNamespace(detokenizer=Detokenizer(), eos_token_ids=set())
+    pieces = list(generate.kvfn_stream(counted, tokenizer, states, prompt[-1], args, greedy))
+    assert tokenizer.detokenizer.ids == want and pieces[-1][1]["generated_tokens"] == 6
+    assert len(calls) == 6  # never a step past the room the state holds
