@@ -93,7 +93,9 @@ def leaves(arrays) -> list:
 
 
 def arrays(states) -> list:
-    """Every array of a state or a sequence of states (e.g. for ``mx.eval``)."""
+    """Every array of a state or a sequence of states (e.g. for ``mx.eval``). A pipelined
+    decode loop should ``mx.async_eval`` only its token: queued arrays stay alive until their
+    step completes, so the next step's writes into them would copy."""
     if type(states) in KINDS:
         return leaves(flatten(states)[0])
     return [a for s in states for a in arrays(s)]
