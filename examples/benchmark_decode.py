@@ -83,28 +83,29 @@ def median_ms(step, steps: int, warmup: int = 3) -> float:
     return 1e3 * statistics.median(times)
 
 
-def pipelined_ms(build, steps: int, held: bool = False) -> float:
+def pipelined_ms(build, steps: int, held: bool = False, warmup: int = 4) -> float:
     """Median ms per step when each step is built while the previous one runs (``async_eval``,
     as mlx-lm's generate_step does); ``build()`` returns the step's arrays, the logits or next
     token first. Only that first array is queued and kept between steps, as mlx-lm queues only
-    its next token: the state's arrays are computed as its inputs. Queuing them too would hold
-    them until the step's last command buffer completes (``mx.async_eval`` keeps its outputs
-    alive as the inputs of a final synchronizing array), so the next step's writes, encoded
-    while this one runs, would copy their buffers instead of writing in place; ``held`` queues
-    and keeps them all, to measure that."""
+    its next token: the state arrays the next step reads are computed as its inputs. Queuing
+    them too would hold them until the step's last command buffer completes (``mx.async_eval``
+    keeps its outputs alive as the inputs of a final synchronizing array), so the next step's
+    writes, encoded while this one runs, would copy their buffers instead of writing in place;
+    ``held`` queues and keeps them all, to measure that."""
     times = []
     pending = None
-    for _ in range(steps + 4):
+    for _ in range(steps + warmup):
         t = time.perf_counter()
         out = build()
-        mx.async_eval(out if held else out[0])
+        queued = out if held else out[0]
+        mx.async_eval(queued)
         if pending is not None:
             mx.eval(pending)
-        pending = out if held else out[0]
-        del out
+        pending = queued
+        del out, queued
         times.append(time.perf_counter() - t)
     mx.eval(pending)
-    return 1e3 * statistics.median(times[4:])
+    return 1e3 * statistics.median(times[warmup:])
 
 
 def host_ms(build, steps: int) -> float:

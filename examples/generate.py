@@ -131,8 +131,9 @@ def compact(fm, tokens: list[int], args) -> tuple:
 def kvfn_stream(fm, tokenizer, states, token: int, args, sampler):
     """Decode with kvfn's compiled step (for states mlx-lm cannot hold: per-head groups),
     pipelined as mlx-lm's generate_step is: step t+1 is queued before token t is read. Only
-    the token is queued; the state is computed as its input (queuing the state too would hold
-    its buffers until the step completes, so the next step's writes would copy them)."""
+    the token is queued; the state arrays the next step reads are computed as its inputs
+    (queuing the state too would hold its buffers until the step completes, so the next step's
+    writes would copy them)."""
 
     def step(y, states):
         logits, states = fm.decode(y, states)
@@ -145,7 +146,7 @@ def kvfn_stream(fm, tokenizer, states, token: int, args, sampler):
     start, n = time.perf_counter(), 0
     y, states = step(mx.array([[token]]), states)
     for n in range(1, args.max_tokens + 1):
-        if n < args.max_tokens:  # the state holds room for max_tokens steps
+        if n < args.max_tokens:  # no step whose token would never be read
             next_y, states = step(y, states)
         t = y.item()
         if t in tokenizer.eos_token_ids:

@@ -10,10 +10,10 @@ pipelined, with and without kvfn's ragged kernel, holding the previous step's st
     python examples/profile_decode.py --shape 1b --lengths 1024 --primitives  # ops a step
 
 sync        build + evaluate one step, median ms
-piped       a greedy loop that builds step t+1 while step t runs (``mx.async_eval``), holding
-            only the next token between steps, as mlx-lm's generate_step does
-piped-held  the same, but the previous step's state arrays stay referenced while the next step
-            is queued (what benchmark_decode's pipelined column did), so no write is in place
+piped       a greedy loop that builds step t+1 while step t runs (``mx.async_eval``), queuing
+            and holding only the next token, as mlx-lm's generate_step does
+piped-held  the same, but the step's state arrays are queued and stay referenced while the next
+            step is queued, so no write is in place
 --phases    one step's graph building, its ``async_eval`` (MLX encodes every kernel launch on
             the calling thread) and the wait for the GPU, started with the GPU idle
 

@@ -37,6 +37,7 @@ import mlx.core as mx  # noqa: E402
 from examples.benchmark_decode import SHAPES, check_at_least, random_model  # noqa: E402
 from examples.profile_decode import filled, kvfn_loop, mlx_loop, packed, variant_loop  # noqa: E402
 
+WARM = 5  # steps run before each recorded loop
 CLASSES = (  # first match wins
     ("attention", r"sdpa|flash|cudnn|attention|kvfn_ragged|lean|softmax"),
     ("matmul", r"gemv|gemm|matmul|cutlass|sm90|xmma|qmv|qmm"),
@@ -116,9 +117,11 @@ def recorded(run, steps: int):
     torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        trace = json.loads(Path(f.name).read_text())
     kernels = [(e["name"], float(e["ts"]), float(e["dur"])) for e in trace["traceEvents"]
                if e.get("cat") == "kernel"]  # fmt: skip
+    if not kernels:
+        raise RuntimeError("CUPTI recorded no kernel: is this PyTorch built with CUDA?")
     return kernels, wall
 
 
@@ -169,11 +172,12 @@ def main(argv=None) -> dict:
     check_at_least(p, "rows", args.rows)
     check_at_least(p, "steps", [args.steps])
     check_at_least(p, "splits", args.splits)
-    if mx.default_device() != mx.gpu:
+    check_at_least(p, "top", [args.top], low=0)
+    if not kvfn.kernels.on_cuda():
         raise SystemExit("profile_timeline reads CUDA kernels: run it with MLX's CUDA backend")
     dtype = mx.bfloat16
     model = random_model(args.shape, False, dtype)
-    room = 8 * (args.steps + 8)
+    room = 2 * (WARM + args.steps) + 2  # a row's steps: its first, then both loops
     results = {}
     for R in args.rows:
         caches, states = filled(model, R, room, dtype)
@@ -189,7 +193,7 @@ def main(argv=None) -> dict:
         for name, build in rows.items():
             for mode, loop in (("piped", piped), ("sync", sync)):
                 run = loop(build)
-                run(5)  # warm: compiled traces, cuDNN plans, the buffer cache
+                run(WARM)  # compiled traces, cuDNN plans, the buffer cache
                 kernels, wall = recorded(run, args.steps)
                 s = summary(kernels, args.steps, wall)
                 results[f"R={R} {name} {mode}"] = s

@@ -153,6 +153,7 @@ def test_profile_timeline_reads_busy_idle_and_kernel_classes():
     assert s["busy_ms"] == pytest.approx(0.015)  # 0-15, 40-45, 100-110: overlap counted once
     assert s["span_ms"] == pytest.approx(0.055) and s["idle_ms"] == pytest.approx(0.04)
     assert s["gaps_over_20us"] == 1.0  # 15 -> 40 and 45 -> 100, in two steps
+    assert s["idle_in_gaps_over_20us_ms"] == pytest.approx(0.04)
     assert s["classes_ms"] == pytest.approx({"attention": 0.005, "kv write": 0.0025,
                                              "matmul": 0.01})  # fmt: skip
     calls, per_call, per_step = s["names"]["void mlx::core::cu::gemv_single"]
@@ -163,15 +164,19 @@ def test_profile_timeline_reads_busy_idle_and_kernel_classes():
 
 
 def test_profile_timeline_needs_cuda(capsys):
+    import kvfn
     from examples import profile_timeline as pt
 
-    if mx.default_device() == mx.gpu:
-        pytest.skip("on a GPU it would run")
-    with pytest.raises(SystemExit, match="CUDA"):
-        pt.main(["--shape", "tiny"])
     with pytest.raises(SystemExit):
         pt.main(["--splits", "0"])
     assert "argument --splits: values must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pt.main(["--top", "-1"])
+    assert "argument --top: values must be >= 0" in capsys.readouterr().err
+    if kvfn.kernels.on_cuda():
+        pytest.skip("on MLX's CUDA backend it would run")
+    with pytest.raises(SystemExit, match="CUDA"):
+        pt.main(["--shape", "tiny"])
 
 
 def test_pipelined_loop_writes_the_state_in_place():

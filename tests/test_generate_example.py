@@ -99,46 +99,63 @@ def test_generate_and_the_server_read_the_eviction_flags_alike():
     assert g.policy == s.policy == kvfn.SnapKV(budget=64, window=8, sink_tokens=2, min_tokens=100)
 
 
-def test_kvfn_stream_pipelined_gives_the_synchronous_tokens():
-    from types import SimpleNamespace
+class _Detokenizer:
+    def __init__(self, on_token=None):
+        self.on_token = on_token
 
+    def reset(self):
+        self.ids, self.last_segment = [], ""
+
+    def add_token(self, t):
+        if self.on_token:
+            self.on_token(len(self.ids))
+        self.ids.append(t)
+        self.last_segment = f"<{t}>"
+
+    def finalize(self):
+        self.last_segment = ""
+
+
+@pytest.fixture(scope="module")
+def compacted_tiny():
     from tests.tiny import tiny_model
 
-    class Detokenizer:
-        def reset(self):
-            self.ids, self.last_segment = [], ""
-
-        def add_token(self, t):
-            self.ids.append(t)
-            self.last_segment = f"<{t}>"
-
-        def finalize(self):
-            self.last_segment = ""
-
-    model = tiny_model("llama")
-    fm = kvfn.FunctionalModel(model)
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
     prompt = [int(t) for t in mx.random.randint(0, 97, (40,), key=mx.random.key(3)).tolist()]
-    policy = kvfn.SnapKV(budget=16, window=4, sink_tokens=2)
+    states, _ = kvfn.compact(fm, prompt, kvfn.SnapKV(budget=16, window=4, sink_tokens=2),
+                             max_new_tokens=6)  # fmt: skip
+    return fm, states, prompt[-1]
 
-    def greedy(logits):
-        return mx.argmax(logits, axis=-1)
 
-    states, _ = kvfn.compact(fm, prompt, policy, max_new_tokens=6)
-    want, token, s = [], mx.array([[prompt[-1]]]), states
-    for _ in range(6):  # the synchronous loop: one step, then read its token
+def _hot(logits):  # sampled, so the tokens vary (the tiny model's greedy tokens repeat)
+    return mx.random.categorical(logits * 0.01)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 6])
+@pytest.mark.parametrize("eos_at", [None, 0, 2, 5])
+def test_kvfn_stream_is_pipelined_and_gives_the_synchronous_tokens(compacted_tiny, max_tokens,
+                                                                   eos_at):  # fmt: skip
+    from types import SimpleNamespace
+
+    fm, states, last = compacted_tiny
+    mx.random.seed(7)
+    want, token, s = [], mx.array([[last]]), states
+    for _ in range(max_tokens):  # synchronous: one step, then read its token
         logits, s = fm.decode(token, s)
-        token = greedy(logits)[:, None]
+        token = _hot(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[:, None]
         want.append(token.item())
-    eos = want[4]
-    tokenizer = SimpleNamespace(detokenizer=Detokenizer(), eos_token_ids={eos})
-    args = SimpleNamespace(max_tokens=6)
-    pieces = list(generate.kvfn_stream(fm, tokenizer, states, prompt[-1], args, greedy))
-    stop = want.index(eos)
-    assert tokenizer.detokenizer.ids == want[:stop]
-    assert pieces[-1][1]["generated_tokens"] == stop + 1
-    calls = []
+    assert max_tokens == 1 or len(set(want)) > 2, want
+    eos = {want[eos_at]} if eos_at is not None and eos_at < max_tokens else set()
+    stop = want.index(next(iter(eos))) if eos else max_tokens
+    calls, steps_when_read = [], []
     counted = SimpleNamespace(decode=lambda *a: calls.append(1) or fm.decode(*a))
-    tokenizer = SimpleNamespace(detokenizer=Detokenizer(), eos_token_ids=set())
-    pieces = list(generate.kvfn_stream(counted, tokenizer, states, prompt[-1], args, greedy))
-    assert tokenizer.detokenizer.ids == want and pieces[-1][1]["generated_tokens"] == 6
-    assert len(calls) == 6  # never a step past the room the state holds
+    tokenizer = SimpleNamespace(detokenizer=_Detokenizer(lambda k: steps_when_read.append(len(calls))),
+                                eos_token_ids=eos)  # fmt: skip
+    mx.random.seed(7)
+    args = SimpleNamespace(max_tokens=max_tokens)
+    pieces = list(generate.kvfn_stream(counted, tokenizer, states, last, args, _hot))
+    assert tokenizer.detokenizer.ids == want[:stop]
+    assert pieces[-1][1]["generated_tokens"] == min(stop + 1, max_tokens)
+    # token k was read with step k + 1 already queued, and no step past max_tokens was built
+    assert steps_when_read == [min(k + 2, max_tokens) for k in range(stop)]
+    assert len(calls) == min(stop + 2, max_tokens)

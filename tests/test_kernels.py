@@ -25,7 +25,7 @@ def reference(q, k, v, lengths, scale):
     out = np.zeros(q.shape)
     for b in range(B):
         for h in range(q.shape[1]):
-            rows = min(max(int(n[b, h // group]), 0), C)
+            rows = min(max(int(n[b, h // group]), 0), k.shape[2])
             if rows == 0:
                 continue
             keys, values = k[b, h // group, :rows], v[b, h // group, :rows]
@@ -59,6 +59,20 @@ def test_matches_reference(lengths, group, dim, dtype):
     out = ragged_decode_attention(q, k, v, lengths, scale=scale)
     assert out.shape == q.shape and out.dtype == dtype
     expected = reference(q, k, v, lengths, scale)
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, atol=tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+def test_lengths_across_split_boundaries_match_reference(dtype):
+    capacity = 6 * MIN_KEYS_PER_SPLIT
+    assert plan(B, KV * 4, KV, capacity)[2] > 1  # on CUDA, several splits and their combine
+    mx.random.seed(1)
+    q = mx.random.normal((B, KV * 4, 1, 64)).astype(dtype)
+    k, v = (mx.random.normal((B, KV, capacity, 64)).astype(dtype) for _ in range(2))
+    edge = MIN_KEYS_PER_SPLIT
+    lengths = mx.array([[0, edge - 1], [edge + 1, capacity]], dtype=mx.int32)
+    out = ragged_decode_attention(q, k, v, lengths, scale=0.125)
+    expected = reference(q, k, v, lengths, 0.125)
     np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, atol=tolerance(dtype))
 
 
