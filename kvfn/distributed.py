@@ -30,7 +30,6 @@ from mlx.nn.layers.distributed import (
     shard_linear,
 )
 
-
 SHARDED = (AllToShardedLinear, QuantizedAllToShardedLinear)
 MLP_IN = ("gate_proj", "up_proj")
 MLP_OUT = "down_proj"
