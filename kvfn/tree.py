@@ -92,6 +92,20 @@ def leaves(arrays) -> list:
     return [arrays]
 
 
+def bookkeeping(state) -> list:
+    """A state's arrays other than its rows' keys and values: the positions and counters a step
+    writes, which its attention need not read."""
+
+    def walk(arrays) -> list:
+        if isinstance(arrays, dict):
+            return [a for k, v in arrays.items() if k not in ("keys", "values") for a in walk(v)]
+        if isinstance(arrays, (list, tuple)):
+            return [a for v in arrays for a in walk(v)]
+        return [arrays]
+
+    return walk(flatten(state)[0])
+
+
 def arrays(states) -> list:
     """Every array of a state or a sequence of states (e.g. for ``mx.eval``). A pipelined
     decode loop should ``mx.async_eval`` only its token: queued arrays stay alive until their

@@ -220,7 +220,8 @@ class _PartitionedAdapter:
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if sinks is not None:
             raise TypeError("kvfn's head-partitioned states do not support attention sinks")
-        return part.attend(self.before, self.state, queries, *self.rows, scale)
+        out = part.attend(self.before, self.state, queries, *self.rows, scale)
+        return _with_bookkeeping(out, self.state)
 
 
 class _SlotsAdapter(_PartitionedAdapter):
@@ -247,8 +248,19 @@ class _SlotsAdapter(_PartitionedAdapter):
         if sinks is not None:
             raise TypeError("kvfn's head-slots states do not support attention sinks")
         if self.before is None:
-            return sl.attend(self.state, queries, scale)
-        return part.attend(*self.before, queries, *self.rows, scale)
+            out = sl.attend(self.state, queries, scale)
+        else:
+            out = part.attend(*self.before, queries, *self.rows, scale)
+        return _with_bookkeeping(out, self.state)
+
+
+def _with_bookkeeping(out, state):
+    """``out`` once ``state``'s positions and counters are written too. A ring's positions or a
+    second group's offset are written every step but read by no step, so a decode loop that
+    evaluates only its tokens would grow a lazy chain of those writes, one link a step; here
+    each layer's attention settles its own, mid-step (a dependency at the step's end would hold
+    them until the step completes, and the next step's writes into them would copy)."""
+    return mx.depends(out, tree.bookkeeping(state))
 
 
 ADAPTERS = {

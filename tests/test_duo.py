@@ -122,6 +122,36 @@ def test_duo_decode_equals_per_head_masked_full_attention(compress, family):
     assert result.total_bytes_after < result.total_bytes_before
 
 
+def _pending(arrays) -> int:
+    """The most unevaluated primitives behind any one of ``arrays``."""
+    from examples.profile_decode import primitives
+
+    return max(sum(primitives([a]).values()) for a in arrays)
+
+
+@pytest.mark.parametrize("policy, slots", [("duo", False), ("duo", True), ("adakv", False)],
+                         ids=["duo", "duo-slots", "adakv"])  # fmt: skip
+def test_a_token_only_loop_leaves_no_growing_chain_in_per_head_states(policy, slots):
+    """A decode loop that evaluates only its tokens (as a pipelined one must) leaves every state
+    array with a bounded graph: no group carries a counter that no step reads."""
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(4).integers(0, 97, 50).tolist()
+    chosen = Duo(retrieval=PATTERN, sink_tokens=2, recent=4) if policy == "duo" else \
+        kvfn.AdaKV(budget=16, window=4, sink_tokens=2)  # fmt: skip
+    start, _ = kvfn.compact(fm, ids, chosen, max_new_tokens=40)
+    if slots:  # a Duo layer's plain group and ring in one buffer
+        start = kvfn.slots.pack_layers(start)
+    pending = []
+    for steps in (5, 30):
+        token, states = mx.array([[ids[-1]]]), start
+        for _ in range(steps):
+            out, states = fm.decode(token, states)
+            token = mx.argmax(out, axis=-1)[:, None]
+            token.item()
+        pending.append(_pending(kvfn.tree.arrays(states)))
+    assert pending[0] == pending[1], pending
+
+
 def test_duo_compiled_decode_traces_once_and_keeps_ring_size():
     fm = kvfn.FunctionalModel(tiny_model("llama"))
     ids = np.random.default_rng(2).integers(0, 97, 50).tolist()
