@@ -8,11 +8,13 @@ valid rows (the ideal), and masked SDPA over the whole capacity (kvfn today). Wi
 it also times a compiled function making N such calls.
 
     python examples/benchmark_kernels.py [--iters 200] [--layers 32] [--sweep] [--check]
+    python examples/benchmark_kernels.py --chain --capacities 1024 4096 32768  # CUPTI durations
 """
 
 import argparse
 import importlib.util
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -311,6 +313,58 @@ def check_one(kk, q, k, v, lengths):
     return max_error(got, want)
 
 
+def chain_table(kk, capacities, layers=32, steps=10):
+    """Each kernel's duration (CUPTI, through PyTorch's profiler) inside ``layers`` dependent
+    calls, each call's output the next call's query as in a decode step: cuDNN's fused SDPA
+    over all rows, the split kernel as planned over the same rows, and the split kernel at
+    lengths 0 and 64 of that capacity (its fixed cost). us a call, per kernel: the median."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from examples.profile_timeline import recorded
+
+    print(f"\nkernels inside {layers} dependent calls (us a call, each kernel's median)")
+    print("| capacity | cuDNN | kvfn (splits) | kvfn, length 0 | kvfn, length 64 |")
+    print("|---|---|---|---|---|")
+    scale = DIM**-0.5
+    for capacity in capacities:
+        q, _, _ = operands(capacity)
+        kvs = [operands(capacity)[1:] for _ in range(layers)]
+
+        def chain(attend):
+            def run(n):
+                for _ in range(n):
+                    x = q
+                    for k, v in kvs:
+                        x = attend(x, k, v)
+                    mx.eval(x)
+
+            return run
+
+        def split(n):
+            rows = mx.array(n, dtype=mx.int32)
+            return chain(lambda x, k, v: kk.ragged_decode_attention(x, k, v, rows, scale=scale))
+
+        runs = [chain(lambda x, k, v: mx.fast.scaled_dot_product_attention(x, k, v, scale=scale)),
+                split(capacity), split(0), split(64)]  # fmt: skip
+        cells = []
+        for run in runs:
+            run(2)
+            kernels, _ = recorded(run, steps)
+            cells.append(per_call(kernels))
+        splits = kk.plan(1, HEADS, KV_HEADS, capacity)[2]
+        cells[1] += f" ({splits})"
+        print(f"| {capacity} | " + " | ".join(cells) + " |", flush=True)
+        del kvs
+
+
+def per_call(kernels) -> str:
+    """'a + b': the median duration (us) of each kernel name, the costliest first."""
+    by_name = {}
+    for name, _, duration in kernels:
+        by_name.setdefault(name.split("<")[0], []).append(duration)
+    ranked = sorted(by_name.values(), key=lambda ds: -sum(ds))
+    return " + ".join(f"{statistics.median(ds):.1f}" for ds in ranked)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=200)
@@ -320,6 +374,8 @@ def main():
     parser.add_argument("--splits", type=int, nargs="+", default=[16, 32, 49, 66, 98, 132, 196])
     parser.add_argument("--unrolls", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--check", action="store_true", help="check many shapes first")
+    parser.add_argument("--chain", action="store_true",
+                        help="only kernel durations inside dependent calls (CUDA, PyTorch)")  # fmt: skip
     parser.add_argument(
         "--configs",
         nargs="+",
@@ -334,6 +390,10 @@ def main():
         check(kk)
     if args.configs:
         return configs_table(kk, args.capacities, args.iters, args.configs, args.layers)
+    if args.chain:
+        if not kk.on_cuda():
+            raise SystemExit("--chain reads CUDA kernels: run it with MLX's CUDA backend")
+        return chain_table(kk, args.capacities, args.layers or 32)
     one_layer_table(kk, args.capacities, args.iters)
     if args.layers:
         compiled_table(kk, args.capacities, args.layers, max(10, args.iters // 4))

@@ -205,3 +205,19 @@ def test_pipelined_loop_writes_the_state_in_place():
         grown[held] = mx.get_peak_memory() - start
     assert grown[False] < layer_kv / 4, grown
     assert grown[True] > len(state) * layer_kv, grown
+
+
+def test_benchmark_kernels_chain_reads_each_kernels_median_and_needs_cuda(monkeypatch):
+    from examples import benchmark_kernels as bk
+
+    kernels = [("void split<bf16, 4>", 0.0, 10.0), ("void combine<bf16>", 10.0, 2.0),
+               ("void split<bf16, 4>", 20.0, 14.0), ("void combine<bf16>", 34.0, 3.0),
+               ("void split<bf16, 4>", 40.0, 12.0)]  # fmt: skip
+    assert bk.per_call(kernels) == "12.0 + 2.5"  # the costliest name first, each its median
+    import kvfn
+
+    if kvfn.kernels.on_cuda():
+        pytest.skip("on MLX's CUDA backend it would run")
+    monkeypatch.setattr("sys.argv", ["benchmark_kernels.py", "--chain", "--capacities", "64"])
+    with pytest.raises(SystemExit, match="CUDA"):
+        bk.main()
