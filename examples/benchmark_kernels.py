@@ -317,16 +317,13 @@ def chain_table(kk, capacities, layers=32, steps=10):
     """Each kernel's duration (CUPTI, through PyTorch's profiler) inside ``layers`` dependent
     calls, each call's output the next call's query as in a decode step: cuDNN's fused SDPA
     over all rows, the split kernel as planned over the same rows, and the split kernel at
-    lengths 0 and 64 of that capacity (its fixed cost). us a call, per kernel: the median."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from examples.profile_timeline import recorded
-
-    print(f"\nkernels inside {layers} dependent calls (us a call, each kernel's median)")
+    lengths 0 and 64 of that capacity (its fixed cost). us a call, per kernel: the mean."""
+    print(f"\nkernels inside {layers} dependent calls (us a call, each kernel's mean)")
     print("| capacity | cuDNN | kvfn (splits) | kvfn, length 0 | kvfn, length 64 |")
     print("|---|---|---|---|---|")
     scale = DIM**-0.5
     for capacity in capacities:
-        q, _, _ = operands(capacity)
+        q = operands(1)[0]
         kvs = [operands(capacity)[1:] for _ in range(layers)]
 
         def chain(attend):
@@ -348,7 +345,7 @@ def chain_table(kk, capacities, layers=32, steps=10):
         cells = []
         for run in runs:
             run(2)
-            kernels, _ = recorded(run, steps)
+            kernels, _ = _timeline().recorded(run, steps)
             cells.append(per_call(kernels))
         splits = kk.plan(1, HEADS, KV_HEADS, capacity)[2]
         cells[1] += f" ({splits})"
@@ -357,12 +354,16 @@ def chain_table(kk, capacities, layers=32, steps=10):
 
 
 def per_call(kernels) -> str:
-    """'a + b': the median duration (us) of each kernel name, the costliest first."""
-    by_name = {}
-    for name, _, duration in kernels:
-        by_name.setdefault(name.split("<")[0], []).append(duration)
-    ranked = sorted(by_name.values(), key=lambda ds: -sum(ds))
-    return " + ".join(f"{statistics.median(ds):.1f}" for ds in ranked)
+    """'a + b': each kernel name's mean duration (us), the costliest first."""
+    return " + ".join(f"{us:.1f}" for _, us, _ in _timeline().named(kernels, 1).values())
+
+
+def _timeline():
+    """``examples.profile_timeline`` (it imports kvfn, which the rest of this script does not)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from examples import profile_timeline
+
+    return profile_timeline
 
 
 def main():

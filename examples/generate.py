@@ -146,6 +146,7 @@ def kvfn_stream(fm, tokenizer, states, token: int, args, sampler):
     start, n = time.perf_counter(), 0
     y, states = step(mx.array([[token]]), states)
     for n in range(1, args.max_tokens + 1):
+        next_y = None
         if n < args.max_tokens:  # no step whose token would never be read
             next_y, states = step(y, states)
         t = y.item()
@@ -153,8 +154,7 @@ def kvfn_stream(fm, tokenizer, states, token: int, args, sampler):
             break
         detokenizer.add_token(t)
         yield detokenizer.last_segment, None
-        if n < args.max_tokens:
-            y = next_y
+        y = next_y
     detokenizer.finalize()
     yield detokenizer.last_segment, {"generated_tokens": n,
                                      "decode_tokens_per_s": round(n / (time.perf_counter() - start), 1)}  # fmt: skip

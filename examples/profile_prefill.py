@@ -28,6 +28,7 @@ import mlx.core as mx  # noqa: E402
 from examples.benchmark_decode import (  # noqa: E402
     SHAPES,
     VOCAB,
+    check_at_least,
     cleared,
     mlx_prefill,
     random_model,
@@ -103,8 +104,7 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
     for name in ("length", "chunk", "window", "rounds"):
-        if getattr(args, name) < 1:
-            p.error(f"argument --{name}: must be >= 1, got {getattr(args, name)}")
+        check_at_least(p, name, [getattr(args, name)])
     if args.window > args.length:
         p.error(f"argument --window: must be <= --length ({args.length}), got {args.window}")
     gpu = mx.default_device() == mx.gpu

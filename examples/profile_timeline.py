@@ -34,7 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 
-from examples.benchmark_decode import SHAPES, check_at_least, random_model  # noqa: E402
+from examples.benchmark_decode import (  # noqa: E402
+    SHAPES,
+    check_at_least,
+    median_ms,
+    pipelined_ms,
+    random_model,
+)
 from examples.profile_decode import filled, kvfn_loop, mlx_loop, packed, variant_loop  # noqa: E402
 
 WARM = 5  # steps run before each recorded loop
@@ -63,16 +69,11 @@ def merged(intervals: list) -> list:
     return out
 
 
-def union_us(intervals: list) -> float:
-    return sum(stop - start for start, stop in merged(intervals))
-
-
 def summary(kernels: list, steps: int, wall_s: float) -> dict:
     """Per-step figures of ``kernels``, a list of (name, start us, duration us)."""
-    intervals = [(t, t + d) for _, t, d in kernels]
-    span = max(b for _, b in intervals) - min(a for a, _ in intervals) if kernels else 0.0
-    busy = union_us(intervals)
-    runs = merged(intervals)
+    runs = merged([(t, t + d) for _, t, d in kernels])
+    span = runs[-1][1] - runs[0][0] if runs else 0.0
+    busy = sum(stop - start for start, stop in runs)
     by_class = {}
     for name, _, d in kernels:
         c = kernel_class(name)
@@ -136,27 +137,11 @@ def fixed_splits(n: int):
 
 
 def piped(build):
-    """``benchmark_decode.pipelined_ms``'s loop: only each step's first array is queued."""
-
-    def run(steps):
-        pending = build()[0]
-        mx.async_eval(pending)
-        for _ in range(steps - 1):
-            step = build()[0]
-            mx.async_eval(step)
-            mx.eval(pending)
-            pending = step
-        mx.eval(pending)
-
-    return run
+    return lambda steps: pipelined_ms(build, steps, warmup=0)
 
 
 def sync(build):
-    def run(steps):
-        for _ in range(steps):
-            mx.eval(build())
-
-    return run
+    return lambda steps: median_ms(lambda: mx.eval(build()), steps, warmup=0)
 
 
 def main(argv=None) -> dict:

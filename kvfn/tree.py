@@ -84,26 +84,20 @@ def advanced(static, host, n: int):
     return KINDS[static[0]].advanced(host, n)
 
 
-def leaves(arrays) -> list:
+def leaves(arrays, skip=()) -> list:
+    """The arrays of a flattened state (dicts and lists of them), but those under a key in
+    ``skip``."""
     if isinstance(arrays, dict):
-        return [a for v in arrays.values() for a in leaves(v)]
+        return [a for k, v in arrays.items() if k not in skip for a in leaves(v, skip)]
     if isinstance(arrays, (list, tuple)):
-        return [a for v in arrays for a in leaves(v)]
+        return [a for v in arrays for a in leaves(v, skip)]
     return [arrays]
 
 
 def bookkeeping(state) -> list:
     """A state's arrays other than its rows' keys and values: the positions and counters a step
     writes, which its attention need not read."""
-
-    def walk(arrays) -> list:
-        if isinstance(arrays, dict):
-            return [a for k, v in arrays.items() if k not in ("keys", "values") for a in walk(v)]
-        if isinstance(arrays, (list, tuple)):
-            return [a for v in arrays for a in walk(v)]
-        return [arrays]
-
-    return walk(flatten(state)[0])
+    return leaves(flatten(state)[0], skip=("keys", "values"))
 
 
 def arrays(states) -> list:

@@ -1,6 +1,7 @@
 import mlx.core as mx
 import pytest
 
+import kvfn
 from examples import benchmark_decode
 
 
@@ -128,7 +129,7 @@ def test_benchmark_scoring_compares_both_ops_and_refuses_bad_limits(capsys):
 
     rows = benchmark_scoring.main(["--iters", "1", "--calls", "2", "--capacities", "96"])
     assert [(r["op"], r["queries"]) for r in rows] == [("sum", 32), ("max", 64)]
-    cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    cuda = kvfn.kernels.on_cuda()
     for r in rows:  # off CUDA both columns run the stock ops: the same arrays
         assert r["kernels_ms"] > 0 and r["stock_ms"] > 0 and r["kernels_mb"] > 0
         assert r["max_abs_diff"] < 1e-5 if cuda else r["max_abs_diff"] == 0.0
@@ -164,7 +165,6 @@ def test_profile_timeline_reads_busy_idle_and_kernel_classes():
 
 
 def test_profile_timeline_needs_cuda(capsys):
-    import kvfn
     from examples import profile_timeline as pt
 
     with pytest.raises(SystemExit):
@@ -182,9 +182,6 @@ def test_profile_timeline_needs_cuda(capsys):
 def test_pipelined_loop_writes_the_state_in_place():
     """Only the step's first array is queued, so the next step's K/V writes reuse the buffers;
     holding (and queuing) the state makes every write copy its buffer."""
-    import gc
-
-    import kvfn
     from examples.profile_decode import filled, kvfn_loop, packed
 
     model = benchmark_decode.random_model("tiny", False, mx.float32)
@@ -196,9 +193,7 @@ def test_pipelined_loop_writes_the_state_in_place():
     for held in (False, True):
         build = kvfn_loop(kvfn.FunctionalModel(model), state)
         mx.eval(build())  # the first step copies: `state` still holds the buffers it read
-        gc.collect()
-        mx.synchronize()
-        mx.clear_cache()
+        benchmark_decode.cleared()
         start = mx.get_active_memory()
         mx.reset_peak_memory()
         benchmark_decode.pipelined_ms(build, 6, held=held)
@@ -207,14 +202,13 @@ def test_pipelined_loop_writes_the_state_in_place():
     assert grown[True] > len(state) * layer_kv, grown
 
 
-def test_benchmark_kernels_chain_reads_each_kernels_median_and_needs_cuda(monkeypatch):
+def test_benchmark_kernels_chain_reads_each_kernels_mean_and_needs_cuda(monkeypatch):
     from examples import benchmark_kernels as bk
 
     kernels = [("void split<bf16, 4>", 0.0, 10.0), ("void combine<bf16>", 10.0, 2.0),
                ("void split<bf16, 4>", 20.0, 14.0), ("void combine<bf16>", 34.0, 3.0),
                ("void split<bf16, 4>", 40.0, 12.0)]  # fmt: skip
-    assert bk.per_call(kernels) == "12.0 + 2.5"  # the costliest name first, each its median
-    import kvfn
+    assert bk.per_call(kernels) == "12.0 + 2.5"  # the costliest name first, each its mean
 
     if kvfn.kernels.on_cuda():
         pytest.skip("on MLX's CUDA backend it would run")
