@@ -19,7 +19,11 @@ piped-held  the same, but the step's state arrays are queued and stay referenced
 
 Rows: mlx-lm's eager step over its KVCache; kvfn's compiled ``decode`` over the same rows
 (the ragged split kernel on CUDA); kvfn with the kernel off (SDPA with a mask array); on CUDA
-also the split kernel in each ``--configs`` setting (G,U,B,S as in benchmark_kernels.py).
+also the split kernel in each ``--configs`` setting (G,U,B,S as in benchmark_kernels.py). With
+``--duo RATIO``, DuoAttention's states of the same rows (a random head pattern at that retrieval
+ratio, 64 sinks + 256 recent rows) and the same in the slots layout:
+
+    python examples/profile_decode.py --lengths 8192 32768 --duo 0.25 --phases   # host or GPU?
 """
 
 import argparse
@@ -37,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from examples.benchmark_decode import (  # noqa: E402
@@ -46,6 +51,7 @@ from examples.benchmark_decode import (  # noqa: E402
     random_model,
 )
 from examples.benchmark_kernels import kernel_config  # noqa: E402
+from kvfn import slots  # noqa: E402
 
 MODES = ("sync", "piped", "piped-held")
 
@@ -101,6 +107,17 @@ def filled(model, L: int, room: int, dtype):
         states.append(kvfn.reserve(kvfn.from_full(k, v), L + room))
     mx.eval([c.keys for c in caches], [c.values for c in caches], kvfn.tree.arrays(states))
     return caches, tuple(states)
+
+
+def duo_states(states, ratio: float, room: int, seed: int = 0) -> tuple:
+    """DuoAttention's states of ``states`` (full prompts), a random head pattern at ``ratio``."""
+    rng = np.random.default_rng(seed)
+    scores = rng.random((len(states), states[0].keys.shape[1]))
+    pattern = kvfn.HeadPattern(scores=scores, sink_size=64, recent_size=256)
+    policy = kvfn.Duo.from_pattern(pattern, ratio=ratio)
+    out, _ = kvfn.compact_states(states, None, policy, reserve=room)
+    mx.eval(kvfn.tree.arrays(out))
+    return out
 
 
 def primitives(outputs) -> collections.Counter:
@@ -235,10 +252,16 @@ def main(argv=None):
     p.add_argument("--ncu", action="store_true", help="one step of each, between markers")
     p.add_argument("--primitives", action="store_true",
                    help="only count the primitives of one step (dense and packed states)")  # fmt: skip
+    p.add_argument("--duo", type=float, metavar="RATIO",
+                   help="add DuoAttention rows (and the slots layout) at this retrieval ratio")  # fmt: skip
     p.add_argument("--read-ncu", metavar="CSV", help="print an --ncu run's kernels per phase")
     p.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="only time building one eager prefill chunk's graph of N tokens")  # fmt: skip
     args = p.parse_args(argv)
+    if args.duo is not None and not 0 < args.duo < 1:
+        p.error(f"argument --duo: a retrieval ratio in (0, 1), got {args.duo}")
+    if args.duo is not None and min(args.lengths) <= 64 + 256:
+        p.error(f"argument --lengths: with --duo each must exceed 320, got {args.lengths}")
     if args.read_ncu:
         return read_ncu(args.read_ncu)
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
@@ -262,6 +285,7 @@ def main(argv=None):
             continue
         fm = kvfn.FunctionalModel(model)
         mlx_build, kvfn_build = mlx_loop(model, caches), kvfn_loop(fm, states)
+        duo = None if args.duo is None else duo_states(states, args.duo, room)
         del states
         if args.ncu:
             for _ in range(3):
@@ -282,6 +306,10 @@ def main(argv=None):
                 model, kvfn_build.box[1], MAX_HEADS_PER_BLOCK=g, UNROLL=u, BLOCKS_PER_SM=b,
                 STAGES=st
             )  # fmt: skip
+        if duo is not None:
+            rows["duo"] = kvfn_loop(kvfn.FunctionalModel(model), duo)
+            rows["duo slots"] = kvfn_loop(kvfn.FunctionalModel(model), slots.pack_layers(duo))
+            del duo
         if args.phases:
             for name, build in rows.items():
                 cells = phases_ms(build, args.steps)

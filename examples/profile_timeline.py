@@ -9,7 +9,8 @@ the process, MLX's included (the device machine has no Nsight Systems). Per step
 ``--steps`` steps of each loop: wall ms, kernel count, kernel ms (summed durations), busy ms (the
 union of the kernels' intervals), span ms (first kernel start to last kernel end, over the steps,
 divided by their count) and idle ms (span - busy), then the busy time by kernel class and
-(``--top N``) the costliest kernels by name. Kernels of one step can overlap (MLX's CUDA graphs
+(``--top N``) the costliest kernels by name and the host's costliest CUDA API calls (graph
+instantiations, updates, launches; ``--loops`` picks rows by name). Kernels of one step can overlap (MLX's CUDA graphs
 run independent nodes side by side), so kernel ms can exceed busy ms. CUPTI adds host work to
 every launch: wall ms here run slower than unprofiled steps (``benchmark_decode.py`` times
 those); the kernels' own durations are what this script is for.
@@ -18,7 +19,10 @@ Loops: ``piped`` builds step t+1 while step t runs (``mx.async_eval``, as mlx-lm
 does); ``sync`` builds then evaluates each step. Rows: mlx-lm over a KVCache of R rows; kvfn over
 a packed state of the same R rows (what a compaction gives: appends scatter at a traced slot);
 kvfn with its CUDA decode kernel off (SDPA with a mask array); with ``--splits``, kvfn with
-the split kernel's key splits fixed.
+the split kernel's key splits fixed. With ``--duo RATIO``, R is a prompt's length and three more
+rows follow: kvfn over the whole prompt (a dense state), DuoAttention's state of it (a random
+head pattern at that retrieval ratio; streaming heads keep 64 sinks + 256 recent rows) and the
+same rows in the slots layout; ``--splits`` then fixes their splits too.
 """
 
 import argparse
@@ -41,11 +45,19 @@ from examples.benchmark_decode import (  # noqa: E402
     pipelined_ms,
     random_model,
 )
-from examples.profile_decode import filled, kvfn_loop, mlx_loop, packed, variant_loop  # noqa: E402
+from examples.profile_decode import (  # noqa: E402
+    duo_states,
+    filled,
+    kvfn_loop,
+    mlx_loop,
+    packed,
+    variant_loop,
+)
+from kvfn import slots  # noqa: E402
 
 WARM = 5  # steps run before each recorded loop
 CLASSES = (  # first match wins
-    ("attention", r"sdpa|flash|cudnn|attention|kvfn_ragged|lean|softmax"),
+    ("attention", r"sdpa|flash|cudnn|attention|kvfn_.*decode|lean|softmax"),
     ("matmul", r"gemv|gemm|matmul|cutlass|sm90|xmma|qmv|qmm"),
     ("kv write", r"scatter|slice_update|copy"),
     ("rope", r"rope"),
@@ -69,8 +81,9 @@ def merged(intervals: list) -> list:
     return out
 
 
-def summary(kernels: list, steps: int, wall_s: float) -> dict:
-    """Per-step figures of ``kernels``, a list of (name, start us, duration us)."""
+def summary(kernels: list, steps: int, wall_s: float, api: list = ()) -> dict:
+    """Per-step figures of ``kernels`` and the host's CUDA ``api`` calls, lists of (name,
+    start us, duration us)."""
     runs = merged([(t, t + d) for _, t, d in kernels])
     span = runs[-1][1] - runs[0][0] if runs else 0.0
     busy = sum(stop - start for start, stop in runs)
@@ -90,6 +103,8 @@ def summary(kernels: list, steps: int, wall_s: float) -> dict:
         idle_in_gaps_over_20us_ms=sum(g for g in gaps if g > 20) / steps / 1e3,
         classes_ms={c: t / steps / 1e3 for c, t in sorted(by_class.items())},
         names=named(kernels, steps),
+        api_ms=sum(d for *_, d in api) / steps / 1e3,
+        api=named(api, steps),
     )
 
 
@@ -105,7 +120,9 @@ def named(kernels: list, steps: int) -> dict:
 
 
 def recorded(run, steps: int):
-    """(kernels, wall seconds) of ``run(steps)`` under ``torch.profiler``."""
+    """(kernels, CUDA API calls, wall seconds) of ``run(steps)`` under ``torch.profiler``; each
+    a list of (name, start us, duration us). The API calls are the host's runtime and driver
+    calls (MLX's CUDA graph instantiations, updates and launches among them)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -119,11 +136,13 @@ def recorded(run, steps: int):
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.loads(Path(f.name).read_text())
-    kernels = [(e["name"], float(e["ts"]), float(e["dur"])) for e in trace["traceEvents"]
-               if e.get("cat") == "kernel"]  # fmt: skip
-    if not kernels:
+    events = {"kernel": [], "cuda_runtime": [], "cuda_driver": []}
+    for e in trace["traceEvents"]:
+        if e.get("cat") in events:
+            events[e["cat"]].append((e["name"], float(e["ts"]), float(e.get("dur", 0.0))))
+    if not events["kernel"]:
         raise RuntimeError("CUPTI recorded no kernel: is this PyTorch built with CUDA?")
-    return kernels, wall
+    return events["kernel"], events["cuda_runtime"] + events["cuda_driver"], wall
 
 
 def fixed_splits(n: int):
@@ -152,12 +171,25 @@ def main(argv=None) -> dict:
     p.add_argument("--top", type=int, default=0, help="print each row's N costliest kernels")
     p.add_argument("--splits", type=int, nargs="*", default=[],
                    help="add kvfn rows whose split kernel takes this many key splits")  # fmt: skip
+    p.add_argument(
+        "--duo",
+        type=float,
+        metavar="RATIO",
+        help="add DuoAttention rows at this retrieval ratio (R: the prompt's length)",
+    )
+    p.add_argument("--loops", nargs="+", help="run only the rows of these names (e.g. mlx-lm duo)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     check_at_least(p, "rows", args.rows)
     check_at_least(p, "steps", [args.steps])
     check_at_least(p, "splits", args.splits)
     check_at_least(p, "top", [args.top], low=0)
+    if args.duo is not None and not 0 < args.duo < 1:
+        p.error(f"argument --duo: a retrieval ratio in (0, 1), got {args.duo}")
+    if args.duo is not None and min(args.rows) <= 64 + 256:
+        p.error(
+            f"argument --rows: with --duo each must exceed 320 (sinks + recent), got {args.rows}"
+        )
     if not kvfn.kernels.on_cuda():
         raise SystemExit("profile_timeline reads CUDA kernels: run it with MLX's CUDA backend")
     dtype = mx.bfloat16
@@ -167,7 +199,6 @@ def main(argv=None) -> dict:
     for R in args.rows:
         caches, states = filled(model, R, room, dtype)
         compacted = packed(states, R, room)
-        del states
         rows = {
             "mlx-lm": mlx_loop(model, caches),
             "kvfn": kvfn_loop(kvfn.FunctionalModel(model), compacted),
@@ -175,12 +206,21 @@ def main(argv=None) -> dict:
         }
         for n in args.splits:
             rows[f"kvfn {n} splits"] = variant_loop(model, compacted, plan=fixed_splits(n))
+        if args.duo is not None:
+            duo = duo_states(states, args.duo, room)
+            rows["kvfn full"] = kvfn_loop(kvfn.FunctionalModel(model), states)
+            for name, s in (("duo", duo), ("duo slots", slots.pack_layers(duo))):
+                rows[name] = kvfn_loop(kvfn.FunctionalModel(model), s)
+                for n in args.splits:
+                    rows[f"{name} {n} splits"] = variant_loop(model, s, plan=fixed_splits(n))
         for name, build in rows.items():
+            if args.loops and name not in args.loops:
+                continue
             for mode, loop in (("piped", piped), ("sync", sync)):
                 run = loop(build)
                 run(WARM)  # compiled traces, cuDNN plans, the buffer cache
-                kernels, wall = recorded(run, args.steps)
-                s = summary(kernels, args.steps, wall)
+                kernels, api, wall = recorded(run, args.steps)
+                s = summary(kernels, args.steps, wall, api)
                 results[f"R={R} {name} {mode}"] = s
                 classes = " ".join(f"{c} {t:.2f}" for c, t in s["classes_ms"].items())
                 print(f"R={R:6d} {name:17s} {mode:5s} wall {s['wall_ms']:5.2f} busy "
@@ -190,7 +230,11 @@ def main(argv=None) -> dict:
                       flush=True)  # fmt: skip
                 for k, (n, per, us) in list(s["names"].items())[: args.top]:
                     print(f"      {n:6.1f} x {per:7.2f} us = {us:8.1f} us  {k}")
-        del caches, compacted, rows
+                if args.top:
+                    print(f"    host CUDA API calls {s['api_ms']:.2f} ms a step:")
+                for k, (n, per, us) in list(s["api"].items())[: args.top]:
+                    print(f"      {n:6.1f} x {per:7.2f} us = {us:8.1f} us  {k}")
+        del caches, states, compacted, rows
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return results

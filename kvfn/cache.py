@@ -382,8 +382,20 @@ def unflatten(
     arrays: dict, static: tuple, max_rows: Optional[int] = None, dense: bool = False
 ) -> State:
     sliding_window, packed = static
-    return State(**arrays, sliding_window=sliding_window, max_rows=max_rows, dense=dense,
-                 packed=packed or dense)  # fmt: skip
+    return rebuilt(State, **arrays, sliding_window=sliding_window, max_rows=max_rows,
+                   dense=dense, packed=packed or dense)  # fmt: skip
+
+
+def rebuilt(cls, **fields):
+    """A state dataclass (``State``, a ring, a partitioned or slots layer) from every one of its
+    fields, without the chex constructor's per-call work: a compiled step rebuilds each layer's
+    state from its output arrays every call (the constructor checks nothing these need)."""
+    names = cls.__dataclass_fields__
+    if fields.keys() != names.keys():
+        raise TypeError(f"{cls.__name__} takes fields {list(names)}, got {list(fields)}")
+    state = object.__new__(cls)
+    state.__dict__.update((name, fields[name]) for name in names)
+    return state
 
 
 @typechecked

@@ -136,8 +136,22 @@ def in_head_order(queries: mx.array, heads: tuple, attend_group: Callable) -> mx
     return out if back is None else mx.take(out, back, axis=1)
 
 
+@lru_cache(maxsize=None)
+def _grouped(heads: tuple) -> tuple:
+    """The permutation that lists the KV heads group after group (None: they already are), and
+    each group's range in it."""
+    order = [h for hs in heads for h in hs]
+    ends = np.cumsum([len(hs) for hs in heads]).tolist()
+    ranges = tuple(zip([0] + ends[:-1], ends))
+    return (None if order == sorted(order) else mx.array(order, mx.int32)), ranges
+
+
 def _split(x: mx.array, heads: tuple) -> list:
-    return [mx.take(x, idx, axis=1) for idx in head_order(tuple(heads), 1)[0]]
+    """``x`` (B, n_kv_heads, ...) as each group's heads: one gather at most, then slices."""
+    order, ranges = _grouped(tuple(heads))
+    if order is not None:
+        x = mx.take(x, order, axis=1)
+    return [x[:, a:b] for a, b in ranges]
 
 
 @typechecked
@@ -290,7 +304,7 @@ def unflatten(arrays: list, static: tuple, bounds: tuple) -> HeadPartitionedKVCa
             groups.append(rg.unflatten(a, st))
         else:
             groups.append(kv.unflatten(a, st, bound))
-    return HeadPartitionedKVCache(groups=tuple(groups), heads=heads)
+    return kv.rebuilt(HeadPartitionedKVCache, groups=tuple(groups), heads=heads)
 
 
 def bounds(state: HeadPartitionedKVCache) -> tuple:

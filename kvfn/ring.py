@@ -18,7 +18,7 @@ import chex
 import mlx.core as mx
 from typeguard import typechecked
 
-from .cache import EMPTY, State
+from .cache import EMPTY, State, rebuilt
 
 
 @chex.dataclass(frozen=True, repr=False)
@@ -206,4 +206,4 @@ def flatten(ring: StreamingRing) -> tuple[dict, tuple]:
 
 def unflatten(arrays: dict, static: tuple) -> StreamingRing:
     sink, recent, full = static
-    return StreamingRing(**arrays, sink=sink, recent=recent, full=full)
+    return rebuilt(StreamingRing, **arrays, sink=sink, recent=recent, full=full)

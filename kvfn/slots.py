@@ -304,8 +304,8 @@ def flatten(s: HeadSlotsKVCache) -> tuple[dict, tuple]:
 
 def unflatten(arrays: dict, static: tuple, max_rows: Optional[int] = None) -> HeadSlotsKVCache:
     heads, capacity, sink, recent, packed, full = static
-    return HeadSlotsKVCache(**arrays, heads=heads, capacity=capacity, sink=sink, recent=recent,
-                            packed=packed, full=full, max_rows=max_rows)  # fmt: skip
+    return kv.rebuilt(HeadSlotsKVCache, **arrays, heads=heads, capacity=capacity, sink=sink,
+                      recent=recent, packed=packed, full=full, max_rows=max_rows)  # fmt: skip
 
 
 class _Kind:

@@ -442,7 +442,8 @@ def grown(state, n: int):
     partitioned layer grows its groups of plain rows (a ring has a fixed size)."""
     if isinstance(state, part.HeadPartitionedKVCache):
         groups = tuple(grown(g, n) if isinstance(g, kv.State) else g for g in state.groups)
-        return state.replace(groups=groups)
+        same = all(a is b for a, b in zip(groups, state.groups))
+        return state if same else state.replace(groups=groups)
     if isinstance(state, sl.HeadSlotsKVCache):
         if state.max_rows is not None and state.max_rows + n <= state.capacity:
             return state

@@ -1,3 +1,5 @@
+import re
+
 import mlx.core as mx
 import pytest
 
@@ -177,6 +179,32 @@ def test_profile_timeline_needs_cuda(capsys):
         pytest.skip("on MLX's CUDA backend it would run")
     with pytest.raises(SystemExit, match="CUDA"):
         pt.main(["--shape", "tiny"])
+
+
+def test_profile_timeline_counts_api_calls_and_builds_duo_states(capsys):
+    from examples import profile_decode
+    from examples import profile_timeline as pt
+    from examples.profile_decode import filled
+
+    api = [("cudaGraphLaunch", 0.0, 100.0), ("cudaGraphLaunch", 50.0, 60.0),
+           ("cudaGraphExecUpdate", 10.0, 40.0)]  # fmt: skip
+    s = pt.summary([("void mlx::core::cu::gather<>", 0.0, 3.0)], steps=2, wall_s=0.001, api=api)
+    assert s["api_ms"] == pytest.approx(0.1)
+    assert list(s["api"]) == ["cudaGraphLaunch", "cudaGraphExecUpdate"]
+    assert s["api"]["cudaGraphLaunch"] == (1.0, 80.0, 80.0)
+    assert pt.kernel_class("custom_kernel_kvfn_two_group_decode_split_265") == "attention"
+    model = benchmark_decode.random_model("tiny", False, mx.float32)
+    _, states = filled(model, 400, 8, mx.float32)
+    duo = pt.duo_states(states, 0.25, 8)
+    groups = [g for s in duo for g in getattr(s, "groups", (s,))]
+    retrieval = sum(g.keys.shape[1] for g in groups if isinstance(g, kvfn.cache.State))
+    assert retrieval == round(0.25 * len(states) * states[0].keys.shape[1])
+    for bad, message in ((["--duo", "1.5"], "retrieval ratio in \\(0, 1\\), got 1.5"),
+                         (["--duo", "0.25", "--rows", "300"], "must exceed 320")):  # fmt: skip
+        for main, rows in ((pt.main, "--rows"), (profile_decode.main, "--lengths")):
+            with pytest.raises(SystemExit):
+                main([rows if a == "--rows" else a for a in bad])
+            assert re.search(message, capsys.readouterr().err)
 
 
 def test_pipelined_loop_writes_the_state_in_place():

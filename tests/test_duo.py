@@ -294,6 +294,47 @@ def test_partition_checks_heads():
         part.partition([s], [(0,)])
 
 
+@pytest.mark.parametrize("heads", [((0, 1), (2, 3)), ((1, 3), (0, 2)), ((3,), (0, 1, 2)),
+                                   ((2, 0), (3, 1))])  # fmt: skip
+def test_split_rows_gives_each_group_its_heads_in_order(heads):
+    s = kv.from_full(rows(6, H=4), rows(6, H=4))
+    layer = part.partition([part.take_heads(s, hs) for hs in heads], heads)
+    new_k, new_v = rows(1, H=4), rows(1, H=4) * 2
+    ks, vs = part.split_rows(layer, new_k, new_v)
+    for g, hs in enumerate(heads):
+        assert mx.array_equal(ks[g], new_k[:, list(hs)])
+        assert mx.array_equal(vs[g], new_v[:, list(hs)])
+
+
+def test_rebuilt_states_equal_constructed_ones():
+    s = kv.from_full(rows(6, H=2), rows(6, H=2))
+    r = rg.from_state(s, 6, sink=1, recent=3)
+    for state in (s, r, part.partition([part.take_heads(s, [0]), r.replace(keys=r.keys[:, 1:],
+                  values=r.values[:, 1:], positions=r.positions[:, 1:])], [(0,), (1,)])):  # fmt: skip
+        fields = {f: getattr(state, f) for f in type(state).__dataclass_fields__}
+        again = kv.rebuilt(type(state), **fields)
+        assert type(again) is type(state) and vars(again).keys() == vars(state).keys()
+        assert all(getattr(again, f) is v for f, v in fields.items())
+        assert list(vars(again)) == list(vars(state))  # field order, as the constructor gives
+        first = next(iter(fields))
+        assert getattr(again.replace(**{first: fields[first]}), first) is fields[first]
+        assert repr(again) == repr(state)
+    with pytest.raises(TypeError, match="StreamingRing takes fields"):
+        kv.rebuilt(rg.StreamingRing, keys=r.keys)
+
+
+def test_growing_a_partitioned_layer_that_has_room_returns_it_unchanged():
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(5).integers(0, 97, 40).tolist()
+    policy = Duo(retrieval=PATTERN, sink_tokens=2, recent=4)
+    states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=3)
+    assert all(kvfn.wrapper.grown(s, 1) is s for s in states)
+    plain = next(g for g in states[0].groups if isinstance(g, kv.State))
+    n = plain.capacity - plain.max_rows + 1  # one more than fits
+    bigger = kvfn.wrapper.grown(states[0], n)
+    assert bigger is not states[0] and bigger.groups[0].capacity > plain.capacity
+
+
 def test_evict_by_head_decodes_like_per_head_masked_full_attention():
     fm = kvfn.FunctionalModel(tiny_model("llama"))
     ids = np.random.default_rng(3).integers(0, 97, 40).tolist()
