@@ -109,11 +109,22 @@ def filled(model, L: int, room: int, dtype):
     return caches, tuple(states)
 
 
+SINK, RECENT = 64, 256  # a Duo streaming head's rows in the --duo rows
+
+
+def check_duo(p, ratio, lengths, flag: str) -> None:
+    """``--duo``'s checks: a retrieval ratio in (0, 1), prompts longer than a ring."""
+    if ratio is not None and not 0 < ratio < 1:
+        p.error(f"argument --duo: a retrieval ratio in (0, 1), got {ratio}")
+    if ratio is not None and min(lengths) <= SINK + RECENT:
+        p.error(f"argument {flag}: with --duo each must exceed {SINK + RECENT}, got {lengths}")
+
+
 def duo_states(states, ratio: float, room: int, seed: int = 0) -> tuple:
     """DuoAttention's states of ``states`` (full prompts), a random head pattern at ``ratio``."""
     rng = np.random.default_rng(seed)
     scores = rng.random((len(states), states[0].keys.shape[1]))
-    pattern = kvfn.HeadPattern(scores=scores, sink_size=64, recent_size=256)
+    pattern = kvfn.HeadPattern(scores=scores, sink_size=SINK, recent_size=RECENT)
     policy = kvfn.Duo.from_pattern(pattern, ratio=ratio)
     out, _ = kvfn.compact_states(states, None, policy, reserve=room)
     mx.eval(kvfn.tree.arrays(out))
@@ -258,10 +269,7 @@ def main(argv=None):
     p.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="only time building one eager prefill chunk's graph of N tokens")  # fmt: skip
     args = p.parse_args(argv)
-    if args.duo is not None and not 0 < args.duo < 1:
-        p.error(f"argument --duo: a retrieval ratio in (0, 1), got {args.duo}")
-    if args.duo is not None and min(args.lengths) <= 64 + 256:
-        p.error(f"argument --lengths: with --duo each must exceed 320, got {args.lengths}")
+    check_duo(p, args.duo, args.lengths, "--lengths")
     if args.read_ncu:
         return read_ncu(args.read_ncu)
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32

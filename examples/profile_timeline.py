@@ -10,10 +10,11 @@ the process, MLX's included (the device machine has no Nsight Systems). Per step
 union of the kernels' intervals), span ms (first kernel start to last kernel end, over the steps,
 divided by their count) and idle ms (span - busy), then the busy time by kernel class and
 (``--top N``) the costliest kernels by name and the host's costliest CUDA API calls (graph
-instantiations, updates, launches; ``--loops`` picks rows by name). Kernels of one step can overlap (MLX's CUDA graphs
-run independent nodes side by side), so kernel ms can exceed busy ms. CUPTI adds host work to
-every launch: wall ms here run slower than unprofiled steps (``benchmark_decode.py`` times
-those); the kernels' own durations are what this script is for.
+instantiations, updates, launches; their total is the union of the calls' intervals, waits
+included). ``--loops NAME ...`` runs only the rows named. Kernels of one step can overlap
+(MLX's CUDA graphs run independent nodes side by side), so kernel ms can exceed busy ms. CUPTI
+adds host work to every launch: wall ms here run slower than unprofiled steps
+(``benchmark_decode.py`` times those); the kernels' own durations are what this script is for.
 
 Loops: ``piped`` builds step t+1 while step t runs (``mx.async_eval``, as mlx-lm's generate_step
 does); ``sync`` builds then evaluates each step. Rows: mlx-lm over a KVCache of R rows; kvfn over
@@ -31,6 +32,7 @@ import re
 import sys
 import tempfile
 import time
+from functools import lru_cache
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -46,6 +48,7 @@ from examples.benchmark_decode import (  # noqa: E402
     random_model,
 )
 from examples.profile_decode import (  # noqa: E402
+    check_duo,
     duo_states,
     filled,
     kvfn_loop,
@@ -103,7 +106,7 @@ def summary(kernels: list, steps: int, wall_s: float, api: list = ()) -> dict:
         idle_in_gaps_over_20us_ms=sum(g for g in gaps if g > 20) / steps / 1e3,
         classes_ms={c: t / steps / 1e3 for c, t in sorted(by_class.items())},
         names=named(kernels, steps),
-        api_ms=sum(d for *_, d in api) / steps / 1e3,
+        api_ms=sum(b - a for a, b in merged([(t, t + d) for _, t, d in api])) / steps / 1e3,
         api=named(api, steps),
     )
 
@@ -155,6 +158,43 @@ def fixed_splits(n: int):
     return fixed
 
 
+def row_names(splits: list, duo: bool) -> list:
+    """The rows a run times, in order."""
+    names = ["mlx-lm", "kvfn", "kvfn masked SDPA", *(f"kvfn {n} splits" for n in splits)]
+    if duo:
+        names.append("kvfn full")
+        for name in ("duo", "duo slots"):
+            names += [name, *(f"{name} {n} splits" for n in splits)]
+    return names
+
+
+def row_builders(model, caches, states, R: int, room: int, args) -> dict:
+    """Per row name, a function that builds the row's decode loop (only rows that run are
+    built; the Duo states once, for the rows that need them)."""
+    compacted = lru_cache(maxsize=1)(lambda: packed(states, R, room))
+    duo = lru_cache(maxsize=1)(lambda: duo_states(states, args.duo, room))
+    rows = {
+        "mlx-lm": lambda: mlx_loop(model, caches),
+        "kvfn": lambda: kvfn_loop(kvfn.FunctionalModel(model), compacted()),
+        "kvfn masked SDPA": lambda: variant_loop(model, compacted(), ENABLED=False),
+        "kvfn full": lambda: kvfn_loop(kvfn.FunctionalModel(model), states),
+        "duo": lambda: kvfn_loop(kvfn.FunctionalModel(model), duo()),
+        "duo slots": lambda: kvfn_loop(kvfn.FunctionalModel(model), slots.pack_layers(duo())),
+    }
+    for n in args.splits:
+        for name, state in (("kvfn", compacted), ("duo", duo),
+                            ("duo slots", lambda: slots.pack_layers(duo()))):  # fmt: skip
+            rows[f"{name} {n} splits"] = lambda state=state, n=n: variant_loop(
+                model, state(), plan=fixed_splits(n)
+            )
+    return rows
+
+
+def print_top(named: dict, top: int) -> None:
+    for k, (n, per, us) in list(named.items())[:top]:
+        print(f"      {n:6.1f} x {per:7.2f} us = {us:8.1f} us  {k}")
+
+
 def piped(build):
     return lambda steps: pipelined_ms(build, steps, warmup=0)
 
@@ -184,12 +224,11 @@ def main(argv=None) -> dict:
     check_at_least(p, "steps", [args.steps])
     check_at_least(p, "splits", args.splits)
     check_at_least(p, "top", [args.top], low=0)
-    if args.duo is not None and not 0 < args.duo < 1:
-        p.error(f"argument --duo: a retrieval ratio in (0, 1), got {args.duo}")
-    if args.duo is not None and min(args.rows) <= 64 + 256:
-        p.error(
-            f"argument --rows: with --duo each must exceed 320 (sinks + recent), got {args.rows}"
-        )
+    check_duo(p, args.duo, args.rows, "--rows")
+    names = row_names(args.splits, args.duo is not None)
+    unknown = sorted(set(args.loops or ()) - set(names))
+    if unknown:
+        p.error(f"argument --loops: no rows named {unknown}; the rows are {names}")
     if not kvfn.kernels.on_cuda():
         raise SystemExit("profile_timeline reads CUDA kernels: run it with MLX's CUDA backend")
     dtype = mx.bfloat16
@@ -198,24 +237,11 @@ def main(argv=None) -> dict:
     results = {}
     for R in args.rows:
         caches, states = filled(model, R, room, dtype)
-        compacted = packed(states, R, room)
-        rows = {
-            "mlx-lm": mlx_loop(model, caches),
-            "kvfn": kvfn_loop(kvfn.FunctionalModel(model), compacted),
-            "kvfn masked SDPA": variant_loop(model, compacted, ENABLED=False),
-        }
-        for n in args.splits:
-            rows[f"kvfn {n} splits"] = variant_loop(model, compacted, plan=fixed_splits(n))
-        if args.duo is not None:
-            duo = duo_states(states, args.duo, room)
-            rows["kvfn full"] = kvfn_loop(kvfn.FunctionalModel(model), states)
-            for name, s in (("duo", duo), ("duo slots", slots.pack_layers(duo))):
-                rows[name] = kvfn_loop(kvfn.FunctionalModel(model), s)
-                for n in args.splits:
-                    rows[f"{name} {n} splits"] = variant_loop(model, s, plan=fixed_splits(n))
-        for name, build in rows.items():
+        builders = row_builders(model, caches, states, R, room, args)
+        for name in names:
             if args.loops and name not in args.loops:
                 continue
+            build = builders[name]()
             for mode, loop in (("piped", piped), ("sync", sync)):
                 run = loop(build)
                 run(WARM)  # compiled traces, cuDNN plans, the buffer cache
@@ -228,13 +254,12 @@ def main(argv=None) -> dict:
                       f"{s['gaps_over_20us']:4.1f}: {s['idle_in_gaps_over_20us_ms']:5.2f}) "
                       f"kernels {s['kernels']:5.0f} {s['kernel_ms']:5.2f} ms | {classes}",
                       flush=True)  # fmt: skip
-                for k, (n, per, us) in list(s["names"].items())[: args.top]:
-                    print(f"      {n:6.1f} x {per:7.2f} us = {us:8.1f} us  {k}")
+                print_top(s["names"], args.top)
                 if args.top:
                     print(f"    host CUDA API calls {s['api_ms']:.2f} ms a step:")
-                for k, (n, per, us) in list(s["api"].items())[: args.top]:
-                    print(f"      {n:6.1f} x {per:7.2f} us = {us:8.1f} us  {k}")
-        del caches, states, compacted, rows
+                    print_top(s["api"], args.top)
+            del build
+        del caches, states, builders
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return results

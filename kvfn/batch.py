@@ -249,9 +249,10 @@ class BatchHeadGroupsKVCache:
     def update_and_fetch(self, keys, values):
         n = keys.shape[2]
         pending = []
-        for g, (group, idx) in enumerate(zip(self.groups, part.head_order(self.heads, 1)[0])):
+        rows = zip(self.groups, part.by_group(keys, self.heads), part.by_group(values, self.heads))
+        for g, (group, new_keys, new_values) in enumerate(rows):
             mask = group.make_mask(n, return_array=True)
-            k, v = group.update_and_fetch(mx.take(keys, idx, axis=1), mx.take(values, idx, axis=1))
+            k, v = group.update_and_fetch(new_keys, new_values)
             pending.append((k, v, self._window_mask(g, mask, n)))
         self._pending = pending
         return keys, values  # the new rows only: ``attend`` reads the groups

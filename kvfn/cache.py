@@ -23,6 +23,8 @@ from it and decoded further): then a query's mask is a comparison of slots with 
 same for every head, instead of a per-head mask from positions.
 """
 
+import dataclasses
+from functools import lru_cache
 from typing import Optional
 
 import chex
@@ -390,12 +392,19 @@ def rebuilt(cls, **fields):
     """A state dataclass (``State``, a ring, a partitioned or slots layer) from every one of its
     fields, without the chex constructor's per-call work: a compiled step rebuilds each layer's
     state from its output arrays every call (the constructor checks nothing these need)."""
-    names = cls.__dataclass_fields__
-    if fields.keys() != names.keys():
-        raise TypeError(f"{cls.__name__} takes fields {list(names)}, got {list(fields)}")
+    names = _field_names(cls)
+    if fields.keys() != set(names):
+        missing = [n for n in names if n not in fields]
+        unexpected = [n for n in fields if n not in names]
+        raise TypeError(f"{cls.__name__}: missing fields {missing}, unexpected {unexpected}")
     state = object.__new__(cls)
     state.__dict__.update((name, fields[name]) for name in names)
     return state
+
+
+@lru_cache(maxsize=None)
+def _field_names(cls) -> tuple:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 @typechecked

@@ -115,43 +115,34 @@ def from_keep_sets(state: kv.State, keep: Sequence) -> HeadPartitionedKVCache:
 
 @lru_cache(maxsize=None)
 def head_order(heads: tuple, rep: int) -> tuple:
-    """For groups of KV heads ``heads`` with ``rep`` query heads each: per group its KV heads
-    and its query heads as index arrays, and the permutation that puts the groups'
-    concatenated outputs back in query-head order (None when they already are). Cached: a
-    decode step asks for the same every layer."""
-    kv_idx = tuple(mx.array(list(hs), mx.int32) for hs in heads)
-    q_heads = [[h * rep + r for h in hs for r in range(rep)] for hs in heads]
-    order = [q for qs in q_heads for q in qs]
-    back = None if order == sorted(order) else mx.array(np.argsort(order), mx.int32)
-    return kv_idx, tuple(mx.array(qs, mx.int32) for qs in q_heads), back
+    """For groups of KV heads ``heads``, each head ``rep`` rows (its query heads, or 1): the
+    permutation that lists the rows group after group, each group's range in it, and the
+    permutation back (both None when the rows already are in that order). Cached: a decode
+    step asks for the same every layer."""
+    order = [h * rep + r for hs in heads for h in hs for r in range(rep)]
+    ends = np.cumsum([len(hs) * rep for hs in heads]).tolist()
+    ranges = tuple(zip([0] + ends[:-1], ends))
+    if order == sorted(order):
+        return None, ranges, None
+    return mx.array(order, mx.int32), ranges, mx.array(np.argsort(order), mx.int32)
+
+
+def by_group(x: mx.array, heads: tuple, rep: int = 1) -> list:
+    """``x`` (B, n_kv_heads * rep, ...) as each group's rows: one gather at most, then slices."""
+    order, ranges, _ = head_order(tuple(heads), rep)
+    if order is not None:
+        x = mx.take(x, order, axis=1)
+    return [x[:, a:b] for a, b in ranges]
 
 
 def in_head_order(queries: mx.array, heads: tuple, attend_group: Callable) -> mx.array:
     """Attention computed per head group, in query-head order: ``attend_group(g, q)`` is group
-    g's output for its query heads ``q`` (taken from ``queries`` (B, n_q_heads, n, D))."""
+    g's output for its query heads ``q`` (of ``queries`` (B, n_q_heads, n, D))."""
     rep = queries.shape[1] // sum(len(hs) for hs in heads)
-    _, q_idx, back = head_order(heads, rep)
-    outs = [attend_group(g, mx.take(queries, qi, axis=1)) for g, qi in enumerate(q_idx)]
+    outs = [attend_group(g, q) for g, q in enumerate(by_group(queries, heads, rep))]
     out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+    back = head_order(tuple(heads), rep)[2]
     return out if back is None else mx.take(out, back, axis=1)
-
-
-@lru_cache(maxsize=None)
-def _grouped(heads: tuple) -> tuple:
-    """The permutation that lists the KV heads group after group (None: they already are), and
-    each group's range in it."""
-    order = [h for hs in heads for h in hs]
-    ends = np.cumsum([len(hs) for hs in heads]).tolist()
-    ranges = tuple(zip([0] + ends[:-1], ends))
-    return (None if order == sorted(order) else mx.array(order, mx.int32)), ranges
-
-
-def _split(x: mx.array, heads: tuple) -> list:
-    """``x`` (B, n_kv_heads, ...) as each group's heads: one gather at most, then slices."""
-    order, ranges = _grouped(tuple(heads))
-    if order is not None:
-        x = mx.take(x, order, axis=1)
-    return [x[:, a:b] for a, b in ranges]
 
 
 @typechecked
@@ -161,7 +152,7 @@ def split_rows(state: HeadPartitionedKVCache, keys: mx.array, values: mx.array) 
     chex.assert_rank([keys, values], 4)
     if keys.shape[1] != state.n_kv_heads:
         raise ValueError(f"rows for {keys.shape[1]} heads, the layer has {state.n_kv_heads}")
-    return _split(keys, state.heads), _split(values, state.heads)
+    return by_group(keys, state.heads), by_group(values, state.heads)
 
 
 def update_split(state: HeadPartitionedKVCache, keys: list, values: list, derived=None):

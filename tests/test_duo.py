@@ -295,15 +295,19 @@ def test_partition_checks_heads():
 
 
 @pytest.mark.parametrize("heads", [((0, 1), (2, 3)), ((1, 3), (0, 2)), ((3,), (0, 1, 2)),
-                                   ((2, 0), (3, 1))])  # fmt: skip
-def test_split_rows_gives_each_group_its_heads_in_order(heads):
-    s = kv.from_full(rows(6, H=4), rows(6, H=4))
+                                   ((2, 0), (3, 1)), ((0, 1, 2, 3),)])  # fmt: skip
+@pytest.mark.parametrize("batch", [1, 2])
+def test_split_rows_gives_each_group_its_heads_in_order(heads, batch):
+    values = mx.arange(batch * 4 * 6 * 3, dtype=mx.float32).reshape(batch, 4, 6, 3)
+    s = kv.from_full(values, values)
     layer = part.partition([part.take_heads(s, hs) for hs in heads], heads)
-    new_k, new_v = rows(1, H=4), rows(1, H=4) * 2
-    ks, vs = part.split_rows(layer, new_k, new_v)
-    for g, hs in enumerate(heads):
+    new_k = mx.arange(batch * 4 * 3, dtype=mx.float32).reshape(batch, 4, 1, 3)
+    ks, vs = part.split_rows(layer, new_k, -new_k)
+    for g, hs in enumerate(heads):  # every head holds other values: the order is checked
         assert mx.array_equal(ks[g], new_k[:, list(hs)])
-        assert mx.array_equal(vs[g], new_v[:, list(hs)])
+        assert mx.array_equal(vs[g], -new_k[:, list(hs)])
+    in_order = [h for hs in heads for h in hs] == list(range(4))
+    assert (part.head_order(heads, 1)[0] is None) == in_order  # no gather when in order
 
 
 def test_rebuilt_states_equal_constructed_ones():
@@ -319,7 +323,7 @@ def test_rebuilt_states_equal_constructed_ones():
         first = next(iter(fields))
         assert getattr(again.replace(**{first: fields[first]}), first) is fields[first]
         assert repr(again) == repr(state)
-    with pytest.raises(TypeError, match="StreamingRing takes fields"):
+    with pytest.raises(TypeError, match="StreamingRing: missing fields \\['values'"):
         kv.rebuilt(rg.StreamingRing, keys=r.keys)
 
 
@@ -329,10 +333,10 @@ def test_growing_a_partitioned_layer_that_has_room_returns_it_unchanged():
     policy = Duo(retrieval=PATTERN, sink_tokens=2, recent=4)
     states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=3)
     assert all(kvfn.wrapper.grown(s, 1) is s for s in states)
-    plain = next(g for g in states[0].groups if isinstance(g, kv.State))
+    g, plain = next((g, x) for g, x in enumerate(states[0].groups) if isinstance(x, kv.State))
     n = plain.capacity - plain.max_rows + 1  # one more than fits
     bigger = kvfn.wrapper.grown(states[0], n)
-    assert bigger is not states[0] and bigger.groups[0].capacity > plain.capacity
+    assert bigger is not states[0] and bigger.groups[g].capacity > plain.capacity
 
 
 def test_evict_by_head_decodes_like_per_head_masked_full_attention():
