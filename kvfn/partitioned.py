@@ -130,8 +130,9 @@ def head_order(heads: tuple, rep: int) -> tuple:
 def by_group(x: mx.array, heads: tuple, rep: int = 1) -> list:
     """``x`` (B, n_kv_heads * rep, ...) as each group's rows: one gather at most, then slices."""
     order, ranges, _ = head_order(tuple(heads), rep)
-    if order is not None:
-        x = mx.take(x, order, axis=1)
+    if order is not None:  # along an axis: one primitive (a take adds a transpose and squeeze)
+        index = order.reshape(1, -1, *(1,) * (x.ndim - 2))
+        x = mx.take_along_axis(x, mx.broadcast_to(index, x.shape), axis=1)
     return [x[:, a:b] for a, b in ranges]
 
 
