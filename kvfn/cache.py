@@ -393,12 +393,14 @@ def rebuilt(cls, **fields):
     fields, without the chex constructor's per-call work: a compiled step rebuilds each layer's
     state from its output arrays every call (the constructor checks nothing these need)."""
     names = _field_names(cls)
-    if fields.keys() != set(names):
-        missing = [n for n in names if n not in fields]
-        unexpected = [n for n in fields if n not in names]
-        raise TypeError(f"{cls.__name__}: missing fields {missing}, unexpected {unexpected}")
+    if tuple(fields) != names:  # in the fields' order, as the constructor would set them
+        if fields.keys() != set(names):
+            missing = [n for n in names if n not in fields]
+            unexpected = [n for n in fields if n not in names]
+            raise TypeError(f"{cls.__name__}: missing fields {missing}, unexpected {unexpected}")
+        fields = {name: fields[name] for name in names}
     state = object.__new__(cls)
-    state.__dict__.update((name, fields[name]) for name in names)
+    state.__dict__.update(fields)
     return state
 
 

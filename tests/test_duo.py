@@ -320,6 +320,8 @@ def test_rebuilt_states_equal_constructed_ones():
         assert type(again) is type(state) and vars(again).keys() == vars(state).keys()
         assert all(getattr(again, f) is v for f, v in fields.items())
         assert list(vars(again)) == list(vars(state))  # field order, as the constructor gives
+        backwards = kv.rebuilt(type(state), **dict(reversed(fields.items())))
+        assert list(vars(backwards)) == list(vars(state))
         first = next(iter(fields))
         assert getattr(again.replace(**{first: fields[first]}), first) is fields[first]
         assert repr(again) == repr(state)
