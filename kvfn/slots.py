@@ -171,8 +171,8 @@ def pack_layers(states) -> tuple:
 
 @lru_cache(maxsize=None)
 def _layout(heads: tuple, capacity: int, ring: int) -> tuple:
-    """Per KV head in model order: its first slot and its group (0 plain, 1 ring), as int32
-    (n_kv_heads,) arrays, and the fused kernel's map (first slot, group) per head, flat."""
+    """Per KV head in model order: its first slot (int32 (n_kv_heads,)) and whether it is a ring
+    head (bool (n_kv_heads,)), and the fused kernel's map (first slot, group) per head, flat."""
     H0 = len(heads[0])
     base, group = {}, {}
     for i, h in enumerate(heads[0]):
@@ -182,7 +182,7 @@ def _layout(heads: tuple, capacity: int, ring: int) -> tuple:
     n = len(base)
     b = np.array([base[h] for h in range(n)], np.int32)
     g = np.array([group[h] for h in range(n)], np.int32)
-    return mx.array(b), mx.array(g), mx.array(np.stack([b, g], 1).reshape(-1))
+    return mx.array(b), mx.array(g == 1), mx.array(np.stack([b, g], 1).reshape(-1))
 
 
 def appended(s: HeadSlotsKVCache) -> dict:
@@ -201,16 +201,16 @@ def write_at(s: HeadSlotsKVCache, keys: mx.array, values: mx.array, *, at, posit
              rows) -> HeadSlotsKVCache:  # fmt: skip
     """One row per KV head (B, n_kv_heads, 1, D) written at its slot: three scatters, in place
     when nothing else holds the old buffers. ``appended``'s arrays."""
-    base, group, _ = _layout(s.heads, s.capacity, _ring_slots(s))
+    base, ring_head, _ = _layout(s.heads, s.capacity, _ring_slots(s))
     B, H = keys.shape[:2]
-    idx = (base[None] + mx.take(at, group, axis=1))[..., None]  # (B, H, 1)
-    pos = mx.broadcast_to(positions.reshape(B, 1, 1), (B, H, 1))
+    slot = base + mx.where(ring_head, at[:, 1:], at[:, :1])  # (B, H): elementwise, fused
+    idx = slot[..., None]  # (B, H, 1)
     return s.replace(
         keys=mx.put_along_axis(s.keys, idx, keys.reshape(B, H, -1).astype(s.keys.dtype), axis=1),
         values=mx.put_along_axis(
             s.values, idx, values.reshape(B, H, -1).astype(s.values.dtype), axis=1
         ),
-        positions=mx.put_along_axis(s.positions, idx[..., 0], pos[..., 0], axis=1),
+        positions=mx.put_along_axis(s.positions, slot, positions[:, None], axis=1),
         offset=offset,
         rows=rows,
         max_rows=None if s.max_rows is None else s.max_rows + 1,
