@@ -16,6 +16,7 @@ import importlib.util
 import statistics
 import sys
 import time
+from functools import lru_cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -345,7 +346,7 @@ def chain_table(kk, capacities, layers=32, steps=10):
         cells = []
         for run in runs:
             run(2)
-            kernels, _ = _timeline().recorded(run, steps)
+            kernels = _timeline().recorded(run, steps)[0]
             cells.append(per_call(kernels))
         splits = kk.plan(1, HEADS, KV_HEADS, capacity)[2]
         cells[1] += f" ({splits})"
@@ -358,6 +359,7 @@ def per_call(kernels) -> str:
     return " + ".join(f"{us:.1f}" for _, us, _ in _timeline().named(kernels, 1).values())
 
 
+@lru_cache(maxsize=None)
 def _timeline():
     """``examples.profile_timeline`` (it imports kvfn, which the rest of this script does not)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -293,7 +293,7 @@ def main(argv=None):
             continue
         fm = kvfn.FunctionalModel(model)
         mlx_build, kvfn_build = mlx_loop(model, caches), kvfn_loop(fm, states)
-        duo = None if args.duo is None else duo_states(states, args.duo, room)
+        duo = None if args.duo is None or args.ncu else duo_states(states, args.duo, room)
         del states
         if args.ncu:
             for _ in range(3):

@@ -235,13 +235,24 @@ def test_pipelined_loop_writes_the_state_in_place():
     assert grown[True] > len(state) * layer_kv, grown
 
 
-def test_benchmark_kernels_chain_reads_each_kernels_mean_and_needs_cuda(monkeypatch):
+def test_benchmark_kernels_chain_reads_each_kernels_mean_and_needs_cuda(monkeypatch, capsys):
     from examples import benchmark_kernels as bk
 
     kernels = [("void split<bf16, 4>", 0.0, 10.0), ("void combine<bf16>", 10.0, 2.0),
                ("void split<bf16, 4>", 20.0, 14.0), ("void combine<bf16>", 34.0, 3.0),
                ("void split<bf16, 4>", 40.0, 12.0)]  # fmt: skip
     assert bk.per_call(kernels) == "12.0 + 2.5"  # the costliest name first, each its mean
+
+    from examples import profile_timeline
+
+    def recorded(run, steps):  # profile_timeline.recorded's contract, without CUPTI
+        run(steps)
+        return [("void split<bf16, 4>", 0.0, 7.0)], [("cudaGraphLaunch", 0.0, 1.0)], 0.01
+
+    monkeypatch.setattr(profile_timeline, "recorded", recorded)
+    bk.chain_table(bk.load_kernels(), [512], layers=2, steps=1)  # every column runs
+    out = capsys.readouterr().out
+    assert "| 512 | 7.0 | 7.0 (" in out and out.rstrip().endswith("| 7.0 | 7.0 |")
 
     if kvfn.kernels.on_cuda():
         pytest.skip("on MLX's CUDA backend it would run")
