@@ -146,7 +146,7 @@ class HeadGroupsKVCache:
             if not src:
                 raise ValueError(f"heads {list(hs)} are not inside one group of {state.heads}")
             g, own = state.groups[src[0]], list(state.heads[src[0]])
-            if list(hs) != own:  # a ring has keys, values and positions per head too
+            if list(hs) != own:
                 g = part.take_heads(g, [own.index(h) for h in hs])
             ring = isinstance(g, StreamingRing)
             groups.append(_ring_rows(g) if ring else to_mlx_cache([g])[0])

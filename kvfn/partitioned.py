@@ -63,14 +63,13 @@ def _module(group):
         raise TypeError(f"a head group must be a kvfn state or ring, got {type(group).__name__}")
 
 
-def take_heads(state: kv.State, heads: Sequence[int]) -> kv.State:
-    """The plain state of a subset of ``state``'s KV heads."""
+def take_heads(state, heads: Sequence[int]):
+    """The state (plain, or a ring) of a subset of ``state``'s KV heads."""
     idx = mx.array(list(heads), mx.int32)
-    return state.replace(
-        keys=mx.take(state.keys, idx, axis=1),
-        values=mx.take(state.values, idx, axis=1),
-        positions=mx.take(state.positions, idx, axis=1),
-    )
+    rows = dict(keys=mx.take(state.keys, idx, axis=1), values=mx.take(state.values, idx, axis=1))
+    if isinstance(state, StreamingRing):  # its heads share the positions it derives
+        return state.replace(**rows)
+    return state.replace(**rows, positions=mx.take(state.positions, idx, axis=1))
 
 
 @typechecked

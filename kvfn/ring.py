@@ -4,11 +4,16 @@ fixed size (DuoAttention's streaming heads).
 A query at true position q sees the rows at positions below ``sink`` and the last ``recent``
 positions (q - recent, q]. The state holds exactly those for the next query: position p lives at
 slot p when p < sink, else at slot ``sink + (p - sink) % recent``, so a write is a function of
-the position alone and a decode step never moves a row. Positions are recorded per slot (EMPTY
-where none), so a prefix trim is exact: it keeps what the ring held of the first tokens.
+the position alone and a decode step never moves a row. So the slots' positions need not be
+stored: each slot holds the one position of its slot class among the last ``recent`` before
+``offset`` (or its sink), and whether it holds a row at all follows from ``offset`` and
+``since``, the lowest recent position a trim left (``positions`` derives them, EMPTY where none).
+A prefix trim is exact: it keeps what the ring held of the first tokens, and a write is two
+scatters (keys and values), no position.
 
-Layout: keys/values (B, n_heads, sink + recent, head_dim); positions (B, n_heads, sink + recent)
-int32; offset (B,) int32, the next true position. Static: ``sink``, ``recent``, and ``full``:
+Layout: keys/values (B, n_heads, sink + recent, head_dim); offset (B,) int32, the next true
+position; since (B,) int32 (<= offset): the ring holds no recent row below it (rows a trim
+dropped are not rewritten until appends pass them). Static: ``sink``, ``recent``, and ``full``:
 True when every slot of every sequence is known to hold a row (a ring filled from a prompt longer
 than its slots; updates keep it full, trims clear it), so a single query sees every slot and
 attends without a mask.
@@ -25,14 +30,24 @@ from .cache import EMPTY, State, rebuilt
 class StreamingRing:
     keys: mx.array
     values: mx.array
-    positions: mx.array
     offset: mx.array
+    since: mx.array
     sink: int = 0
     recent: int = 1
     full: bool = False
 
-    capacity = State.capacity  # slots, and bytes of keys, values and positions: as a state's
-    nbytes = State.nbytes
+    capacity = State.capacity  # slots: as a state's
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def positions(self) -> mx.array:
+        """(B, n_heads, sink + recent) int32: the true position of each slot's row, EMPTY where
+        the slot holds none (every head holds the same positions)."""
+        p, held = slot_positions(self.sink, self.recent, self.offset, self.since)
+        return mx.broadcast_to(mx.where(held, p, EMPTY)[:, None], self.keys.shape[:3])
 
     def __repr__(self) -> str:
         B, H, _, D = self.keys.shape
@@ -58,48 +73,45 @@ def init(batch: int, n_heads: int, head_dim: int, *, sink: int, recent: int,
     return StreamingRing(
         keys=mx.zeros((*shape, head_dim), dtype),
         values=mx.zeros((*shape, value_dim or head_dim), dtype),
-        positions=mx.full(shape, EMPTY, mx.int32),
         offset=mx.zeros((batch,), mx.int32),
+        since=mx.zeros((batch,), mx.int32),
         sink=sink,
         recent=recent,
     )
 
 
-def _targets(ring: StreamingRing, n: int) -> tuple[mx.array, mx.array]:
-    """After ``n`` more rows: the position each slot holds (B, S), and which slots take a new
-    row (B, S)."""
-    sink, recent = ring.sink, ring.recent
+def slot_positions(sink: int, recent: int, offset: mx.array, since: mx.array) -> tuple:
+    """For a ring at ``offset`` (B,) whose recent rows start at ``since`` (B,): the position
+    each slot's row has (B, sink + recent), and whether the slot holds it (B, sink + recent)."""
     j = mx.arange(sink + recent, dtype=mx.int32)[None]
-    last = (ring.offset + n - 1)[:, None]
+    last = (offset - 1)[:, None]
     last_slot = sink + (last - sink) % recent
     p = mx.where(j < sink, j, last - (last_slot - j) % recent)
-    held = (p >= 0) & (p <= last) & ((j < sink) | (p >= sink))
-    return p, held & (p >= ring.offset[:, None])
+    low = mx.maximum(since, sink)[:, None]
+    held = (p <= last) & ((j < sink) | (p >= low))
+    return p, held
 
 
 def appended(ring: StreamingRing) -> dict:
     """What appending one row derives from ``offset`` alone: the slot (B,) that position
-    ``offset`` takes (it is a sink's, or the ring slot of the position ``recent`` before it),
-    that position (B,), and the new ``offset``. Rings of one ``sink`` and ``recent`` at the same
-    offset (the layers of a model) share it."""
+    ``offset`` takes (it is a sink's, or the ring slot of the position ``recent`` before it)
+    and the new ``offset``. Rings of one ``sink`` and ``recent`` at the same offset (the layers
+    of a model) share it."""
     p = ring.offset
     slot = ring.sink + (p - ring.sink) % ring.recent
     if ring.sink:
         slot = mx.where(p < ring.sink, p, slot)
-    return dict(slots=slot, positions=p, offset=p + 1)
+    return dict(slots=slot, offset=p + 1)
 
 
-def write_at(ring: StreamingRing, keys: mx.array, values: mx.array, *, slots, positions,
+def write_at(ring: StreamingRing, keys: mx.array, values: mx.array, *, slots,
              offset) -> StreamingRing:  # fmt: skip
     """``update`` with one row (B, n_heads, 1, head_dim), written at its slot (``appended``'s
-    arrays): three one-row scatters, in place when nothing else holds the old ring."""
-    B = slots.shape[0]
-    at = slots.reshape(B, 1, 1, 1)
-    pos = positions.reshape(B, 1, 1)
+    arrays): two one-row scatters, in place when nothing else holds the old ring."""
+    at = slots.reshape(slots.shape[0], 1, 1, 1)
     return ring.replace(
         keys=mx.put_along_axis(ring.keys, at, keys.astype(ring.keys.dtype), axis=2),
         values=mx.put_along_axis(ring.values, at, values.astype(ring.values.dtype), axis=2),
-        positions=mx.put_along_axis(ring.positions, at[..., 0], pos, axis=2),
         offset=offset,
     )
 
@@ -121,7 +133,8 @@ def gathered(ring: StreamingRing, keys: mx.array, values: mx.array) -> Streaming
     """``update`` of any number of rows as a gather of the rows that stay (the whole ring is
     rewritten)."""
     n = keys.shape[2]
-    p, new = _targets(ring, n)
+    p, held = slot_positions(ring.sink, ring.recent, ring.offset + n, ring.since)
+    new = held & (p >= ring.offset[:, None])
     src = mx.clip(p - ring.offset[:, None], 0, n - 1)[:, None, :, None]
     take = new[:, None, :, None]
 
@@ -131,10 +144,7 @@ def gathered(ring: StreamingRing, keys: mx.array, values: mx.array) -> Streaming
         return mx.where(take, picked, old)
 
     return ring.replace(
-        keys=merged(ring.keys, keys),
-        values=merged(ring.values, values),
-        positions=mx.where(new[:, None, :], p[:, None, :], ring.positions),
-        offset=ring.offset + n,
+        keys=merged(ring.keys, keys), values=merged(ring.values, values), offset=ring.offset + n
     )
 
 
@@ -163,14 +173,12 @@ def valid_rows(ring: StreamingRing) -> mx.array:
 
 @typechecked
 def prefix_trim(ring: StreamingRing, length) -> StreamingRing:
-    """Keep the rows whose true position is below ``length`` (an int or (B,) array)."""
+    """Keep the rows whose true position is below ``length`` (an int or (B,) array). The
+    recent rows kept are those from ``offset - recent`` (or ``since``) up to ``length``."""
     length = mx.broadcast_to(mx.array(length, mx.int32), ring.offset.shape)
-    keep = ring.positions < length[:, None, None]
-    return ring.replace(
-        positions=mx.where(keep, ring.positions, EMPTY),
-        offset=mx.minimum(ring.offset, length),
-        full=False,
-    )
+    offset = mx.minimum(ring.offset, length)
+    since = mx.minimum(mx.maximum(ring.since, ring.offset - ring.recent), offset)
+    return ring.replace(offset=offset, since=since, full=False)
 
 
 @typechecked
@@ -197,7 +205,15 @@ def from_state(state: State, rows: int, *, sink: int, recent: int) -> StreamingR
     return filled.replace(full=B == 1 and rows >= sink + recent)
 
 
-ARRAY_FIELDS = ("keys", "values", "positions", "offset")
+ARRAY_FIELDS = ("keys", "values", "offset", "since")
+
+
+def since_of(positions: mx.array, offset: mx.array, sink: int) -> mx.array:
+    """A ring's ``since`` (B,) from the positions its slots hold (B, n_heads, sink + recent)
+    (EMPTY where none), as rings recorded them before ``since`` existed: the lowest recent
+    position held, or ``offset`` where none is."""
+    recent = mx.where(positions[:, 0, sink:] == EMPTY, offset[:, None], positions[:, 0, sink:])
+    return mx.minimum(mx.min(recent, axis=-1), offset).astype(mx.int32)
 
 
 def flatten(ring: StreamingRing) -> tuple[dict, tuple]:

@@ -1,19 +1,19 @@
 """HeadSlotsKVCache: DuoAttention's two head groups of one layer (a plain group of C slots a
 head, a streaming ring of sink + recent slots a head) in one buffer per array, each KV head
 owning its own slot range. Nothing stores the union of the heads' rows, and a decode step
-writes every head's new row with one scatter per array (keys, values, positions), as a plain
-layer does, where the two-group state (``kvfn.partitioned``) splits the rows per group first
-(four gathers) and writes each group (six scatters).
+writes every head's new row with one scatter per array (keys, values), as a plain layer does,
+where the two-group state (``kvfn.partitioned``) splits the rows per group first and writes
+each group.
 
-Layout: keys (B, S, D), values (B, S, Dv), positions (B, S) int32 with
-S = H0 * C + H1 * (sink + recent): the plain group's heads ``heads[0]`` first, head i at slots
-[i * C, (i + 1) * C), then the ring heads ``heads[1]``, head j at
-[H0 * C + j * R, H0 * C + (j + 1) * R). Inside each range the slots are exactly those of the
-group's state (``to_partitioned`` is a reshape of slices), so every law of the groups carries
-over: ``to_partitioned(op(s)) == op(to_partitioned(s))``. Fields ``offset`` (B,) and ``rows``
-(the plain group's next slot) are the groups'. Static: ``heads``, ``capacity`` (C), ``sink``,
-``recent``, ``packed`` (the plain group's slots below ``rows`` all hold rows), ``full`` (the
-ring's); host: ``max_rows``.
+Layout: keys (B, S, D), values (B, S, Dv) with S = H0 * C + H1 * (sink + recent): the plain
+group's heads ``heads[0]`` first, head i at slots [i * C, (i + 1) * C), then the ring heads
+``heads[1]``, head j at [H0 * C + j * R, H0 * C + (j + 1) * R); positions (B, H0 * C) int32,
+the plain slots' (a ring derives its own). Inside each range the slots are exactly those of
+the group's state (``to_partitioned`` is a reshape of slices), so every law of the groups
+carries over: ``to_partitioned(op(s)) == op(to_partitioned(s))``. Fields ``offset`` (B,),
+``rows`` (the plain group's next slot) and ``since`` (the ring's) are the groups'. Static:
+``heads``, ``capacity`` (C), ``sink``, ``recent``, ``packed`` (the plain group's slots below
+``rows`` all hold rows), ``full`` (the ring's); host: ``max_rows``.
 
 One row appended (a decode step) is written in place at its slot per head; everything else
 (chunks, trims, masks) goes through the two-group state and back, which is exact and rare.
@@ -40,6 +40,7 @@ class HeadSlotsKVCache:
     positions: mx.array
     offset: mx.array
     rows: mx.array
+    since: mx.array
     heads: tuple = ((), ())
     capacity: int = 0  # slots of one plain head
     sink: int = 0
@@ -112,9 +113,10 @@ def from_partitioned(state) -> HeadSlotsKVCache:
     return HeadSlotsKVCache(
         keys=joined(plain.keys, ring.keys),
         values=joined(plain.values, ring.values),
-        positions=joined(plain.positions, ring.positions),
+        positions=plain.positions.reshape(B, H0 * C),
         offset=plain.offset,
         rows=plain.rows,
+        since=ring.since,
         heads=tuple(tuple(h) for h in heads),
         capacity=C,
         sink=ring.sink,
@@ -137,7 +139,7 @@ def to_partitioned(s: HeadSlotsKVCache) -> part.HeadPartitionedKVCache:
     plain = kv.State(
         keys=group(s.keys, 0, split, H0, C),
         values=group(s.values, 0, split, H0, C),
-        positions=group(s.positions, 0, split, H0, C),
+        positions=s.positions.reshape(B, H0, C),
         offset=s.offset,
         rows=s.rows,
         max_rows=s.max_rows,
@@ -146,8 +148,8 @@ def to_partitioned(s: HeadSlotsKVCache) -> part.HeadPartitionedKVCache:
     ring = rg.StreamingRing(
         keys=group(s.keys, split, None, H1, R),
         values=group(s.values, split, None, H1, R),
-        positions=group(s.positions, split, None, H1, R),
         offset=s.offset,
+        since=s.since,
         sink=s.sink,
         recent=s.recent,
         full=s.full,
@@ -188,19 +190,20 @@ def _layout(heads: tuple, capacity: int, ring: int) -> tuple:
 def appended(s: HeadSlotsKVCache) -> dict:
     """What one appended row derives from the counters, the same for every layer of one
     (sink, recent) at one offset and row count: per sequence the plain slot and the ring slot
-    (B, 2), the new row's position (B,), and the new ``offset`` and ``rows``."""
+    (B, 2), and the new ``offset`` and ``rows``."""
     B, p = s.offset.shape[0], s.offset
     ring = s.sink + (p - s.sink) % s.recent  # as ``ring.appended``
     if s.sink:
         ring = mx.where(p < s.sink, p, ring)
     plain = mx.broadcast_to(s.rows.reshape(-1), (B,))
-    return dict(at=mx.stack([plain, ring], axis=1), positions=p, offset=p + 1, rows=s.rows + 1)
+    return dict(at=mx.stack([plain, ring], axis=1), offset=p + 1, rows=s.rows + 1)
 
 
-def write_at(s: HeadSlotsKVCache, keys: mx.array, values: mx.array, *, at, positions, offset,
+def write_at(s: HeadSlotsKVCache, keys: mx.array, values: mx.array, *, at, offset,
              rows) -> HeadSlotsKVCache:  # fmt: skip
-    """One row per KV head (B, n_kv_heads, 1, D) written at its slot: three scatters, in place
-    when nothing else holds the old buffers. ``appended``'s arrays."""
+    """One row per KV head (B, n_kv_heads, 1, D) written at its slot: two scatters, in place
+    when nothing else holds the old buffers; no position (a plain slot at ``rows`` already
+    holds the next one, a ring derives its own). ``appended``'s arrays."""
     base, ring_head, _ = _layout(s.heads, s.capacity, _ring_slots(s))
     B, H = keys.shape[:2]
     slot = base + mx.where(ring_head, at[:, 1:], at[:, :1])  # (B, H): elementwise, fused
@@ -210,7 +213,6 @@ def write_at(s: HeadSlotsKVCache, keys: mx.array, values: mx.array, *, at, posit
         values=mx.put_along_axis(
             s.values, idx, values.reshape(B, H, -1).astype(s.values.dtype), axis=1
         ),
-        positions=mx.put_along_axis(s.positions, slot, positions[:, None], axis=1),
         offset=offset,
         rows=rows,
         max_rows=None if s.max_rows is None else s.max_rows + 1,
@@ -294,7 +296,7 @@ def attend(after: HeadSlotsKVCache, queries: mx.array, scale: float) -> mx.array
     return part.attend(p, p, queries, [None, None], [None, None], scale)  # reads only ``after``
 
 
-ARRAY_FIELDS = ("keys", "values", "positions", "offset", "rows")
+ARRAY_FIELDS = ("keys", "values", "positions", "offset", "rows", "since")
 
 
 def flatten(s: HeadSlotsKVCache) -> tuple[dict, tuple]:

@@ -151,8 +151,12 @@ def _unnamed(prefix: str, flat: dict, static) -> dict | list:
     cls, st = static
     if cls is part.HeadPartitionedKVCache:
         return [_unnamed(f"{prefix}.{i}", flat, k) for i, k in enumerate(st[1])]
-    fields = kv.ARRAY_FIELDS if cls is kv.State else part.rg.ARRAY_FIELDS
-    return {f: flat[f"{prefix}.{f}"] for f in fields}
+    if cls is kv.State:
+        return {f: flat[f"{prefix}.{f}"] for f in kv.ARRAY_FIELDS}
+    ring = {f: flat[f"{prefix}.{f}"] for f in part.rg.ARRAY_FIELDS if f"{prefix}.{f}" in flat}
+    if "since" not in ring:  # written when rings stored a position per slot
+        ring["since"] = part.rg.since_of(flat[f"{prefix}.positions"], ring["offset"], st[0])
+    return ring
 
 
 def save(path, states, metadata: dict | None = None) -> None:

@@ -243,6 +243,41 @@ def test_ring_one_row_write_equals_the_gathered_update(sink):
         r = one
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("sink", [0, 2])
+def test_ring_positions_follow_a_reference_through_updates_and_trims(seed, sink):
+    """Law: the positions a ring derives (from ``offset`` and ``since``) are those a reference
+    holding one position per slot records, through any mix of one-row writes, chunks and
+    per-sequence trims, and each held slot's row is the row of its position."""
+    B, recent, rng = 3, 5, np.random.default_rng(seed)
+    ring, offsets = rg.init(B, 2, 3, sink=sink, recent=recent), [0] * B
+    held = [{} for _ in range(B)]  # per sequence: slot -> position
+
+    def slot(p):
+        return p if p < sink else sink + (p - sink) % recent
+
+    for _ in range(16):
+        if rng.random() < 0.3:
+            offsets = [int(rng.integers(0, o + 1)) for o in offsets]
+            ring = rg.prefix_trim(ring, mx.array(offsets, mx.int32))
+            held = [{j: p for j, p in h.items() if p < o} for h, o in zip(held, offsets)]
+            continue
+        n = int(rng.choice([1, 1, 2, 7]))
+        k = mx.concatenate([rows(n, start=o) for o in offsets], axis=0)
+        ring = rg.update(ring, k, -k)
+        for h, o in zip(held, offsets):
+            h.update({slot(p): p for p in range(o, o + n)})
+        offsets = [o + n for o in offsets]
+    positions = np.array(ring.positions)
+    for b, h in enumerate(held):
+        want = [h.get(j, kv.EMPTY) for j in range(sink + recent)]
+        assert positions[b].tolist() == [want, want], (b, want)
+        on = positions[b, 0] != kv.EMPTY
+        assert np.array_equal(np.array(ring.keys[b, 0, :, 0])[on], positions[b, 0][on])
+    assert ring.offset.tolist() == offsets
+    assert (np.array(ring.since) <= np.array(offsets)).all()
+
+
 def test_ring_write_shares_what_it_derives():
     """``ring.appended`` depends on the offset alone: rings of other heads at that offset take
     it as their own (``FunctionalModel`` derives it once a call for all its layers)."""
@@ -310,11 +345,22 @@ def test_split_rows_gives_each_group_its_heads_in_order(heads, batch):
     assert (part.head_order(heads, 1)[0] is None) == in_order  # no gather when in order
 
 
+def test_take_heads_of_a_ring_keeps_its_rows_and_positions():
+    per_head = rows(9, H=3) * mx.array([1.0, 2.0, 3.0])[:, None, None]  # each head its own
+    full = rg.update(rg.init(1, 3, 3, sink=2, recent=4), per_head, per_head)
+    ring = rg.trim(full, 2)
+    sub = part.take_heads(ring, [2, 0])
+    assert isinstance(sub, rg.StreamingRing) and (sub.sink, sub.recent) == (2, 4)
+    assert mx.array_equal(sub.keys, ring.keys[:, [2, 0]])
+    assert mx.array_equal(sub.positions, ring.positions[:, [2, 0]])
+    assert sub.offset.tolist() == [7]
+
+
 def test_rebuilt_states_equal_constructed_ones():
     s = kv.from_full(rows(6, H=2), rows(6, H=2))
     r = rg.from_state(s, 6, sink=1, recent=3)
-    for state in (s, r, part.partition([part.take_heads(s, [0]), r.replace(keys=r.keys[:, 1:],
-                  values=r.values[:, 1:], positions=r.positions[:, 1:])], [(0,), (1,)])):  # fmt: skip
+    one_head = r.replace(keys=r.keys[:, 1:], values=r.values[:, 1:])
+    for state in (s, r, part.partition([part.take_heads(s, [0]), one_head], [(0,), (1,)])):
         fields = {f: getattr(state, f) for f in type(state).__dataclass_fields__}
         again = kv.rebuilt(type(state), **fields)
         assert type(again) is type(state) and vars(again).keys() == vars(state).keys()
@@ -485,6 +531,24 @@ def test_states_saved_with_empty_free_slots_load_with_their_next_positions(tmp_p
     token = mx.array([[ids[-1]]])
     for a, b in zip(run(states, token), run(again, token)):
         assert mx.array_equal(a, b)
+
+
+def test_rings_saved_with_a_position_per_slot_load_as_they_were(tmp_path):
+    """A file from before rings derived their positions (a ``positions`` array, no ``since``)
+    loads to the same ring, including one a trim left partly empty."""
+    full = rg.update(rg.init(2, 2, 3, sink=2, recent=4), mx.repeat(rows(11), 2, 0),
+                     mx.repeat(rows(11), 2, 0))  # fmt: skip
+    for ring in (full, rg.prefix_trim(full, mx.array([8, 3], mx.int32)), rg.trim(full, 5)):
+        s = kv.from_full(mx.repeat(rows(4, H=1), 2, 0), mx.repeat(rows(4, H=1), 2, 0))
+        layer = part.partition([s, ring], [(0,), (1, 2)])
+        kvfn.tree.save(tmp_path / "new.safetensors", [layer])
+        flat, meta = mx.load(str(tmp_path / "new.safetensors"), return_metadata=True)
+        flat["0.1.positions"] = ring.positions
+        del flat["0.1.since"]
+        mx.save_safetensors(str(tmp_path / "old.safetensors"), flat, metadata=meta)
+        (again,), _ = kvfn.tree.load(tmp_path / "old.safetensors")
+        assert mx.array_equal(again.groups[1].positions, ring.positions)
+        assert again.groups[1].offset.tolist() == ring.offset.tolist()
 
 
 def test_partitioned_states_trim_exactly():
