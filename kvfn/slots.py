@@ -173,8 +173,9 @@ def pack_layers(states) -> tuple:
 
 @lru_cache(maxsize=None)
 def _layout(heads: tuple, capacity: int, ring: int) -> tuple:
-    """Per KV head in model order: its first slot (int32 (n_kv_heads,)) and whether it is a ring
-    head (bool (n_kv_heads,)), and the fused kernel's map (first slot, group) per head, flat."""
+    """Per KV head in model order: its first slot (int32 (n_kv_heads, 1)) and whether it is a
+    ring head (bool (n_kv_heads, 1)), and the fused kernel's map (first slot, group) per head,
+    flat."""
     H0 = len(heads[0])
     base, group = {}, {}
     for i, h in enumerate(heads[0]):
@@ -184,7 +185,8 @@ def _layout(heads: tuple, capacity: int, ring: int) -> tuple:
     n = len(base)
     b = np.array([base[h] for h in range(n)], np.int32)
     g = np.array([group[h] for h in range(n)], np.int32)
-    return mx.array(b), mx.array(g == 1), mx.array(np.stack([b, g], 1).reshape(-1))
+    hmap = np.stack([b, g], 1).reshape(-1)
+    return mx.array(b[:, None]), mx.array(g[:, None] == 1), mx.array(hmap)
 
 
 def appended(s: HeadSlotsKVCache) -> dict:
@@ -205,13 +207,18 @@ def write_at(s: HeadSlotsKVCache, keys: mx.array, values: mx.array, *, at, offse
     when nothing else holds the old buffers; no position (a plain slot at ``rows`` already
     holds the next one, a ring derives its own). ``appended``'s arrays."""
     base, ring_head, _ = _layout(s.heads, s.capacity, _ring_slots(s))
-    B, H = keys.shape[:2]
-    slot = base + mx.where(ring_head, at[:, 1:], at[:, :1])  # (B, H): elementwise, fused
-    idx = slot[..., None]  # (B, H, 1)
+    B, H, _, D = keys.shape
+    plain, ring = at[:, :1, None], at[:, 1:, None]  # (B, 1, 1): the same in every layer
+    slot = base + mx.where(ring_head, ring, plain)  # (B, H, 1)
+    # as wide as the rows within the same fused primitive, so no scatter broadcasts its index
+    wide = slot + mx.zeros((1, 1, D), mx.int32)
     return s.replace(
-        keys=mx.put_along_axis(s.keys, idx, keys.reshape(B, H, -1).astype(s.keys.dtype), axis=1),
+        keys=mx.put_along_axis(s.keys, wide, keys.reshape(B, H, D).astype(s.keys.dtype), axis=1),
         values=mx.put_along_axis(
-            s.values, idx, values.reshape(B, H, -1).astype(s.values.dtype), axis=1
+            s.values,
+            wide if values.shape[3] == D else slot,
+            values.reshape(B, H, -1).astype(s.values.dtype),
+            axis=1,
         ),
         offset=offset,
         rows=rows,

@@ -29,14 +29,15 @@ def same(a, b) -> None:
             assert x.shape == y.shape and np.array_equal(x, y), f
 
 
-def layer(B=3, sink=2, recent=5, C=24, prompt=9, ring_first=False, D=8):
+def layer(B=3, sink=2, recent=5, C=24, prompt=9, ring_first=False, D=8, Dv=8):
     """A two-group layer of 4 KV heads (heads 1, 3 plain, 0, 2 streaming), every head's rows
     distinct, sequences at different offsets (a prefix trim)."""
     rng = np.random.default_rng(0)
     k = mx.array(rng.normal(size=(B, 4, prompt, D)).astype(np.float32))
-    v = mx.array(rng.normal(size=(B, 4, prompt, D)).astype(np.float32))
+    v = mx.array(rng.normal(size=(B, 4, prompt, Dv)).astype(np.float32))
     plain = kv.reserve(kv.from_full(k[:, [1, 3]], v[:, [1, 3]]), C)
-    ring = rg.update(rg.init(B, 2, D, sink=sink, recent=recent), k[:, [0, 2]], v[:, [0, 2]])
+    ring = rg.init(B, 2, D, sink=sink, recent=recent, value_dim=Dv)
+    ring = rg.update(ring, k[:, [0, 2]], v[:, [0, 2]])
     groups, heads = (plain, ring), ((1, 3), (0, 2))
     if ring_first:
         groups, heads = groups[::-1], heads[::-1]
@@ -55,19 +56,22 @@ def test_slots_round_trip_and_store_no_union():
 
 
 @pytest.mark.parametrize("sink", [0, 2])
-def test_slots_one_row_write_equals_the_groups_update(sink):
+@pytest.mark.parametrize("Dv", [8, 4])
+def test_slots_one_row_write_equals_the_groups_update(sink, Dv):
     """Law: a decode step's write (one scatter per array over all heads) equals the two-group
-    update, whatever each sequence's offset (below the sinks, wrapping, after a trim)."""
-    p = part.prefix_trim(layer(sink=sink), mx.array([1, 6, 9], mx.int32))
+    update, whatever each sequence's offset (below the sinks, wrapping, after a trim), with
+    values as wide as the keys or not."""
+    p = part.prefix_trim(layer(sink=sink, Dv=Dv), mx.array([1, 6, 9], mx.int32))
     s = sl.from_partitioned(p)
     rng = np.random.default_rng(1)
     for step in range(12):
         k = mx.array(rng.normal(size=(3, 4, 1, 8)).astype(np.float32))
-        p, s = part.update(p, k, 2 * k), sl.update(s, k, 2 * k)
+        v = mx.array(rng.normal(size=(3, 4, 1, Dv)).astype(np.float32))
+        p, s = part.update(p, k, v), sl.update(s, k, v)
         same(sl.to_partitioned(s), p)
     shared = sl.appended(s)  # what layers in lockstep share
-    k = mx.ones((3, 4, 1, 8))
-    same(sl.to_partitioned(sl.write_at(s, k, k, **shared)), part.update(p, k, k))
+    k, v = mx.ones((3, 4, 1, 8)), mx.ones((3, 4, 1, Dv))
+    same(sl.to_partitioned(sl.write_at(s, k, v, **shared)), part.update(p, k, v))
 
 
 def test_slots_chunks_trims_and_masks_are_the_groups():
