@@ -146,11 +146,14 @@ def packed(states, L: int, room: int) -> tuple:
     return tuple(kvfn.reserve(kvfn.cache.gather(s, idx, packed=True), L + room) for s in states)
 
 
-def primitives_table(model, caches, states, L: int, room: int) -> dict:
+def primitives_table(model, caches, states, L: int, room: int, duo=None) -> dict:
     """Primitives of one decode step: mlx-lm's eager step, kvfn's compiled step over a dense
-    state and over a packed one."""
+    state and over a packed one, and with ``duo`` states, over them and their slots layout."""
     rows = {"mlx-lm": mlx_loop(model, caches), "kvfn dense": kvfn_loop(kvfn.FunctionalModel(model), states),
             "kvfn packed": kvfn_loop(kvfn.FunctionalModel(model), packed(states, L, room))}  # fmt: skip
+    if duo is not None:
+        rows["duo"] = kvfn_loop(kvfn.FunctionalModel(model), duo)
+        rows["duo slots"] = kvfn_loop(kvfn.FunctionalModel(model), slots.pack_layers(duo))
     counts = {}
     for name, build in rows.items():
         mx.eval(build())  # the compiled step traces first
@@ -262,7 +265,8 @@ def main(argv=None):
     p.add_argument("--phases", action="store_true", help="also time build / encode / wait")
     p.add_argument("--ncu", action="store_true", help="one step of each, between markers")
     p.add_argument("--primitives", action="store_true",
-                   help="only count the primitives of one step (dense and packed states)")  # fmt: skip
+                   help="only count the primitives of one step (dense and packed states; "
+                        "with --duo, Duo and slots states too)")  # fmt: skip
     p.add_argument("--duo", type=float, metavar="RATIO",
                    help="add DuoAttention rows (and the slots layout) at this retrieval ratio")  # fmt: skip
     p.add_argument("--read-ncu", metavar="CSV", help="print an --ncu run's kernels per phase")
@@ -280,7 +284,7 @@ def main(argv=None):
               + ", ".join(f"{name} {t:.2f}" for name, t in ms.items()))  # fmt: skip
         return ms
     room = (3 * args.rounds + 1) * 2 * (args.steps + 8)
-    if not args.ncu:
+    if not (args.ncu or args.primitives):
         print(
             f"{args.shape}, {dtype}, ms per step (median of {args.rounds} rounds):"
             "     sync   piped  piped-held"
@@ -289,7 +293,8 @@ def main(argv=None):
     for L in args.lengths:
         caches, states = filled(model, L, room, dtype)
         if args.primitives:
-            counted[L] = primitives_table(model, caches, states, L, room)
+            duo = None if args.duo is None else duo_states(states, args.duo, room)
+            counted[L] = primitives_table(model, caches, states, L, room, duo)
             continue
         fm = kvfn.FunctionalModel(model)
         mlx_build, kvfn_build = mlx_loop(model, caches), kvfn_loop(fm, states)

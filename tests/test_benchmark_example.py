@@ -76,6 +76,21 @@ def test_profile_decode_counts_a_steps_primitives(capsys):
     assert "kvfn packed" in capsys.readouterr().out
 
 
+def test_profile_decode_counts_duo_steps_without_position_writes(capsys):
+    """A Duo step (two groups a layer, or their slots layout) writes only keys and values (a
+    ring derives its positions) and, its layers in lockstep, settles no bookkeeping."""
+    from examples import profile_decode
+    from examples.benchmark_decode import SHAPES
+
+    argv = ["--shape", "tiny", "--lengths", "512", "--primitives", "--duo", "0.5"]
+    (counts,) = profile_decode.main(argv).values()
+    layers = SHAPES["tiny"]["num_hidden_layers"]
+    assert counts["duo slots"]["ScatterAxis"] == 2 * layers
+    assert 2 * layers < counts["duo"]["ScatterAxis"] <= 4 * layers
+    assert counts["duo"]["Depends"] == counts["duo slots"]["Depends"] == 0
+    assert "duo slots" in capsys.readouterr().out
+
+
 def test_profile_decode_times_each_step_and_reads_ncu_csv(capsys, tmp_path):
     from examples import profile_decode
 
