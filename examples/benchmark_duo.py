@@ -9,7 +9,9 @@ Random-weight llama shapes (see benchmark_decode.py) and a random head pattern a
 retrieval ratio; streaming heads keep --sink + --recent rows. Step times are medians of kvfn's
 compiled decode advancing the state (as a decode loop does: the old state's buffers are free to
 be written in place); mlx-lm's eager step over its own full KVCache (trimmed back after each
-step) is the reference. Host ms: building one compiled step's graph.
+step) is the reference. Host ms: building one compiled step's graph. With ``--rounds N`` every
+loop runs N times in turn and each figure is the median of its N (the machine's drift then hits
+all loops alike).
 
 Two step times per state: "sync", each step built then evaluated (host + GPU time add up), and
 "pipelined", a greedy decode loop that builds step t+1 while step t runs (``mx.async_eval``, as
@@ -19,7 +21,9 @@ the head-partitioned state (two groups a layer); "slots" the same rows in one bu
 """
 
 import argparse
+import functools
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -124,6 +128,16 @@ def mlx_step_ms(model, cache, steps: int) -> float:
     return median_ms(step, steps)
 
 
+def interleaved(loops: dict, rounds: int) -> dict:
+    """Each loop's ms, the median over ``rounds`` in which every loop runs once in turn (the
+    shared machine's drift then hits all alike)."""
+    times = {name: [] for name in loops}
+    for _ in range(rounds):
+        for name, loop in loops.items():
+            times[name].append(loop())
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def run(args) -> list:
     dtype = getattr(mx, args.dtype)
     model = random_model(args.shape, False, dtype)
@@ -136,19 +150,20 @@ def run(args) -> list:
         full = kvfn.prefill(fm, mx.array([tokens[:-1]]), capacity=L + ROOM,
                             prefill_step_size=args.chunk)  # fmt: skip
         mx.eval(kvfn.tree.arrays(full))
-        P = L - 1
-        base = dict(mlx_lm_full=mlx_step_ms(model, cache, args.steps),
-                    mlx_lm_full_piped=mlx_piped_ms(model, cache, args.steps),
-                    kvfn_full=step_ms(fm, full, args.steps),
-                    kvfn_full_piped=piped_ms(fm, full, args.steps),
-                    kvfn_full_host=host_ms(fm, full, args.steps))  # fmt: skip
+        P, steps = L - 1, args.steps
+        loops = dict(mlx_lm_full=functools.partial(mlx_step_ms, model, cache, steps),
+                     mlx_lm_full_piped=functools.partial(mlx_piped_ms, model, cache, steps),
+                     kvfn_full=functools.partial(step_ms, fm, full, steps),
+                     kvfn_full_piped=functools.partial(piped_ms, fm, full, steps),
+                     kvfn_full_host=functools.partial(host_ms, fm, full, steps))  # fmt: skip
         full_bytes = sum(kvfn.eviction.kept(s.replace(max_rows=P))[1] for s in full)
+        sizes = {}
         for ratio in args.ratios:
             scores = rng.random((len(full), full[0].keys.shape[1]))
             pattern = kvfn.HeadPattern(scores=scores, sink_size=args.sink, recent_size=args.recent)
             policy = kvfn.Duo.from_pattern(pattern, ratio=ratio)
             states, _ = kvfn.compact_states(full, None, policy, reserve=ROOM)
-            duo_bytes = sum(kvfn.eviction.kept(s)[1] for s in states)
+            sizes[ratio] = sum(kvfn.eviction.kept(s)[1] for s in states)
             masked = union_plus_mask(full, policy, P)
             packed = sl.pack_layers(states)
             mx.eval(kvfn.tree.arrays(packed))
@@ -156,15 +171,17 @@ def run(args) -> list:
             print(
                 f"duo vs slots, one step: max |logit diff| {mx.abs(one[0] - one[1]).max().item():.3g}"
             )
-            row = dict(L=L, ratio=ratio, **base,
-                       union_mask=step_ms(fm, masked, args.steps),
-                       duo=step_ms(fm, states, args.steps),
-                       duo_piped=piped_ms(fm, states, args.steps),
-                       duo_host=host_ms(fm, states, args.steps),
-                       slots=step_ms(fm, packed, args.steps),
-                       slots_piped=piped_ms(fm, packed, args.steps),
-                       slots_host=host_ms(fm, packed, args.steps),
-                       full_mb=full_bytes / 1e6, duo_mb=duo_bytes / 1e6)  # fmt: skip
+            loops[ratio, "union_mask"] = functools.partial(step_ms, fm, masked, steps)
+            for name, s in (("duo", states), ("slots", packed)):
+                loops[ratio, name] = functools.partial(step_ms, fm, s, steps)
+                loops[ratio, name + "_piped"] = functools.partial(piped_ms, fm, s, steps)
+                loops[ratio, name + "_host"] = functools.partial(host_ms, fm, s, steps)
+        cells = interleaved(loops, args.rounds)
+        base = {k: v for k, v in cells.items() if isinstance(k, str)}
+        for ratio in args.ratios:
+            own = {k[1]: v for k, v in cells.items() if k[:1] == (ratio,)}
+            row = dict(L=L, ratio=ratio, **base, **own, full_mb=full_bytes / 1e6,
+                       duo_mb=sizes[ratio] / 1e6)  # fmt: skip
             rows.append(row)
             print_row(row)
     print_table(rows)
@@ -219,12 +236,18 @@ def main(argv=None) -> list:
     p.add_argument("--recent", type=int, default=256)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every loop this many times in turn; report the median")  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
     for r in args.ratios:
         if not 0 <= r <= 1:
             p.error(f"argument --ratios: must be in [0, 1], got {r}")
+    if args.rounds < 1 or not 1 <= args.steps <= ROOM - 5:
+        p.error(
+            f"need --rounds >= 1 and 1 <= --steps <= {ROOM - 5}, got {args.rounds}, {args.steps}"
+        )
     if min(args.lengths) <= args.sink + args.recent:
         p.error(f"argument --lengths: must exceed --sink + --recent = {args.sink + args.recent}")
     rows = run(args)

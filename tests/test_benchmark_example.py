@@ -1,3 +1,4 @@
+import functools
 import re
 
 import mlx.core as mx
@@ -89,6 +90,39 @@ def test_profile_decode_counts_duo_steps_without_position_writes(capsys):
     assert 2 * layers < counts["duo"]["ScatterAxis"] <= 4 * layers
     assert counts["duo"]["Depends"] == counts["duo slots"]["Depends"] == 0
     assert "duo slots" in capsys.readouterr().out
+
+
+def test_benchmark_duo_times_every_loop_in_rounds(capsys, monkeypatch):
+    """benchmark_duo's rows: Duo holds fewer bytes than the full cache, every loop is timed in
+    each round, and bad limits are refused by name."""
+    from examples import benchmark_duo
+
+    argv = ["--shape", "tiny", "--lengths", "300", "--ratios", "0.5", "--sink", "4",
+            "--recent", "16", "--chunk", "128", "--steps", "2"]  # fmt: skip
+    runs, real = [], benchmark_duo.interleaved
+
+    def counted(loops, rounds):
+        def run(name, loop):
+            runs.append(name)
+            return loop()
+
+        return real({k: functools.partial(run, k, v) for k, v in loops.items()}, rounds)
+
+    monkeypatch.setattr(benchmark_duo, "interleaved", counted)
+    (row,) = benchmark_duo.main(argv + ["--rounds", "2"])
+    # the full caches' 5 loops, then union + 2 x (sync, piped, host), in turn, twice
+    assert len(runs) == 2 * 12 and runs[:12] == runs[12:] and len(set(runs)) == 12
+    assert row["duo_mb"] < row["full_mb"]
+    timed = ("mlx_lm_full", "kvfn_full_piped", "union_mask", "duo", "duo_piped", "slots_host")
+    assert all(row[k] > 0 for k in timed)
+    assert "| 300 | 0.50 |" in capsys.readouterr().out
+    for bad, message in (
+        (["--rounds", "0"], "--rounds >= 1"),
+        (["--steps", "60"], "--steps <= 59"),
+    ):
+        with pytest.raises(SystemExit):
+            benchmark_duo.main(argv[:-2] + bad)
+        assert message in capsys.readouterr().err
 
 
 def test_profile_decode_times_each_step_and_reads_ncu_csv(capsys, tmp_path):
