@@ -10,8 +10,9 @@ retrieval ratio; streaming heads keep --sink + --recent rows. Step times are med
 compiled decode advancing the state (as a decode loop does: the old state's buffers are free to
 be written in place); mlx-lm's eager step over its own full KVCache (trimmed back after each
 step) is the reference. Host ms: building one compiled step's graph. With ``--rounds N`` every
-loop runs N times in turn and each figure is the median of its N (the machine's drift then hits
-all loops alike).
+loop of a ratio's row (the full caches' loops too) runs N times in turn and each figure is the
+median of its N (the machine's drift then hits all loops alike); one ratio's states are alive at
+a time.
 
 Two step times per state: "sync", each step built then evaluated (host + GPU time add up), and
 "pipelined", a greedy decode loop that builds step t+1 while step t runs (``mx.async_eval``, as
@@ -151,19 +152,18 @@ def run(args) -> list:
                             prefill_step_size=args.chunk)  # fmt: skip
         mx.eval(kvfn.tree.arrays(full))
         P, steps = L - 1, args.steps
-        loops = dict(mlx_lm_full=functools.partial(mlx_step_ms, model, cache, steps),
-                     mlx_lm_full_piped=functools.partial(mlx_piped_ms, model, cache, steps),
-                     kvfn_full=functools.partial(step_ms, fm, full, steps),
-                     kvfn_full_piped=functools.partial(piped_ms, fm, full, steps),
-                     kvfn_full_host=functools.partial(host_ms, fm, full, steps))  # fmt: skip
+        base = dict(mlx_lm_full=functools.partial(mlx_step_ms, model, cache, steps),
+                    mlx_lm_full_piped=functools.partial(mlx_piped_ms, model, cache, steps),
+                    kvfn_full=functools.partial(step_ms, fm, full, steps),
+                    kvfn_full_piped=functools.partial(piped_ms, fm, full, steps),
+                    kvfn_full_host=functools.partial(host_ms, fm, full, steps))  # fmt: skip
         full_bytes = sum(kvfn.eviction.kept(s.replace(max_rows=P))[1] for s in full)
-        sizes = {}
-        for ratio in args.ratios:
+        for ratio in args.ratios:  # one ratio's states alive at a time
             scores = rng.random((len(full), full[0].keys.shape[1]))
             pattern = kvfn.HeadPattern(scores=scores, sink_size=args.sink, recent_size=args.recent)
             policy = kvfn.Duo.from_pattern(pattern, ratio=ratio)
             states, _ = kvfn.compact_states(full, None, policy, reserve=ROOM)
-            sizes[ratio] = sum(kvfn.eviction.kept(s)[1] for s in states)
+            duo_bytes = sum(kvfn.eviction.kept(s)[1] for s in states)
             masked = union_plus_mask(full, policy, P)
             packed = sl.pack_layers(states)
             mx.eval(kvfn.tree.arrays(packed))
@@ -171,17 +171,14 @@ def run(args) -> list:
             print(
                 f"duo vs slots, one step: max |logit diff| {mx.abs(one[0] - one[1]).max().item():.3g}"
             )
-            loops[ratio, "union_mask"] = functools.partial(step_ms, fm, masked, steps)
+            loops = dict(base, union_mask=functools.partial(step_ms, fm, masked, steps))
             for name, s in (("duo", states), ("slots", packed)):
-                loops[ratio, name] = functools.partial(step_ms, fm, s, steps)
-                loops[ratio, name + "_piped"] = functools.partial(piped_ms, fm, s, steps)
-                loops[ratio, name + "_host"] = functools.partial(host_ms, fm, s, steps)
-        cells = interleaved(loops, args.rounds)
-        base = {k: v for k, v in cells.items() if isinstance(k, str)}
-        for ratio in args.ratios:
-            own = {k[1]: v for k, v in cells.items() if k[:1] == (ratio,)}
-            row = dict(L=L, ratio=ratio, **base, **own, full_mb=full_bytes / 1e6,
-                       duo_mb=sizes[ratio] / 1e6)  # fmt: skip
+                loops[name] = functools.partial(step_ms, fm, s, steps)
+                loops[name + "_piped"] = functools.partial(piped_ms, fm, s, steps)
+                loops[name + "_host"] = functools.partial(host_ms, fm, s, steps)
+            row = dict(L=L, ratio=ratio, **interleaved(loops, args.rounds),
+                       full_mb=full_bytes / 1e6, duo_mb=duo_bytes / 1e6)  # fmt: skip
+            del loops, states, masked, packed, s
             rows.append(row)
             print_row(row)
     print_table(rows)

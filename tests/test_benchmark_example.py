@@ -97,7 +97,7 @@ def test_benchmark_duo_times_every_loop_in_rounds(capsys, monkeypatch):
     each round, and bad limits are refused by name."""
     from examples import benchmark_duo
 
-    argv = ["--shape", "tiny", "--lengths", "300", "--ratios", "0.5", "--sink", "4",
+    argv = ["--shape", "tiny", "--lengths", "300", "--ratios", "0.5", "0.25", "--sink", "4",
             "--recent", "16", "--chunk", "128", "--steps", "2"]  # fmt: skip
     runs, real = [], benchmark_duo.interleaved
 
@@ -109,13 +109,15 @@ def test_benchmark_duo_times_every_loop_in_rounds(capsys, monkeypatch):
         return real({k: functools.partial(run, k, v) for k, v in loops.items()}, rounds)
 
     monkeypatch.setattr(benchmark_duo, "interleaved", counted)
-    (row,) = benchmark_duo.main(argv + ["--rounds", "2"])
-    # the full caches' 5 loops, then union + 2 x (sync, piped, host), in turn, twice
-    assert len(runs) == 2 * 12 and runs[:12] == runs[12:] and len(set(runs)) == 12
-    assert row["duo_mb"] < row["full_mb"]
+    half, quarter = benchmark_duo.main(argv + ["--rounds", "2"])
+    # per ratio: the full caches' 5 loops, then union + 2 x (sync, piped, host), in turn, twice
+    assert len(runs) == 2 * 2 * 12 and len(set(runs)) == 12
+    assert runs[:12] == runs[12:24] == runs[24:36] == runs[36:]
+    assert quarter["duo_mb"] < half["duo_mb"] < half["full_mb"]
     timed = ("mlx_lm_full", "kvfn_full_piped", "union_mask", "duo", "duo_piped", "slots_host")
-    assert all(row[k] > 0 for k in timed)
-    assert "| 300 | 0.50 |" in capsys.readouterr().out
+    assert all(row[k] > 0 for row in (half, quarter) for k in timed)
+    out = capsys.readouterr().out
+    assert "| 300 | 0.50 |" in out and "| 300 | 0.25 |" in out
     for bad, message in (
         (["--rounds", "0"], "--rounds >= 1"),
         (["--steps", "60"], "--steps <= 59"),
