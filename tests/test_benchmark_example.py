@@ -127,6 +127,31 @@ def test_benchmark_duo_times_every_loop_in_rounds(capsys, monkeypatch):
         assert message in capsys.readouterr().err
 
 
+def test_profile_host_times_a_chain_of_each_kind(capsys):
+    """profile_host's chains hold the primitives they claim (so the slope is per primitive), a
+    scatter chain writes the row, and kinds this backend lacks or does not know are named."""
+    from examples import profile_decode, profile_host
+
+    for kind, name in (("slice", "Slice"), ("gather", "GatherAxis"), ("scatter", "ScatterAxis"),
+                       ("reshape", "Reshape"), ("depends", "Depends")):  # fmt: skip
+        x, aux = profile_host._inputs(kind, 6)
+        counts = profile_decode.primitives([profile_host.chain(kind, 6)(x, aux)])
+        assert counts[name] == 6 * profile_host.PER_LINK.get(kind, 1), (kind, counts)
+    x, aux = profile_host._inputs("scatter", 3)
+    assert profile_host.chain("scatter", 3)(x, aux)[0].tolist() == [1.0] * profile_host.WIDTH
+    out = profile_host.main(["--kinds", "slice", "scatter", "custom", "--lengths", "4", "8",
+                             "--steps", "2"])  # fmt: skip
+    assert set(out) == {"slice", "scatter"} | ({"custom"} if profile_host.on_cuda() else set())
+    assert all(set(v) == set(profile_host.PHASES) for v in out.values())
+    printed = capsys.readouterr().out
+    assert "| scatter |" in printed and ("CUDA only" in printed) != profile_host.on_cuda()
+    for bad, message in ((["--kinds", "nope"], "unknown \\['nope'\\]"),
+                         (["--lengths", "8", "4"], "0 < SHORT < LONG")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            profile_host.main(bad)
+        assert re.search(message, capsys.readouterr().err)
+
+
 def test_profile_decode_times_each_step_and_reads_ncu_csv(capsys, tmp_path):
     from examples import profile_decode
 
