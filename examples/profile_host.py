@@ -41,7 +41,8 @@ PHASES = ("build", "encode", "wait")
 
 
 def _custom(padding: int):
-    source = "uint i = thread_position_in_grid.x; y[i] = x[i] + 1;\n" + "// pad\n" * padding
+    source = "int i = blockIdx.x * blockDim.x + threadIdx.x;\ny[i] = x[i] + 1.0f;\n"
+    source += "// pad\n" * padding
     kernel = mx.fast.cuda_kernel(name=f"kvfn_host_probe_{padding}", input_names=["x"],
                                  output_names=["y"], source=source)  # fmt: skip
 
