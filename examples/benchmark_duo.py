@@ -41,6 +41,7 @@ from examples.benchmark_decode import (  # noqa: E402
     pipelined_ms,
     random_model,
 )
+from examples.profile_decode import kvfn_loop, mlx_loop  # noqa: E402
 from kvfn import cache as kv  # noqa: E402
 from kvfn import slots as sl  # noqa: E402
 
@@ -81,25 +82,11 @@ def piped_ms(fm, states, steps: int) -> float:
     runs (``mx.async_eval``, as mlx-lm's generate_step)."""
     if steps + 5 > ROOM:
         raise ValueError(f"at most {ROOM - 5} steps, got {steps}")
-    box = [mx.array([[1]]), tuple(states)]
-
-    def build():
-        logits, box[1] = fm.decode(box[0], box[1])
-        box[0] = mx.argmax(logits, axis=-1)[:, None]
-        return [box[0], *kvfn.tree.arrays(box[1])]
-
-    return pipelined_ms(build, steps)
+    return pipelined_ms(kvfn_loop(fm, states), steps)
 
 
 def mlx_piped_ms(model, cache, steps: int) -> float:
-    box = [mx.array([[1]])]
-
-    def build():
-        logits = model(box[0], cache=cache)
-        box[0] = mx.argmax(logits[:, -1], axis=-1)[:, None]
-        return [box[0]]
-
-    ms = pipelined_ms(build, steps)
+    ms = pipelined_ms(mlx_loop(model, cache), steps)
     for c in cache:
         c.trim(steps + 4)  # back to the prompt
     return ms
