@@ -170,6 +170,8 @@ def update_split(state: HeadPartitionedKVCache, keys: list, values: list, derive
         else:
             bound = kv.grown_bound(g, k.shape[2])
             groups.append(kv.append_at(g, k, v, **shared, max_rows=bound))
+    offset = groups[0].offset  # equal in every group: one array, which the next step reads
+    groups[1:] = [g if g.offset is offset else g.replace(offset=offset) for g in groups[1:]]
     return state.replace(groups=tuple(groups))
 
 

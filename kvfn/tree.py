@@ -94,12 +94,6 @@ def leaves(arrays, skip=()) -> list:
     return [arrays]
 
 
-def bookkeeping(state) -> list:
-    """A state's arrays other than its rows' keys and values: the positions and counters a step
-    writes, which its attention need not read."""
-    return leaves(flatten(state)[0], skip=("keys", "values"))
-
-
 def arrays(states) -> list:
     """Every array of a state or a sequence of states (e.g. for ``mx.eval``). A pipelined
     decode loop should ``mx.async_eval`` only its token: queued arrays stay alive until their

@@ -200,7 +200,6 @@ class _PartitionedAdapter:
     def __init__(self, state, n_heads: int, call: _Call, scale=None, scores=None, queries=None):
         self.state, self.before, self.rows, self.call = state, None, None, call
         self.query_slice, self.queries, self.queries_in = None, None, None
-        self.lockstep = False  # whether every group took the call's shared counters
 
     @property
     def offset(self):
@@ -214,17 +213,14 @@ class _PartitionedAdapter:
 
     def update_and_fetch(self, keys, values):
         self.rows = part.split_rows(self.state, keys, values)  # split once, for both
-        n, derived = keys.shape[2], self.call.group_derived
-        self.lockstep = all(derived(g, n) is not None for g in self.state.groups)
-        new = part.update_split(self.state, *self.rows, derived=derived)
+        new = part.update_split(self.state, *self.rows, derived=self.call.group_derived)
         self.before, self.state = self.state, new
         return keys, values  # the new rows only: ``attend`` reads the groups
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if sinks is not None:
             raise TypeError("kvfn's head-partitioned states do not support attention sinks")
-        out = part.attend(self.before, self.state, queries, *self.rows, scale)
-        return out if self.lockstep else _with_bookkeeping(out, self.state)
+        return part.attend(self.before, self.state, queries, *self.rows, scale)
 
 
 class _SlotsAdapter(_PartitionedAdapter):
@@ -244,28 +240,15 @@ class _SlotsAdapter(_PartitionedAdapter):
             self.state = sl.update(self.state, keys, values)
         else:
             self.state = sl.write_at(self.state, keys, values, **shared)
-        self.before, self.lockstep = None, shared is not None
+        self.before = None
         return keys, values
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if sinks is not None:
             raise TypeError("kvfn's head-slots states do not support attention sinks")
         if self.before is None:
-            out = sl.attend(self.state, queries, scale)
-        else:
-            out = part.attend(*self.before, queries, *self.rows, scale)
-        return out if self.lockstep else _with_bookkeeping(out, self.state)
-
-
-def _with_bookkeeping(out, state):
-    """``out`` once ``state``'s positions and counters are written too. A group that derives its
-    own counters (not in lockstep) writes an offset every step that no step reads (a second
-    group's), so a decode loop that evaluates only its tokens would grow a lazy chain of those
-    writes, one link a step; here each layer's attention settles its own, mid-step (a
-    dependency at the step's end would hold them until the step completes, and the next step's
-    writes into them would copy). Layers whose groups all take the call's shared counters need
-    none: the next step derives its own from those."""
-    return mx.depends(out, tree.bookkeeping(state))
+            return sl.attend(self.state, queries, scale)
+        return part.attend(*self.before, queries, *self.rows, scale)
 
 
 ADAPTERS = {

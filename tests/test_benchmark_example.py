@@ -79,7 +79,7 @@ def test_profile_decode_counts_a_steps_primitives(capsys):
 
 def test_profile_decode_counts_duo_steps_without_position_writes(capsys):
     """A Duo step (two groups a layer, or their slots layout) writes only keys and values (a
-    ring derives its positions) and, its layers in lockstep, settles no bookkeeping."""
+    ring derives its positions) and takes no dependency to settle what it writes."""
     from examples import profile_decode
     from examples.benchmark_decode import SHAPES
 
