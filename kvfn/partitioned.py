@@ -115,23 +115,25 @@ def from_keep_sets(state: kv.State, keep: Sequence) -> HeadPartitionedKVCache:
 @lru_cache(maxsize=None)
 def head_order(heads: tuple, rep: int) -> tuple:
     """For groups of KV heads ``heads``, each head ``rep`` rows (its query heads, or 1): the
-    permutation that lists the rows group after group, each group's range in it, and the
-    permutation back (both None when the rows already are in that order). Cached: a decode
-    step asks for the same every layer."""
+    permutation that lists the rows group after group (shaped (1, rows, 1, 1), to index the
+    head axis of (B, rows, n, D) arrays), each group's range in it, and the permutation back,
+    (rows,) (both None when the rows already are in that order). Cached: a decode step asks
+    for the same every layer."""
     order = [h * rep + r for hs in heads for h in hs for r in range(rep)]
     ends = np.cumsum([len(hs) * rep for hs in heads]).tolist()
     ranges = tuple(zip([0] + ends[:-1], ends))
     if order == sorted(order):
         return None, ranges, None
-    return mx.array(order, mx.int32), ranges, mx.array(np.argsort(order), mx.int32)
+    index = mx.array(np.array(order, np.int32).reshape(1, -1, 1, 1))
+    return index, ranges, mx.array(np.argsort(order), mx.int32)
 
 
 def by_group(x: mx.array, heads: tuple, rep: int = 1) -> list:
-    """``x`` (B, n_kv_heads * rep, ...) as each group's rows: one gather at most, then slices."""
+    """``x`` (B, n_kv_heads * rep, n, D) as each group's rows: one gather at most, then
+    slices."""
     order, ranges, _ = head_order(tuple(heads), rep)
     if order is not None:  # along an axis: one primitive (a take adds a transpose and squeeze)
-        index = order.reshape(1, -1, *(1,) * (x.ndim - 2))
-        x = mx.take_along_axis(x, mx.broadcast_to(index, x.shape), axis=1)
+        x = mx.take_along_axis(x, mx.broadcast_to(order, x.shape), axis=1)
     return [x[:, a:b] for a, b in ranges]
 
 
