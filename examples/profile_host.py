@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvfn  # noqa: F401,E402  isort: skip  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
 
-from kvfn.kernels import on_cuda  # noqa: E402
+from kvfn.kernels import cuda_kernel, on_cuda  # noqa: E402
 
 ROWS, WIDTH = 64, 256
 PHASES = ("build", "encode", "wait")
@@ -43,8 +43,7 @@ PHASES = ("build", "encode", "wait")
 def _custom(padding: int):
     source = "int i = blockIdx.x * blockDim.x + threadIdx.x;\ny[i] = x[i] + 1.0f;\n"
     source += "// pad\n" * padding
-    kernel = mx.fast.cuda_kernel(name=f"kvfn_host_probe_{padding}", input_names=["x"],
-                                 output_names=["y"], source=source)  # fmt: skip
+    kernel = cuda_kernel(f"kvfn_host_probe_{padding}", ["x"], ["y"], source, header="")
 
     def step(x, aux):
         (y,) = kernel(inputs=[x], grid=(x.size, 1, 1), threadgroup=(256, 1, 1),

@@ -254,6 +254,8 @@ class BatchHeadGroupsKVCache:
             mask = group.make_mask(n, return_array=True)
             k, v = group.update_and_fetch(new_keys, new_values)
             pending.append((k, v, self._window_mask(g, mask, n)))
+        for group in self.groups[1:]:  # only the first group's offset is read (by RoPE)
+            group.offset = mx.array(self.groups[0].offset)  # a handle of its own, one node
         self._pending = pending
         return keys, values  # the new rows only: ``attend`` reads the groups
 

@@ -94,6 +94,22 @@ def leaves(arrays, skip=()) -> list:
     return [arrays]
 
 
+def _replaced(arrays, key: str, value):
+    if isinstance(arrays, dict):
+        return {k: value if k == key else _replaced(v, key, value) for k, v in arrays.items()}
+    if isinstance(arrays, (list, tuple)):
+        return [_replaced(v, key, value) for v in arrays]
+    return arrays
+
+
+def with_offset(state, offset: mx.array):
+    """``state`` with ``offset`` as its offset array (each group's, for a partitioned layer). The
+    layers of a model hold equal offsets; one array for all of them is one that the next step's
+    RoPE reads, so no layer's offset grows a lazy chain that no step evaluates."""
+    arrays, static, host = flatten(state)
+    return unflatten(_replaced(arrays, "offset", offset), static, host)
+
+
 def arrays(states) -> list:
     """Every array of a state or a sequence of states (e.g. for ``mx.eval``). A pipelined
     decode loop should ``mx.async_eval`` only its token: queued arrays stay alive until their

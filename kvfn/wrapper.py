@@ -559,7 +559,10 @@ class FunctionalModel:
                                     scores[i] if scored else None,
                                     queries if scored else None))  # fmt: skip
         logits = self._model(tokens, cache=adapters)
-        return logits, tuple(a.state for a in adapters), adapters
+        offset = adapters[0].state.offset  # equal in every layer: one array for all
+        new = tuple(a.state if a.state.offset is offset else tree.with_offset(a.state, offset)
+                    for a in adapters)  # fmt: skip
+        return logits, new, adapters
 
     def forward(self, tokens, states) -> tuple:
         """Eager: logits (B, n, vocab) and new states."""

@@ -197,6 +197,34 @@ def test_duo_batched_logits_equal_kvfn(smol, windowed):
     assert (max(gaps) < 1e-3) == windowed, max(gaps)
 
 
+def test_per_head_batch_caches_leave_no_growing_chain():
+    """A token-only batched decode (mlx-lm's BatchGenerator evaluates only tokens) leaves each
+    per-head batch cache's group offsets with a bounded graph: only the first group's is read
+    (by RoPE), and the others are handles of it."""
+    from examples.profile_decode import primitives
+    from kvfn.batch import BatchHeadGroupsKVCache
+    from kvfn.duo import Duo
+    from kvfn.wrapper import attending_copy
+    from tests.test_duo import PATTERN
+    from tests.tiny import tiny_model
+
+    model = tiny_model("llama")
+    fm, copy_ = kvfn.FunctionalModel(model), attending_copy(model)
+    ids = np.random.default_rng(4).integers(0, 97, 50).tolist()
+    policy = Duo(retrieval=PATTERN, sink_tokens=2, recent=4)
+    pending = []
+    for steps in (5, 30):
+        states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=40)
+        batch = [BatchHeadGroupsKVCache.merge([c]) for c in head_groups(policy, states)]
+        token = mx.array([[ids[-1]]])
+        for _ in range(steps):
+            token = mx.argmax(copy_(token, cache=batch)[:, -1], axis=-1)[:, None]
+            token.item()
+        offsets = [g.offset for b in batch for g in b.groups]
+        pending.append(max(sum(primitives([o]).values()) for o in offsets))
+    assert pending[0] == pending[1], pending
+
+
 def test_attending_copy_is_the_model_for_plain_caches(smol):
     from mlx_lm.models.cache import make_prompt_cache
 

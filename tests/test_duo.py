@@ -129,15 +129,20 @@ def _pending(arrays) -> int:
     return max(sum(primitives([a]).values()) for a in arrays)
 
 
-@pytest.mark.parametrize("policy, slots", [("duo", False), ("duo", True), ("adakv", False)],
-                         ids=["duo", "duo-slots", "adakv"])  # fmt: skip
-def test_a_token_only_loop_leaves_no_growing_chain_in_per_head_states(policy, slots):
+@pytest.mark.parametrize("family, policy, slots", [
+    ("llama", "duo", False), ("llama", "duo", True), ("llama", "adakv", False),
+    ("smollm3", "adakv", False), ("smollm3", "pyramidkv", False),
+], ids=["duo", "duo-slots", "adakv", "adakv-nope", "pyramidkv-nope"])  # fmt: skip
+def test_a_token_only_loop_leaves_no_growing_chain(family, policy, slots):
     """A decode loop that evaluates only its tokens (as a pipelined one must) leaves every state
-    array with a bounded graph: no group carries a counter that no step reads."""
-    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    array with a bounded graph: no layer or group carries a counter that no step reads, also
+    where a layer applies no RoPE (smollm3's every other layer here), whose offset only the
+    other layers' RoPE reads."""
+    fm = kvfn.FunctionalModel(tiny_model(family))
     ids = np.random.default_rng(4).integers(0, 97, 50).tolist()
-    chosen = Duo(retrieval=PATTERN, sink_tokens=2, recent=4) if policy == "duo" else \
-        kvfn.AdaKV(budget=16, window=4, sink_tokens=2)  # fmt: skip
+    chosen = {"duo": Duo(retrieval=PATTERN, sink_tokens=2, recent=4),
+              "adakv": kvfn.AdaKV(budget=16, window=4, sink_tokens=2),
+              "pyramidkv": kvfn.PyramidKV(budget=16, window=4, sink_tokens=2)}[policy]  # fmt: skip
     start, _ = kvfn.compact(fm, ids, chosen, max_new_tokens=40)
     if slots:  # a Duo layer's plain group and ring in one buffer
         start = kvfn.slots.pack_layers(start)

@@ -18,6 +18,8 @@ FAMILIES = {
     "gemma3_text": dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
                         head_dim=16, sliding_window=8, sliding_window_pattern=2,
                         query_pre_attn_scalar=16.0),
+    "smollm3": dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    rope_theta=10000.0, no_rope_layer_interval=2),  # every 2nd layer without RoPE
 }  # fmt: skip
 
 
