@@ -8,8 +8,9 @@ KV heads of group g; together they are every head once. Nothing stores the union
 rows: attention runs per group over the group's rows and the outputs are put back in head
 order, which is exact (a query head only ever reads its own KV head).
 
-Every group records each row's true position and the true ``offset`` (equal in all groups), so
-prefix trims and rollback stay exact, as for the plain state.
+Every group knows each row's true position (a plain group records it, a ring derives it) and
+the true ``offset``, equal in all groups (after an append, one array), so prefix trims and
+rollback stay exact, as for the plain state.
 """
 
 from functools import lru_cache
