@@ -277,6 +277,16 @@ def own_copy(states) -> tuple:
                            positions=mx.array(s.positions)) for s in states)  # fmt: skip
 
 
+def interleaved(timers: dict, rounds: int) -> dict:
+    """Each timer's result (ms), the median over ``rounds`` in which every timer runs once in
+    turn (the shared machine's drift then hits all alike)."""
+    times = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            times[name].append(timer())
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def decode_rows(model, fm, lengths, budgets, chunk, steps, weights, rounds=3):
     """Every step below is timed once a round, the rounds interleaved (a shared machine's load
     moves between them); each figure is the median over rounds of a round's median."""
@@ -329,11 +339,7 @@ def decode_rows(model, fm, lengths, budgets, chunk, steps, weights, rounds=3):
                 ("mlx_piped", R): lambda b=small(): pipelined_ms(b, steps),
             })  # fmt: skip
             del states
-        times = {name: [] for name in timers}
-        for _ in range(rounds):
-            for name, timer in timers.items():
-                times[name].append(timer())
-        t = {name: statistics.median(ts) for name, ts in times.items()}
+        t = interleaved(timers, rounds)
         del timers
         for R, kept_kv in kept.items():
             rows.append(dict(

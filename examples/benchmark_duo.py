@@ -24,7 +24,6 @@ the head-partitioned state (two groups a layer); "slots" the same rows in one bu
 import argparse
 import functools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,12 +35,13 @@ import numpy as np  # noqa: E402
 
 from examples.benchmark_decode import (  # noqa: E402
     SHAPES,
+    interleaved,
     median_ms,
     mlx_prefill,
     pipelined_ms,
     random_model,
 )
-from examples.profile_decode import kvfn_loop, mlx_loop  # noqa: E402
+from examples.profile_decode import duo_policy, kvfn_loop, mlx_loop  # noqa: E402
 from kvfn import cache as kv  # noqa: E402
 from kvfn import slots as sl  # noqa: E402
 
@@ -116,16 +116,6 @@ def mlx_step_ms(model, cache, steps: int) -> float:
     return median_ms(step, steps)
 
 
-def interleaved(loops: dict, rounds: int) -> dict:
-    """Each loop's ms, the median over ``rounds`` in which every loop runs once in turn (the
-    shared machine's drift then hits all alike)."""
-    times = {name: [] for name in loops}
-    for _ in range(rounds):
-        for name, loop in loops.items():
-            times[name].append(loop())
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def run(args) -> list:
     dtype = getattr(mx, args.dtype)
     model = random_model(args.shape, False, dtype)
@@ -146,9 +136,7 @@ def run(args) -> list:
                     kvfn_full_host=functools.partial(host_ms, fm, full, steps))  # fmt: skip
         full_bytes = sum(kvfn.eviction.kept(s.replace(max_rows=P))[1] for s in full)
         for ratio in args.ratios:  # one ratio's states alive at a time
-            scores = rng.random((len(full), full[0].keys.shape[1]))
-            pattern = kvfn.HeadPattern(scores=scores, sink_size=args.sink, recent_size=args.recent)
-            policy = kvfn.Duo.from_pattern(pattern, ratio=ratio)
+            policy = duo_policy(full, ratio, rng, args.sink, args.recent)
             states, _ = kvfn.compact_states(full, None, policy, reserve=ROOM)
             duo_bytes = sum(kvfn.eviction.kept(s)[1] for s in states)
             masked = union_plus_mask(full, policy, P)

@@ -120,15 +120,25 @@ def check_duo(p, ratio, lengths, flag: str) -> None:
         p.error(f"argument {flag}: with --duo each must exceed {SINK + RECENT}, got {lengths}")
 
 
+def duo_policy(states, ratio: float, rng, sink: int = SINK, recent: int = RECENT) -> kvfn.Duo:
+    """DuoAttention at ``ratio`` over a random head pattern (``rng``'s) for ``states``' layers."""
+    scores = rng.random((len(states), states[0].keys.shape[1]))
+    pattern = kvfn.HeadPattern(scores=scores, sink_size=sink, recent_size=recent)
+    return kvfn.Duo.from_pattern(pattern, ratio=ratio)
+
+
 def duo_states(states, ratio: float, room: int, seed: int = 0) -> tuple:
     """DuoAttention's states of ``states`` (full prompts), a random head pattern at ``ratio``."""
-    rng = np.random.default_rng(seed)
-    scores = rng.random((len(states), states[0].keys.shape[1]))
-    pattern = kvfn.HeadPattern(scores=scores, sink_size=SINK, recent_size=RECENT)
-    policy = kvfn.Duo.from_pattern(pattern, ratio=ratio)
+    policy = duo_policy(states, ratio, np.random.default_rng(seed))
     out, _ = kvfn.compact_states(states, None, policy, reserve=room)
     mx.eval(kvfn.tree.arrays(out))
     return out
+
+
+def duo_rows(model, duo) -> dict:
+    """Decode loops over Duo states and over the same rows in the slots layout."""
+    return {"duo": kvfn_loop(kvfn.FunctionalModel(model), duo),
+            "duo slots": kvfn_loop(kvfn.FunctionalModel(model), slots.pack_layers(duo))}  # fmt: skip
 
 
 def primitives(outputs) -> collections.Counter:
@@ -152,8 +162,7 @@ def primitives_table(model, caches, states, L: int, room: int, duo=None) -> dict
     rows = {"mlx-lm": mlx_loop(model, caches), "kvfn dense": kvfn_loop(kvfn.FunctionalModel(model), states),
             "kvfn packed": kvfn_loop(kvfn.FunctionalModel(model), packed(states, L, room))}  # fmt: skip
     if duo is not None:
-        rows["duo"] = kvfn_loop(kvfn.FunctionalModel(model), duo)
-        rows["duo slots"] = kvfn_loop(kvfn.FunctionalModel(model), slots.pack_layers(duo))
+        rows.update(duo_rows(model, duo))
     counts = {}
     for name, build in rows.items():
         mx.eval(build())  # the compiled step traces first
@@ -320,8 +329,7 @@ def main(argv=None):
                 STAGES=st
             )  # fmt: skip
         if duo is not None:
-            rows["duo"] = kvfn_loop(kvfn.FunctionalModel(model), duo)
-            rows["duo slots"] = kvfn_loop(kvfn.FunctionalModel(model), slots.pack_layers(duo))
+            rows.update(duo_rows(model, duo))
             del duo
         if args.phases:
             for name, build in rows.items():

@@ -24,9 +24,7 @@ custom      an ``mx.fast.cuda_kernel`` adding one (CUDA only); ``custom-6k`` the
 """
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvfn  # noqa: F401,E402  isort: skip  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
 
+from examples.benchmark_decode import check_at_least  # noqa: E402
+from examples.profile_decode import phases_ms  # noqa: E402
 from kvfn.kernels import cuda_kernel, on_cuda  # noqa: E402
 
 ROWS, WIDTH = 64, 256
@@ -98,25 +98,20 @@ def _inputs(kind: str, n: int) -> tuple:
 
 
 def phases(kind: str, n: int, steps: int) -> list:
-    """Median seconds of build / encode / wait of a chain of n links over ``steps`` calls
-    (after two to warm up). A chain that keeps its input's shape is fed its last result, so a
-    scatter writes in place, as a decode loop's does."""
+    """Median ms of build / encode / wait of a chain of n links (``profile_decode.phases_ms``).
+    A chain that keeps its input's shape is fed its last result, so a scatter writes in place,
+    as a decode loop's does."""
     fn, (x, aux) = chain(kind, n), _inputs(kind, n)
-    times = []
-    for _ in range(steps + 2):
-        mx.synchronize()
-        t0 = time.perf_counter()
-        y = fn(x, aux)
-        t1 = time.perf_counter()
-        mx.async_eval(y)
-        t2 = time.perf_counter()
-        mx.eval(y)
-        t3 = time.perf_counter()
-        if y.shape == x.shape:
-            x = y
-        del y
-        times.append((t1 - t0, t2 - t1, t3 - t2))
-    return [statistics.median(t[p] for t in times[2:]) for p in range(3)]
+    box = [x]
+    del x
+
+    def build():
+        y = fn(box[0], aux)
+        if y.shape == box[0].shape:
+            box[0] = y
+        return y
+
+    return phases_ms(build, steps)
 
 
 def per_primitive(kind: str, lengths: tuple, steps: int) -> dict:
@@ -124,7 +119,7 @@ def per_primitive(kind: str, lengths: tuple, steps: int) -> dict:
     short, long = lengths
     a, b = phases(kind, short, steps), phases(kind, long, steps)
     primitives = (long - short) * PER_LINK.get(kind, 1)
-    return {p: 1e6 * (tb - ta) / primitives for p, ta, tb in zip(PHASES, a, b)}
+    return {p: 1e3 * (tb - ta) / primitives for p, ta, tb in zip(PHASES, a, b)}
 
 
 def main(argv=None) -> dict:
@@ -139,8 +134,7 @@ def main(argv=None) -> dict:
     short, long = args.lengths
     if not 0 < short < long:
         p.error(f"argument --lengths: need 0 < SHORT < LONG, got {short} {long}")
-    if args.steps < 1:
-        p.error(f"argument --steps: must be >= 1, got {args.steps}")
+    check_at_least(p, "steps", [args.steps])
     print(f"{mx.default_device()}: us per primitive, chains of {short} and {long} links")
     print("| kind | build | encode | wait |")
     print("|---|---|---|---|")

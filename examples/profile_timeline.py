@@ -84,12 +84,21 @@ def merged(intervals: list) -> list:
     return out
 
 
+def runs_of(calls: list) -> list:
+    """The disjoint (start, stop) us runs that ``calls``, (name, start us, duration us), cover."""
+    return merged([(t, t + d) for _, t, d in calls])
+
+
+def covered_us(runs: list) -> float:
+    return sum(stop - start for start, stop in runs)
+
+
 def summary(kernels: list, steps: int, wall_s: float, api: list = ()) -> dict:
     """Per-step figures of ``kernels`` and the host's CUDA ``api`` calls, lists of (name,
     start us, duration us)."""
-    runs = merged([(t, t + d) for _, t, d in kernels])
+    runs = runs_of(kernels)
     span = runs[-1][1] - runs[0][0] if runs else 0.0
-    busy = sum(stop - start for start, stop in runs)
+    busy = covered_us(runs)
     by_class = {}
     for name, _, d in kernels:
         c = kernel_class(name)
@@ -106,7 +115,7 @@ def summary(kernels: list, steps: int, wall_s: float, api: list = ()) -> dict:
         idle_in_gaps_over_20us_ms=sum(g for g in gaps if g > 20) / steps / 1e3,
         classes_ms={c: t / steps / 1e3 for c, t in sorted(by_class.items())},
         names=named(kernels, steps),
-        api_ms=sum(b - a for a, b in merged([(t, t + d) for _, t, d in api])) / steps / 1e3,
+        api_ms=covered_us(runs_of(api)) / steps / 1e3,
         api=named(api, steps),
     )
 

@@ -9,8 +9,8 @@ rows: attention runs per group over the group's rows and the outputs are put bac
 order, which is exact (a query head only ever reads its own KV head).
 
 Every group knows each row's true position (a plain group records it, a ring derives it) and
-the true ``offset``, equal in all groups (after an append, one array), so prefix trims and
-rollback stay exact, as for the plain state.
+the true ``offset`` (equal in all groups), so prefix trims and rollback stay exact, as for the
+plain state.
 """
 
 from functools import lru_cache
@@ -173,8 +173,6 @@ def update_split(state: HeadPartitionedKVCache, keys: list, values: list, derive
         else:
             bound = kv.grown_bound(g, k.shape[2])
             groups.append(kv.append_at(g, k, v, **shared, max_rows=bound))
-    offset = groups[0].offset  # equal in every group: one array, which the next step reads
-    groups[1:] = [g if g.offset is offset else g.replace(offset=offset) for g in groups[1:]]
     return state.replace(groups=tuple(groups))
 
 

@@ -92,16 +92,18 @@ def slot_positions(sink: int, recent: int, offset: mx.array, since: mx.array) ->
     return p, held
 
 
+def slot_of(position: mx.array, sink: int, recent: int) -> mx.array:
+    """The slot a position takes: its own below ``sink``, else the ring slot of the position
+    ``recent`` before it."""
+    slot = sink + (position - sink) % recent
+    return mx.where(position < sink, position, slot) if sink else slot
+
+
 def appended(ring: StreamingRing) -> dict:
     """What appending one row derives from ``offset`` alone: the slot (B,) that position
-    ``offset`` takes (it is a sink's, or the ring slot of the position ``recent`` before it)
-    and the new ``offset``. Rings of one ``sink`` and ``recent`` at the same offset (the layers
-    of a model) share it."""
-    p = ring.offset
-    slot = ring.sink + (p - ring.sink) % ring.recent
-    if ring.sink:
-        slot = mx.where(p < ring.sink, p, slot)
-    return dict(slots=slot, offset=p + 1)
+    ``offset`` takes and the new ``offset``. Rings of one ``sink`` and ``recent`` at the same
+    offset (the layers of a model) share it."""
+    return dict(slots=slot_of(ring.offset, ring.sink, ring.recent), offset=ring.offset + 1)
 
 
 def write_at(ring: StreamingRing, keys: mx.array, values: mx.array, *, slots,

@@ -194,10 +194,8 @@ def appended(s: HeadSlotsKVCache) -> dict:
     (sink, recent) at one offset and row count: per sequence the plain slot and the ring slot
     (B, 2), and the new ``offset`` and ``rows``."""
     B, p = s.offset.shape[0], s.offset
-    ring = s.sink + (p - s.sink) % s.recent  # as ``ring.appended``
-    if s.sink:
-        ring = mx.where(p < s.sink, p, ring)
     plain = mx.broadcast_to(s.rows.reshape(-1), (B,))
+    ring = rg.slot_of(p, s.sink, s.recent)
     return dict(at=mx.stack([plain, ring], axis=1), offset=p + 1, rows=s.rows + 1)
 
 

@@ -84,13 +84,12 @@ def advanced(static, host, n: int):
     return KINDS[static[0]].advanced(host, n)
 
 
-def leaves(arrays, skip=()) -> list:
-    """The arrays of a flattened state (dicts and lists of them), but those under a key in
-    ``skip``."""
+def leaves(arrays) -> list:
+    """The arrays of a flattened state (dicts and lists of them)."""
     if isinstance(arrays, dict):
-        return [a for k, v in arrays.items() if k not in skip for a in leaves(v, skip)]
+        return [a for v in arrays.values() for a in leaves(v)]
     if isinstance(arrays, (list, tuple)):
-        return [a for v in arrays for a in leaves(v, skip)]
+        return [a for v in arrays for a in leaves(v)]
     return [arrays]
 
 
@@ -107,7 +106,10 @@ def with_offset(state, offset: mx.array):
     layers of a model hold equal offsets; one array for all of them is one that the next step's
     RoPE reads, so no layer's offset grows a lazy chain that no step evaluates."""
     arrays, static, host = flatten(state)
-    return unflatten(_replaced(arrays, "offset", offset), static, host)
+    new = _replaced(arrays, "offset", offset)
+    if all(a is b for a, b in zip(leaves(arrays), leaves(new))):
+        return state
+    return unflatten(new, static, host)
 
 
 def arrays(states) -> list:

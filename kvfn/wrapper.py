@@ -559,10 +559,8 @@ class FunctionalModel:
                                     scores[i] if scored else None,
                                     queries if scored else None))  # fmt: skip
         logits = self._model(tokens, cache=adapters)
-        offset = adapters[0].state.offset  # equal in every layer: one array for all
-        new = tuple(a.state if a.state.offset is offset else tree.with_offset(a.state, offset)
-                    for a in adapters)  # fmt: skip
-        return logits, new, adapters
+        offset = adapters[0].state.offset  # equal in every layer and group: one array for all
+        return logits, tuple(tree.with_offset(a.state, offset) for a in adapters), adapters
 
     def forward(self, tokens, states) -> tuple:
         """Eager: logits (B, n, vocab) and new states."""
