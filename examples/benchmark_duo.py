@@ -24,7 +24,9 @@ the head-partitioned state (two groups a layer); "slots" the same rows in one bu
 import argparse
 import functools
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -92,17 +94,18 @@ def mlx_piped_ms(model, cache, steps: int) -> float:
     return ms
 
 
-def host_ms(fm, states, steps: int) -> float:
-    """Median ms to build one compiled decode step's graph on the host (evaluated untimed)."""
+def host_ms(fm, states, steps: int, warmup: int = 3) -> float:
+    """Median ms to build one compiled decode step's graph on the host. Each step is evaluated
+    untimed before the next is built: steps built from one state each copy its cache, so
+    holding them all at once runs out of memory on long rows."""
     token = mx.array([[1]])
-    out = []
-
-    def build():
-        out.append(fm.decode(token, states))
-
-    ms = median_ms(build, steps)
-    mx.eval([o[0] for o in out])
-    return ms
+    times = []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        logits = fm.decode(token, states)[0]
+        times.append(time.perf_counter() - t)
+        mx.eval(logits)
+    return 1e3 * statistics.median(times[warmup:])
 
 
 def mlx_step_ms(model, cache, steps: int) -> float:

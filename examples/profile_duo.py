@@ -8,6 +8,7 @@ plain      the fused ragged kernel over all 8 KV heads (kvfn's full-cache step)
 per-group  kvfn's per-group path: queries gathered per group, the ragged kernel over the
            retrieval heads, SDPA over the full ring, concatenated, put back in head order
 fused      one two-group kernel over both groups, queries and outputs in head order
+slots      the slots kernel over one buffer a layer (kvfn.slots)
 """
 
 import argparse
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 
-from kvfn import kernels, partitioned  # noqa: E402
+from kvfn import kernels, partitioned, slots  # noqa: E402
 
 LAYERS, HQ, HKV, D = 32, 32, 8, 128
 
@@ -80,18 +81,29 @@ def main(argv=None):
                                                        scale=scale)  # fmt: skip
                     for x, (k0, v0), (k1, v1) in zip(q, ret, ring)]
 
+        hmap = slots._layout(heads, C, args.ring)[2]
+        buffers = [mx.concatenate([k0.reshape(1, -1, D), k1.reshape(1, -1, D)], axis=1)
+                   for (k0, _), (k1, _) in zip(ret, ring)]  # fmt: skip
+        mx.eval(buffers)
+
+        def slotted(q, buffers, rows):
+            return [kernels.slots_decode_attention(x, b, b, rows, C, args.ring, hmap, scale=scale)
+                    for x, b in zip(q, buffers)]  # fmt: skip
+
         res = dict(
             plain=timed(mx.compile(plain), (q, full, rows)),
             per_group=timed(mx.compile(per_group), (q, ret, ring, rows)),
             fused=timed(mx.compile(fused), (q, ret, ring, rows)),
+            slots=timed(mx.compile(slotted), (q, buffers, rows)),
         )
         a = mx.compile(per_group)(q, ret, ring, rows)
         b = mx.compile(fused)(q, ret, ring, rows)
+        c = mx.compile(slotted)(q, buffers, rows)
         err = max(mx.max(mx.abs(x.astype(mx.float32) - y.astype(mx.float32))).item()
-                  for x, y in zip(a, b))  # fmt: skip
+                  for x, y in zip(a + a, b + c))  # fmt: skip
         print(f"attention x{LAYERS} layers L={L} retrieval {n_ret}/{HKV} heads: "
               + ", ".join(f"{k} {v:.3f} ms" for k, v in res.items())
-              + f" | fused vs per-group max |diff| {err:.2e}", flush=True)  # fmt: skip
+              + f" | fused, slots vs per-group max |diff| {err:.2e}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ needs_cuda = pytest.mark.skipif(
 @needs_cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_slots_kernel_equals_each_group_alone(dtype):
-    p = layer(B=1, C=300, prompt=200, D=64)
+    p = layer(B=1, C=300, prompt=200, D=64, Dv=64)
     plain, ring = p.groups
     ring = ring.replace(full=True)  # one sequence, 200 rows through a ring of 7: every slot holds
     p = p.replace(groups=tuple(g.replace(keys=g.keys.astype(dtype), values=g.values.astype(dtype))
