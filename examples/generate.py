@@ -171,6 +171,11 @@ def mlx_lm_stream(model, tokenizer, prompt, args, sampler, **extra):
                "prefill_tokens_per_s": round(last.prompt_tps, 1)}  # fmt: skip
 
 
+def layouts(states) -> set:
+    """The per-head layouts among ``states``: "slots" (``kvfn.slots``), "groups" (the others)."""
+    return {"slots" if isinstance(s, kvfn.slots.HeadSlotsKVCache) else "groups" for s in states}
+
+
 def generate(model, tokenizer, tokens, args, sampler, fm=None) -> dict:
     """One generation (evicting when ``fm`` is given); prints the text unless --quiet."""
     mx.random.seed(args.seed)
@@ -184,8 +189,9 @@ def generate(model, tokenizer, tokens, args, sampler, fm=None) -> dict:
             caches = kvfn.to_mlx_cache(states)  # mlx-lm decodes over the compacted rows
             stream = mlx_lm_stream(model, tokenizer, mx.array(tokens[-1:]), args, sampler,
                                    prompt_cache=caches)  # fmt: skip
-        else:
-            eviction["decoder"] = "kvfn (per-head groups)"
+        else:  # per-head groups; each two-group layer in one buffer (faster, the same logits)
+            states = kvfn.slots.pack_layers(states)
+            eviction["decoder"] = "kvfn (per-head " + ", ".join(sorted(layouts(states))) + ")"
             stream = kvfn_stream(fm, tokenizer, states, tokens[-1], args, sampler)
     for piece, stats in stream:
         if not args.quiet and piece:
