@@ -18,7 +18,9 @@ Two step times per state: "sync", each step built then evaluated (host + GPU tim
 "pipelined", a greedy decode loop that builds step t+1 while step t runs (``mx.async_eval``, as
 mlx-lm's generate_step does), so the step costs max(host, GPU) once the queue is full. "duo" is
 the head-partitioned state (two groups a layer); "slots" the same rows in one buffer a layer
-(``kvfn.slots``: each KV head owns a slot range, one write per array).
+(``kvfn.slots``: each KV head owns a slot range, one write per array). "Step MB above live":
+what one step of each kvfn state allocates beyond the arrays live before it, about its
+activations when its writes are in place (a write that copies adds its layer's K and V).
 """
 
 import argparse
@@ -108,6 +110,21 @@ def host_ms(fm, states, steps: int, warmup: int = 3) -> float:
     return 1e3 * statistics.median(times[warmup:])
 
 
+def step_mb(fm, states, steps: int = 3) -> float:
+    """MB a decode step allocates above the arrays live before it, once the state it advances is
+    its own (the first step copies, as the caller holds ``states``): the step's activations when
+    its writes are in place; a write that copies adds its layer's K and V."""
+    token = mx.array([[1]])
+    box = [tuple(states)]
+    for _ in range(steps):
+        mx.synchronize()
+        live = mx.get_active_memory()
+        mx.reset_peak_memory()
+        logits, box[0] = fm.decode(token, box[0])
+        mx.eval(logits, kvfn.tree.arrays(box[0]))
+    return (mx.get_peak_memory() - live) / 1e6
+
+
 def mlx_step_ms(model, cache, steps: int) -> float:
     token = mx.array([[1]])
 
@@ -138,6 +155,7 @@ def run(args) -> list:
                     kvfn_full_piped=functools.partial(piped_ms, fm, full, steps),
                     kvfn_full_host=functools.partial(host_ms, fm, full, steps))  # fmt: skip
         full_bytes = sum(kvfn.eviction.kept(s.replace(max_rows=P))[1] for s in full)
+        full_step_mb = step_mb(fm, full)
         for ratio in args.ratios:  # one ratio's states alive at a time
             policy = duo_policy(full, ratio, rng, args.sink, args.recent)
             states, _ = kvfn.compact_states(full, None, policy, reserve=ROOM)
@@ -155,7 +173,9 @@ def run(args) -> list:
                 loops[name + "_piped"] = functools.partial(piped_ms, fm, s, steps)
                 loops[name + "_host"] = functools.partial(host_ms, fm, s, steps)
             row = dict(L=L, ratio=ratio, **interleaved(loops, args.rounds),
-                       full_mb=full_bytes / 1e6, duo_mb=duo_bytes / 1e6)  # fmt: skip
+                       full_mb=full_bytes / 1e6, duo_mb=duo_bytes / 1e6,
+                       kvfn_full_step_mb=full_step_mb, duo_step_mb=step_mb(fm, states),
+                       slots_step_mb=step_mb(fm, packed))  # fmt: skip
             del loops, states, masked, packed, s
             rows.append(row)
             print_row(row)
@@ -172,7 +192,9 @@ def print_row(r: dict) -> None:
         f"{r['duo'] / r['mlx_lm_full']:.2f}, duo / union+mask {r['duo'] / r['union_mask']:.2f} | "
         f"host ms: kvfn full {r['kvfn_full_host']:.2f}, duo {r['duo_host']:.2f}, slots "
         f"{r['slots_host']:.2f} | pipelined: mlx-lm full {r['mlx_lm_full_piped']:.2f}, kvfn full "
-        f"{r['kvfn_full_piped']:.2f}, duo {r['duo_piped']:.2f}, slots {r['slots_piped']:.2f}",
+        f"{r['kvfn_full_piped']:.2f}, duo {r['duo_piped']:.2f}, slots {r['slots_piped']:.2f} | "
+        f"step MB above live: kvfn full {r['kvfn_full_step_mb']:.1f}, duo {r['duo_step_mb']:.1f}, "
+        f"slots {r['slots_step_mb']:.1f}",
         flush=True,
     )
 

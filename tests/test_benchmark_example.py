@@ -116,6 +116,10 @@ def test_benchmark_duo_times_every_loop_in_rounds(capsys, monkeypatch):
     assert quarter["duo_mb"] < half["duo_mb"] < half["full_mb"]
     timed = ("mlx_lm_full", "kvfn_full_piped", "union_mask", "duo", "duo_piped", "slots_host")
     assert all(row[k] > 0 for row in (half, quarter) for k in timed)
+    # every kvfn loop writes its state in place once the state is its own
+    for row in (half, quarter):
+        assert row["kvfn_full_step_mb"] < 0.25 * row["full_mb"]
+        assert max(row["duo_step_mb"], row["slots_step_mb"]) < 0.25 * row["duo_mb"]
     out = capsys.readouterr().out
     assert "| 300 | 0.50 |" in out and "| 300 | 0.25 |" in out
     for bad, message in (
@@ -125,6 +129,25 @@ def test_benchmark_duo_times_every_loop_in_rounds(capsys, monkeypatch):
         with pytest.raises(SystemExit):
             benchmark_duo.main(argv[:-2] + bad)
         assert message in capsys.readouterr().err
+
+
+def test_step_mb_sees_a_step_that_copies_its_state():
+    """benchmark_duo.step_mb: a step from a state the caller still holds copies every layer's
+    K and V (about the cache's bytes); the steps after it, from their own state, do not."""
+    import mlx.core as mx
+    import numpy as np
+
+    import kvfn
+    from examples import benchmark_decode, benchmark_duo
+
+    model = benchmark_decode.random_model("tiny", False, mx.float32)
+    fm = kvfn.FunctionalModel(model)
+    tokens = mx.array([np.random.default_rng(0).integers(0, 32000, 200).tolist()])
+    states = kvfn.prefill(fm, tokens, capacity=264)
+    mx.eval(kvfn.tree.arrays(states))
+    cache_mb = sum(a.nbytes for s in states for a in (s.keys, s.values)) / 1e6
+    assert benchmark_duo.step_mb(fm, states, steps=1) > 0.9 * cache_mb
+    assert benchmark_duo.step_mb(fm, states) < 0.25 * cache_mb
 
 
 def test_profile_host_times_a_chain_of_each_kind(capsys):
