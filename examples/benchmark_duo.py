@@ -19,16 +19,15 @@ Two step times per state: "sync", each step built then evaluated (host + GPU tim
 mlx-lm's generate_step does), so the step costs max(host, GPU) once the queue is full. "duo" is
 the head-partitioned state (two groups a layer); "slots" the same rows in one buffer a layer
 (``kvfn.slots``: each KV head owns a slot range, one write per array). "Step MB above live":
-what one step of each kvfn state allocates beyond the arrays live before it, about its
-activations when its writes are in place (a write that copies adds its layer's K and V).
+what a few steps of each kvfn state allocate beyond the arrays live before them, sync and
+pipelined: about their activations when their writes are in place (a write that copies adds
+its layer's K and V).
 """
 
 import argparse
 import functools
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,6 +36,7 @@ import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from examples import benchmark_decode  # noqa: E402
 from examples.benchmark_decode import (  # noqa: E402
     SHAPES,
     interleaved,
@@ -96,33 +96,37 @@ def mlx_piped_ms(model, cache, steps: int) -> float:
     return ms
 
 
-def host_ms(fm, states, steps: int, warmup: int = 3) -> float:
+def host_ms(fm, states, steps: int) -> float:
     """Median ms to build one compiled decode step's graph on the host. Each step is evaluated
-    untimed before the next is built: steps built from one state each copy its cache, so
-    holding them all at once runs out of memory on long rows."""
+    before the next is built: steps built from one state each copy its cache, so holding them
+    all at once runs out of memory on long rows."""
     token = mx.array([[1]])
-    times = []
-    for i in range(warmup + steps):
-        t = time.perf_counter()
-        logits = fm.decode(token, states)[0]
-        times.append(time.perf_counter() - t)
-        mx.eval(logits)
-    return 1e3 * statistics.median(times[warmup:])
+    return benchmark_decode.host_ms(lambda: fm.decode(token, states)[0], steps)
 
 
-def step_mb(fm, states, steps: int = 3) -> float:
-    """MB a decode step allocates above the arrays live before it, once the state it advances is
-    its own (the first step copies, as the caller holds ``states``): the step's activations when
-    its writes are in place; a write that copies adds its layer's K and V."""
-    token = mx.array([[1]])
-    box = [tuple(states)]
-    for _ in range(steps):
-        mx.synchronize()
-        live = mx.get_active_memory()
-        mx.reset_peak_memory()
-        logits, box[0] = fm.decode(token, box[0])
-        mx.eval(logits, kvfn.tree.arrays(box[0]))
+def step_mb(fm, states, piped: bool = False, held: bool = False, steps: int = 3) -> float:
+    """MB that ``steps`` decode steps allocate above the arrays live before them, once the state
+    they advance is their own (the untimed first step copies it, as the caller holds
+    ``states``): the steps' activations when their writes are in place; a write that copies adds
+    its layer's K and V. ``piped``: the steps pipelined (``pipelined_ms``, ``held`` as there)."""
+    build = kvfn_loop(fm, states)
+    mx.eval(build())
+    mx.synchronize()
+    live = mx.get_active_memory()
+    mx.reset_peak_memory()
+    if piped:
+        pipelined_ms(build, steps, held=held, warmup=0)
+    else:
+        for _ in range(steps):
+            mx.eval(build())
+    mx.synchronize()
     return (mx.get_peak_memory() - live) / 1e6
+
+
+def step_mbs(fm, **states) -> dict:
+    """``step_mb`` sync and pipelined for each of ``states`` (name=states), as ``name_step_mb``."""
+    return {f"{k}_step_mb": [step_mb(fm, s, piped) for piped in (False, True)]
+            for k, s in states.items()}  # fmt: skip
 
 
 def mlx_step_ms(model, cache, steps: int) -> float:
@@ -155,7 +159,7 @@ def run(args) -> list:
                     kvfn_full_piped=functools.partial(piped_ms, fm, full, steps),
                     kvfn_full_host=functools.partial(host_ms, fm, full, steps))  # fmt: skip
         full_bytes = sum(kvfn.eviction.kept(s.replace(max_rows=P))[1] for s in full)
-        full_step_mb = step_mb(fm, full)
+        full_step_mb = step_mbs(fm, kvfn_full=full)
         for ratio in args.ratios:  # one ratio's states alive at a time
             policy = duo_policy(full, ratio, rng, args.sink, args.recent)
             states, _ = kvfn.compact_states(full, None, policy, reserve=ROOM)
@@ -173,9 +177,8 @@ def run(args) -> list:
                 loops[name + "_piped"] = functools.partial(piped_ms, fm, s, steps)
                 loops[name + "_host"] = functools.partial(host_ms, fm, s, steps)
             row = dict(L=L, ratio=ratio, **interleaved(loops, args.rounds),
-                       full_mb=full_bytes / 1e6, duo_mb=duo_bytes / 1e6,
-                       kvfn_full_step_mb=full_step_mb, duo_step_mb=step_mb(fm, states),
-                       slots_step_mb=step_mb(fm, packed))  # fmt: skip
+                       full_mb=full_bytes / 1e6, duo_mb=duo_bytes / 1e6, **full_step_mb,
+                       **step_mbs(fm, duo=states, slots=packed))  # fmt: skip
             del loops, states, masked, packed, s
             rows.append(row)
             print_row(row)
@@ -184,6 +187,10 @@ def run(args) -> list:
 
 
 def print_row(r: dict) -> None:
+    step_mb = ", ".join(
+        f"{k.replace('_', ' ')} {r[f'{k}_step_mb'][0]:.1f} / {r[f'{k}_step_mb'][1]:.1f}"
+        for k in ("kvfn_full", "duo", "slots")
+    )
     print(
         f"L={r['L']:6d} ratio={r['ratio']:.2f} | KV MB full {r['full_mb']:8.1f} = union+mask, "
         f"duo {r['duo_mb']:8.1f} ({r['duo_mb'] / r['full_mb']:.2f}x) | step ms: mlx-lm full "
@@ -193,8 +200,7 @@ def print_row(r: dict) -> None:
         f"host ms: kvfn full {r['kvfn_full_host']:.2f}, duo {r['duo_host']:.2f}, slots "
         f"{r['slots_host']:.2f} | pipelined: mlx-lm full {r['mlx_lm_full_piped']:.2f}, kvfn full "
         f"{r['kvfn_full_piped']:.2f}, duo {r['duo_piped']:.2f}, slots {r['slots_piped']:.2f} | "
-        f"step MB above live: kvfn full {r['kvfn_full_step_mb']:.1f}, duo {r['duo_step_mb']:.1f}, "
-        f"slots {r['slots_step_mb']:.1f}",
+        f"step MB above live (sync / pipelined): {step_mb}",
         flush=True,
     )
 
