@@ -192,21 +192,20 @@ def _layout(heads: tuple, capacity: int, ring: int) -> tuple:
 def appended(s: HeadSlotsKVCache) -> dict:
     """What one appended row derives from the counters, the same for every layer of one
     (sink, recent) at one offset and row count: per sequence the plain slot and the ring slot
-    (B, 2), and the new ``offset`` and ``rows``."""
+    (B, 1, 1 each), and the new ``offset`` and ``rows``."""
     B, p = s.offset.shape[0], s.offset
-    plain = mx.broadcast_to(s.rows.reshape(-1), (B,))
-    ring = rg.slot_of(p, s.sink, s.recent)
-    return dict(at=mx.stack([plain, ring], axis=1), offset=p + 1, rows=s.rows + 1)
+    plain = mx.broadcast_to(s.rows.reshape(-1, 1, 1), (B, 1, 1))
+    ring = rg.slot_of(p, s.sink, s.recent).reshape(B, 1, 1)
+    return dict(plain=plain, ring=ring, offset=p + 1, rows=s.rows + 1)
 
 
-def write_at(s: HeadSlotsKVCache, keys: mx.array, values: mx.array, *, at, offset,
+def write_at(s: HeadSlotsKVCache, keys: mx.array, values: mx.array, *, plain, ring, offset,
              rows) -> HeadSlotsKVCache:  # fmt: skip
     """One row per KV head (B, n_kv_heads, 1, D) written at its slot: two scatters, in place
     when nothing else holds the old buffers; no position (a plain slot at ``rows`` already
     holds the next one, a ring derives its own). ``appended``'s arrays."""
     base, ring_head, _ = _layout(s.heads, s.capacity, _ring_slots(s))
     B, H, _, D = keys.shape
-    plain, ring = at[:, :1, None], at[:, 1:, None]  # (B, 1, 1): the same in every layer
     slot = base + mx.where(ring_head, ring, plain)  # (B, H, 1)
     # as wide as the rows within the same fused primitive, so no scatter broadcasts its index
     wide = slot + mx.zeros((1, 1, D), mx.int32)
