@@ -591,10 +591,18 @@ def slots_decode_attention(q, k, v, lengths, capacity: int, ring: int, head_map,
         raise ValueError(f"slots keys {k.shape} and values {v.shape} do not fit q {q.shape}")
     if lengths.dtype != mx.int32 or lengths.ndim > 1 or lengths.size not in (1, batch):
         raise ValueError(f"lengths must be int32 () or ({batch},), got {lengths.shape}")
+    if not _holds_heads(k.shape[1], kv_heads, int(capacity), int(ring)):
+        raise ValueError(f"{k.shape[1]} slots are not {kv_heads} KV heads of {capacity} (plain) "
+                         f"or {ring} (ring) slots")  # fmt: skip
     template = [("S", k.shape[1]), ("C0", int(capacity)), ("C1", int(ring)), ("L1", int(ring)),
                 ("HKV", kv_heads), ("LSB", 1 if lengths.size > 1 else 0)]  # fmt: skip
     return _split_and_combine(_slots_kernel, [q, k, v, lengths.reshape(-1), head_map], q,
                               kv_heads, max(capacity, ring), k.dtype, scale, template)  # fmt: skip
+
+
+def _holds_heads(slots: int, kv_heads: int, capacity: int, ring: int) -> bool:
+    """Whether ``slots = plain * capacity + (kv_heads - plain) * ring`` for some plain count."""
+    return any(p * capacity + (kv_heads - p) * ring == slots for p in range(kv_heads + 1))
 
 
 def slots_fused(q, k, v) -> bool:

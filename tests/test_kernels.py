@@ -158,6 +158,55 @@ def test_plan_fills_the_gpu_and_tiles_heads():
     assert plan(1, 14, 2, 4096)[:2] == (7, 1)
 
 
+def two_group_operands():
+    """A layer of 5 KV heads (3 plain of 24 slots, 2 a full ring of 9), 4 query heads each."""
+    from kvfn.partitioned import _head_map
+
+    q = mx.zeros((B, 20, 1, 64))
+    k0, k1 = mx.zeros((B, 3, 24, 64)), mx.zeros((B, 2, 9, 64))
+    return q, k0, k1, mx.array(11, mx.int32), _head_map(((1, 3, 4), (0, 2)))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda q, k0, k1, n: (q[:, :, [0, 0]], k0, k1, n), r"q \(2, 20, 2, 64\) does not fit"),
+        (lambda q, k0, k1, n: (q, k0, k1[:, :1], n), "do not hold 5 KV heads"),
+        (lambda q, k0, k1, n: (q, k0, k1, n.astype(mx.int64)), "lengths must be int32"),
+        (lambda q, k0, k1, n: (q, k0, k1, mx.zeros((3,), mx.int32)), r"int32 \(\) or \(2,\)"),
+    ],
+)
+def test_two_group_validation(change, message):
+    """The fused kernels refuse operands that do not fit, before any launch (on any backend)."""
+    from kvfn.kernels import two_group_decode_attention
+
+    q, k0, k1, n, hmap = two_group_operands()
+    q, k0, k1, n = change(q, k0, k1, n)
+    with pytest.raises(ValueError, match=message):
+        two_group_decode_attention(q, k0, k0, n, k1, k1, 9, hmap, scale=0.1)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda q, k, v, n: (q[..., :32], k, v, n), r"does not fit slots \(2, 90, 64\)"),
+        (lambda q, k, v, n: (q, k, v[:, :89], n), r"slots keys \(2, 90, 64\) and values"),
+        (lambda q, k, v, n: (q, k, v, mx.zeros((3,), mx.int32)), r"int32 \(\) or \(2,\)"),
+        (lambda q, k, v, n: (q, k[:, :89], v[:, :89], n), "89 slots are not 5 KV heads"),
+    ],
+)
+def test_slots_validation(change, message):
+    from kvfn.kernels import slots_decode_attention
+    from kvfn.slots import _layout
+
+    q, _, _, n, _ = two_group_operands()
+    k = mx.zeros((B, 3 * 24 + 2 * 9, 64))
+    q, k, v, n = change(q, k, k, n)
+    hmap = _layout(((1, 3, 4), (0, 2)), 24, 9)[2]
+    with pytest.raises(ValueError, match=message):
+        slots_decode_attention(q, k, v, n, 24, 9, hmap, scale=0.1)
+
+
 @pytest.mark.parametrize("lengths", [mx.array(11, mx.int32), mx.array([0, 24], mx.int32)])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
