@@ -172,8 +172,10 @@ def mlx_lm_stream(model, tokenizer, prompt, args, sampler, **extra):
 
 
 def layouts(states) -> set:
-    """The per-head layouts among ``states``: "slots" (``kvfn.slots``), "groups" (the others)."""
-    return {"slots" if isinstance(s, kvfn.slots.HeadSlotsKVCache) else "groups" for s in states}
+    """The layouts among ``states``: "slots" (``kvfn.slots``), "groups" (per-head groups),
+    "plain" (one state for every head)."""
+    kinds = {kvfn.slots.HeadSlotsKVCache: "slots", kvfn.HeadPartitionedKVCache: "groups"}
+    return {kinds.get(type(s), "plain") for s in states}
 
 
 def generate(model, tokenizer, tokens, args, sampler, fm=None) -> dict:
@@ -191,7 +193,8 @@ def generate(model, tokenizer, tokens, args, sampler, fm=None) -> dict:
                                    prompt_cache=caches)  # fmt: skip
         else:  # per-head groups; each two-group layer in one buffer (faster, the same logits)
             states = kvfn.slots.pack_layers(states)
-            eviction["decoder"] = "kvfn (per-head " + ", ".join(sorted(layouts(states))) + ")"
+            mx.eval(kvfn.tree.arrays(states))  # the packing's copy, not in the first step
+            eviction["decoder"] = "kvfn (" + ", ".join(sorted(layouts(states))) + ")"
             stream = kvfn_stream(fm, tokenizer, states, tokens[-1], args, sampler)
     for piece, stats in stream:
         if not args.quiet and piece:

@@ -46,8 +46,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     dt = mx.bfloat16
     n_ret = round(args.ratio * HKV)
-    heads = (tuple(range(0, 2 * n_ret, 2))[:n_ret], None)
-    heads = (heads[0], tuple(h for h in range(HKV) if h not in heads[0]))
+    if not 0 < n_ret < HKV:
+        p.error(f"argument --ratio: {args.ratio} gives {n_ret} of {HKV} retrieval heads")
+    retrieval = tuple(HKV * i // n_ret for i in range(n_ret))  # spread among the heads
+    heads = (retrieval, tuple(h for h in range(HKV) if h not in retrieval))
     scale = D**-0.5
     for L in args.lengths:
         C = L + 64
@@ -100,7 +102,7 @@ def main(argv=None):
         b = mx.compile(fused)(q, ret, ring, rows)
         c = mx.compile(slotted)(q, buffers, rows)
         err = max(mx.max(mx.abs(x.astype(mx.float32) - y.astype(mx.float32))).item()
-                  for x, y in zip(a + a, b + c))  # fmt: skip
+                  for x, y in [*zip(a, b), *zip(a, c)])  # fmt: skip
         print(f"attention x{LAYERS} layers L={L} retrieval {n_ret}/{HKV} heads: "
               + ", ".join(f"{k} {v:.3f} ms" for k, v in res.items())
               + f" | fused, slots vs per-group max |diff| {err:.2e}", flush=True)  # fmt: skip

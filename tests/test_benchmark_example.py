@@ -116,10 +116,14 @@ def test_benchmark_duo_times_every_loop_in_rounds(capsys, monkeypatch):
     assert quarter["duo_mb"] < half["duo_mb"] < half["full_mb"]
     timed = ("mlx_lm_full", "kvfn_full_piped", "union_mask", "duo", "duo_piped", "slots_host")
     assert all(row[k] > 0 for row in (half, quarter) for k in timed)
-    # every kvfn loop writes its state in place once the state is its own
+    # every kvfn loop writes its state in place once the state is its own: synchronously on any
+    # backend; pipelined on the CPU (on CUDA, whether a write encoded while the previous step
+    # still runs may donate its buffer is what the column is there to find out)
+    piped = mx.default_device() == mx.cpu
     for row in (half, quarter):
-        assert max(row["kvfn_full_step_mb"]) < 0.25 * row["full_mb"]
-        assert max(row["duo_step_mb"] + row["slots_step_mb"]) < 0.25 * row["duo_mb"]
+        mbs = {k: row[f"{k}_step_mb"][: 1 + piped] for k in ("kvfn_full", "duo", "slots")}
+        assert max(mbs["kvfn_full"]) < 0.25 * row["full_mb"]
+        assert max(mbs["duo"] + mbs["slots"]) < 0.25 * row["duo_mb"]
     out = capsys.readouterr().out
     assert "| 300 | 0.50 |" in out and "| 300 | 0.25 |" in out
     for bad, message in (
@@ -148,8 +152,9 @@ def test_step_mb_sees_a_step_that_copies_its_state():
     mx.eval(kvfn.tree.arrays(states))
     cache_mb = sum(a.nbytes for s in states for a in (s.keys, s.values)) / 1e6
     assert benchmark_duo.step_mb(fm, states, piped=True, held=True) > 0.9 * cache_mb
-    assert benchmark_duo.step_mb(fm, states, piped=True) < 0.25 * cache_mb
     assert benchmark_duo.step_mb(fm, states) < 0.25 * cache_mb
+    if mx.default_device() == mx.cpu:  # on CUDA: the device's question (benchmark_duo's test)
+        assert benchmark_duo.step_mb(fm, states, piped=True) < 0.25 * cache_mb
 
 
 def test_profile_host_times_a_chain_of_each_kind(capsys):

@@ -110,17 +110,27 @@ def test_slots_reject_bad_input():
         sl.attend(s, mx.zeros((3, 8, 2, 8)), 1.0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("compress", [False, True])
-def test_slots_decode_equals_per_head_masked_full_attention(family, compress):
-    """The oracle, and the same logits and rows as the two-group state, traced once."""
+# a layer of retrieval heads only (a plain state), one of both kinds, one of streaming heads only
+MIXED = ((True, True), (False, True), (False, False))
+
+
+@pytest.mark.parametrize(
+    "family, compress, pattern",
+    [("llama", False, PATTERN), ("llama", True, PATTERN), ("qwen3", False, PATTERN),
+     ("qwen3", True, PATTERN), ("llama", False, MIXED), ("qwen3", True, MIXED)],
+)  # fmt: skip
+def test_slots_decode_equals_per_head_masked_full_attention(family, compress, pattern):
+    """The oracle, and the same logits and rows as the two-group state, traced once; layers
+    that are not two groups (``MIXED``) stay as they are beside the packed ones."""
     fm = kvfn.FunctionalModel(tiny_model(family))
     ids = np.random.default_rng(1).integers(0, 97, 70).tolist()
-    policy = Duo(retrieval=PATTERN[: len(fm.n_kv_heads)], sink_tokens=2, recent=6,
+    policy = Duo(retrieval=pattern[: len(fm.n_kv_heads)], sink_tokens=2, recent=6,
                  budget=24 if compress else 2**31 - 1, window=4, compress=compress)  # fmt: skip
     states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=10)
     slots = sl.pack_layers(states)
-    assert all(isinstance(s, sl.HeadSlotsKVCache) for s in slots)
+    two_groups = [isinstance(s, part.HeadPartitionedKVCache) and len(s.groups) == 2 for s in states]
+    assert [isinstance(s, sl.HeadSlotsKVCache) for s in slots] == two_groups and any(two_groups)
+    assert all(b is a for a, b, two in zip(states, slots, two_groups) if not two)
     before = fm.traces
     got, tokens = greedy_logits(fm, ids, slots, 10)  # the ring wraps
     assert fm.traces == before + 1
