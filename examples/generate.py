@@ -174,7 +174,7 @@ def mlx_lm_stream(model, tokenizer, prompt, args, sampler, **extra):
 def layouts(states) -> set:
     """The layouts among ``states``: "slots" (``kvfn.slots``), "groups" (per-head groups),
     "plain" (one state for every head)."""
-    kinds = {kvfn.slots.HeadSlotsKVCache: "slots", kvfn.HeadPartitionedKVCache: "groups"}
+    kinds = {kvfn.HeadSlotsKVCache: "slots", kvfn.HeadPartitionedKVCache: "groups"}
     return {kinds.get(type(s), "plain") for s in states}
 
 

@@ -10,7 +10,7 @@ from .blas import use_openblas
 
 use_openblas()  # before mlx.core is imported anywhere below
 
-from . import cache, distributed, partitioned, ring, tree  # noqa: E402
+from . import cache, distributed, partitioned, ring, slots, tree  # noqa: E402
 from .adakv import AdaKV  # noqa: E402
 from .baselines import ChunkKV, RandomRows, StreamingLLM  # noqa: E402
 from .cache import (  # noqa: E402
@@ -54,6 +54,7 @@ from .partitioned import HeadPartitionedKVCache  # noqa: E402
 from .policy import Policy, parse_policy, register_policy  # noqa: E402
 from .ring import StreamingRing  # noqa: E402
 from .scores import query_statistics, window_attention_scores  # noqa: E402
+from .slots import HeadSlotsKVCache  # noqa: E402
 from .snapkv import PyramidKV, SnapKV, snapkv_keep_indices  # noqa: E402
 from .wrapper import FunctionalModel, QuerySlice  # noqa: E402
 
@@ -77,8 +78,10 @@ __all__ = [
     # per-head states (DuoAttention)
     "HeadPartitionedKVCache",
     "StreamingRing",
+    "HeadSlotsKVCache",
     "partitioned",
     "ring",
+    "slots",
     "tree",
     # policies
     "Policy",
