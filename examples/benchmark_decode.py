@@ -108,6 +108,25 @@ def pipelined_ms(build, steps: int, held: bool = False, warmup: int = 4) -> floa
     return 1e3 * statistics.median(times[warmup:])
 
 
+def step_mb(build, steps: int = 3, piped: bool = False, held: bool = False) -> float:
+    """MB that ``steps`` steps of a decode loop (``build``, as ``pipelined_ms`` takes) allocate
+    above the arrays live before them, after an untimed first step (it copies the state its
+    caller still holds): about the steps' activations when their writes are in place; a write
+    that copies adds its layer's K and V. ``piped``: pipelined, ``held`` as there."""
+    mx.eval(build())
+    mx.synchronize()
+    live = mx.get_active_memory()
+
+    def run():
+        if piped:
+            pipelined_ms(build, steps, held=held, warmup=0)
+        else:
+            for _ in range(steps):
+                mx.eval(build())
+
+    return (measured(run)[2] - live) / 1e6
+
+
 def host_ms(build, steps: int) -> float:
     """Median ms to build one step's graph (no evaluation counted)."""
     times = []

@@ -44,6 +44,7 @@ from examples.benchmark_decode import (  # noqa: E402
     mlx_prefill,
     pipelined_ms,
     random_model,
+    step_mb,
 )
 from examples.profile_decode import duo_policy, kvfn_loop, mlx_loop  # noqa: E402
 from kvfn import cache as kv  # noqa: E402
@@ -104,28 +105,10 @@ def host_ms(fm, states, steps: int) -> float:
     return benchmark_decode.host_ms(lambda: fm.decode(token, states)[0], steps)
 
 
-def step_mb(fm, states, piped: bool = False, held: bool = False, steps: int = 3) -> float:
-    """MB that ``steps`` decode steps allocate above the arrays live before them, once the state
-    they advance is their own (the untimed first step copies it, as the caller holds
-    ``states``): the steps' activations when their writes are in place; a write that copies adds
-    its layer's K and V. ``piped``: the steps pipelined (``pipelined_ms``, ``held`` as there)."""
-    build = kvfn_loop(fm, states)
-    mx.eval(build())
-    mx.synchronize()
-    live = mx.get_active_memory()
-    mx.reset_peak_memory()
-    if piped:
-        pipelined_ms(build, steps, held=held, warmup=0)
-    else:
-        for _ in range(steps):
-            mx.eval(build())
-    mx.synchronize()
-    return (mx.get_peak_memory() - live) / 1e6
-
-
 def step_mbs(fm, **states) -> dict:
-    """``step_mb`` sync and pipelined for each of ``states`` (name=states), as ``name_step_mb``."""
-    return {f"{k}_step_mb": [step_mb(fm, s, piped) for piped in (False, True)]
+    """``benchmark_decode.step_mb`` of kvfn's decode loop, sync and pipelined, for each of
+    ``states`` (name=states), as ``name_step_mb``."""
+    return {f"{k}_step_mb": [step_mb(kvfn_loop(fm, s), piped=piped) for piped in (False, True)]
             for k, s in states.items()}  # fmt: skip
 
 

@@ -92,15 +92,15 @@ def main(argv=None):
             return [kernels.slots_decode_attention(x, b, b, rows, C, args.ring, hmap, scale=scale)
                     for x, b in zip(q, buffers)]  # fmt: skip
 
-        res = dict(
-            plain=timed(mx.compile(plain), (q, full, rows)),
-            per_group=timed(mx.compile(per_group), (q, ret, ring, rows)),
-            fused=timed(mx.compile(fused), (q, ret, ring, rows)),
-            slots=timed(mx.compile(slotted), (q, buffers, rows)),
+        variants = dict(
+            plain=(plain, (q, full, rows)),
+            per_group=(per_group, (q, ret, ring, rows)),
+            fused=(fused, (q, ret, ring, rows)),
+            slots=(slotted, (q, buffers, rows)),
         )
-        a = mx.compile(per_group)(q, ret, ring, rows)
-        b = mx.compile(fused)(q, ret, ring, rows)
-        c = mx.compile(slotted)(q, buffers, rows)
+        compiled = {k: (mx.compile(f), a) for k, (f, a) in variants.items()}
+        res = {k: timed(f, a) for k, (f, a) in compiled.items()}
+        a, b, c = (f(*args) for f, args in (compiled[k] for k in ("per_group", "fused", "slots")))
         err = max(mx.max(mx.abs(x.astype(mx.float32) - y.astype(mx.float32))).item()
                   for x, y in [*zip(a, b), *zip(a, c)])  # fmt: skip
         print(f"attention x{LAYERS} layers L={L} retrieval {n_ret}/{HKV} heads: "

@@ -201,11 +201,10 @@ def test_per_head_batch_caches_leave_no_growing_chain():
     """A token-only batched decode (mlx-lm's BatchGenerator evaluates only tokens) leaves each
     per-head batch cache's group offsets with a bounded graph: only the first group's is read
     (by RoPE), and the others are handles of it."""
-    from examples.profile_decode import primitives
     from kvfn.batch import BatchHeadGroupsKVCache
     from kvfn.duo import Duo
     from kvfn.wrapper import attending_copy
-    from tests.test_duo import PATTERN
+    from tests.test_duo import PATTERN, _pending
     from tests.tiny import tiny_model
 
     model = tiny_model("llama")
@@ -220,8 +219,7 @@ def test_per_head_batch_caches_leave_no_growing_chain():
         for _ in range(steps):
             token = mx.argmax(copy_(token, cache=batch)[:, -1], axis=-1)[:, None]
             token.item()
-        offsets = [g.offset for b in batch for g in b.groups]
-        pending.append(max(sum(primitives([o]).values()) for o in offsets))
+        pending.append(_pending([g.offset for b in batch for g in b.groups]))
     assert pending[0] == pending[1], pending
 
 
