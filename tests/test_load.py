@@ -62,6 +62,20 @@ def test_bad_model_path_is_a_clear_error(tmp_path):
         models.load(tmp_path)
 
 
+def test_embedded_model_file_can_be_named_by_the_environment(tmp_path, monkeypatch):
+    installed = models.embedded_model_path()
+    monkeypatch.setenv("KVFN_SMOLLM2_GGUF", str(tmp_path / "missing.gguf"))
+    with pytest.raises(FileNotFoundError, match="KVFN_SMOLLM2_GGUF=.*missing.gguf"):
+        models.embedded_model_path()
+    copy = tmp_path / "smollm2.gguf"
+    copy.symlink_to(installed)
+    monkeypatch.setenv("KVFN_SMOLLM2_GGUF", str(copy))
+    assert models.embedded_model_path() == copy
+    assert models.read_header(copy).architecture == "llama"
+    monkeypatch.setenv("KVFN_SMOLLM2_GGUF", "")
+    assert models.embedded_model_path() == installed
+
+
 def test_non_gguf_file_is_a_clear_error(tmp_path):
     path = tmp_path / "weights.gguf"
     path.write_text("this is not a model")
