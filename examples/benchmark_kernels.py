@@ -204,14 +204,16 @@ def sweep(kk, capacities, iters, splits_list, unrolls):
 
 
 def kernel_config(text: str) -> tuple:
-    """``G,U,B[,S]`` (query heads a block at most, keys a lane step, blocks an SM: positive;
-    steps staged through shared memory, 0 for none: the default)."""
+    """``G,U,B[,S[,T]]`` (query heads a block at most, keys a lane step, blocks an SM: positive;
+    steps staged through shared memory, 0 for none: the default; T 1 for the tensor-core
+    kernel, which takes no U, where it applies: float16 / bfloat16, head_dim 64 or 128)."""
     parts = text.split(",")
-    if len(parts) == 3:
-        parts.append("0")
-    if len(parts) != 4 or not all(p.isdigit() for p in parts) or "0" in parts[:3]:
+    parts += ["0", "0"][: max(0, 5 - len(parts))]
+    valid = len(parts) == 5 and all(p.isdigit() for p in parts) and parts[4] in ("0", "1")
+    if not valid or "0" in parts[:3]:
         raise argparse.ArgumentTypeError(
-            f"must be G,U,B[,S]: three positive integers and stages >= 0; got {text!r}"
+            f"must be G,U,B[,S[,T]]: three positive integers, stages >= 0 and T 0 or 1; "
+            f"got {text!r}"
         )
     return tuple(int(p) for p in parts)
 
@@ -230,12 +232,13 @@ def configs_table(kk, capacities, iters, configs, layers):
     eval) over all and half the rows, and a compiled step of ``layers`` calls, against the
     ideal (SDPA with no mask over exactly the valid rows)."""
     print(f"\nKernel settings (G query heads a block, U keys a lane step, B blocks an SM, S "
-          f"steps staged); us per call x20, ms per compiled step of {layers} calls")  # fmt: skip
-    head = ["C", "G,U,B,S", "err full", "err ragged", "full", "half", "ideal full", "ideal half",
+          f"steps staged, T tensor cores); us per call x20, ms per compiled step of {layers} "
+          f"calls")  # fmt: skip
+    head = ["C", "G,U,B,S,T", "err full", "err ragged", "full", "half", "ideal full", "ideal half",
             f"x{layers} full", f"x{layers} ideal"]  # fmt: skip
     print(row(head))
     print(row(["---"] * len(head)))
-    saved = kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES
+    saved = kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES, kk.TENSOR_CORES
     for capacity in capacities:
         q, k, v = operands(capacity)
         (_, full, _), (_, half, _), (_, ragged, _) = cases(capacity)
@@ -246,8 +249,9 @@ def configs_table(kk, capacities, iters, configs, layers):
                  for n, lengths, rows in cases(capacity)[:2]}  # fmt: skip
         t_ideal = timed(ideal, max(10, iters // 10), repeat=20)
         c_ideal = compiled_ms(kk, capacity, full, layers, iters, "ideal")
-        for g, u, b, st in configs:
+        for g, u, b, st, tc in configs:
             kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES = g, u, b, st
+            kk.TENSOR_CORES = bool(tc)
             g = kk.plan(1, HEADS, KV_HEADS, capacity)[0]  # the heads a block plan() takes
             err = [max_error(kk.ragged_decode_attention(q, k, v, n, scale=DIM**-0.5), exact(n))
                    for n in (full, ragged)]  # fmt: skip
@@ -255,12 +259,12 @@ def configs_table(kk, capacities, iters, configs, layers):
                    for name, n in (("full", full), ("half", half))}  # fmt: skip
             t = timed(fns, max(10, iters // 10), repeat=20)
             c = compiled_ms(kk, capacity, full, layers, iters, "kernel")
-            print(row([capacity, f"{g},{u},{b},{st}", f"{err[0]:.1e}", f"{err[1]:.1e}",
+            print(row([capacity, f"{g},{u},{b},{st},{tc}", f"{err[0]:.1e}", f"{err[1]:.1e}",
                        f"{t['full']:.1f}", f"{t['half']:.1f}", f"{t_ideal['full']:.1f}",
                        f"{t_ideal['half']:.1f}", c, c_ideal]), flush=True)  # fmt: skip
             mx.clear_cache()
         del q, k, v
-    kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES = saved
+    kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES, kk.TENSOR_CORES = saved
 
 
 LOAD_PATHS = ((True, 0), (False, 0), (True, 1), (True, 2), (True, 3))  # (PREFETCH, STAGES)
@@ -382,7 +386,7 @@ def main():
     parser.add_argument(
         "--configs",
         nargs="+",
-        metavar="G,U,B[,S]",
+        metavar="G,U,B[,S[,T]]",
         type=kernel_config,
         help="split kernel settings to compare (then only that table)",
     )

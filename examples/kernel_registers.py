@@ -24,7 +24,10 @@ KERNELS = {  # source name: (the kernel's inputs after q, its own template entri
     "TWO_GROUP_SOURCE": (["k0", "v0", "k1", "v1", "lengths", "hmap"],
                          ["C0", "C1", "H0", "H1", "L1", "HKV", "LSB"]),
     "SLOTS_SOURCE": (["k", "v", "lengths", "hmap"], ["S", "C0", "C1", "L1", "HKV", "LSB"]),
+    "MMA_SPLIT_SOURCE": (["k", "v", "lengths"], ["C", "HKV", "LSB", "LSH"]),
 }  # fmt: skip
+HEADERS = {"MMA_SPLIT_SOURCE": "MMA_HEADER"}  # the others use HEADER
+NO_UNROLL = ("MMA_SPLIT_SOURCE",)  # template without U and P
 SHARED = ["G", "GT", "NT", "NS"]
 INT_INPUTS = ("lengths", "hmap")
 TEMPLATE = dict(G=4, GT=4, NT=1, NS=49, C=8528, HKV=8, LSB=0, LSH=0, C0=8528, C1=320, H0=4,
@@ -39,9 +42,13 @@ def resident_blocks(registers: int, threads: int = 128) -> int:
 
 def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0) -> str:
     source = getattr(kk, name)
+    header = getattr(kk, HEADERS.get(name, "HEADER"))
     inputs, own = KERNELS[name]
-    params = dict(D=dim, **{k: TEMPLATE[k] for k in SHARED + own}, U=unroll, ST=stages,
-                  P=int(kk.PREFETCH))  # fmt: skip
+    params = dict(D=dim, **{k: TEMPLATE[k] for k in SHARED + own})
+    if name in NO_UNROLL:
+        params.update(ST=max(stages, 1))
+    else:
+        params.update(U=unroll, ST=stages, P=int(kk.PREFETCH))
     args = ["const T* q"]
     args += [f"const {'int' if n in INT_INPUTS else 'T'}* {n}" for n in inputs]
     args += ["const float* scale", "float* o_part", "float* lse"]
@@ -49,7 +56,7 @@ def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0) -> str:
     values = ", ".join(str(v) for v in params.values())
     types = ", ".join(a.rsplit(" ", 1)[0].replace("T*", "__nv_bfloat16*") for a in args)
     return (
-        f"#include <cuda_bf16.h>\n{kk.HEADER}\n"
+        f"#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n{header}\n"
         f"template <typename T, {template}>\n__global__ void split({', '.join(args)}) {{\n"
         f"{source}\n}}\n"
         f"template __global__ void split<__nv_bfloat16, {values}>({types});\n"
@@ -67,9 +74,9 @@ def compiled(cu: str, arch: str = "sm_90") -> dict:
         done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"nvcc failed:\n{done.stderr[-3000:]}")
-    used = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", done.stderr)
+    used = re.search(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?", done.stderr)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
-    return dict(registers=int(used.group(1)), smem=int(used.group(2)),
+    return dict(registers=int(used.group(1)), smem=int(used.group(2) or 0),
                 spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)))  # fmt: skip
 
 

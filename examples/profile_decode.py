@@ -19,7 +19,7 @@ piped-held  the same, but the step's state arrays are queued and stay referenced
 
 Rows: mlx-lm's eager step over its KVCache; kvfn's compiled ``decode`` over the same rows
 (the ragged split kernel on CUDA); kvfn with the kernel off (SDPA with a mask array); on CUDA
-also the split kernel in each ``--configs`` setting (G,U,B,S as in benchmark_kernels.py). With
+also the split kernel in each ``--configs`` setting (G,U,B,S,T as in benchmark_kernels.py). With
 ``--duo RATIO``, DuoAttention's states of the same rows (a random head pattern at that retrieval
 ratio, 64 sinks + 256 recent rows) and the same in the slots layout:
 
@@ -269,7 +269,7 @@ def main(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--configs", nargs="*", type=kernel_config, default=[], metavar="G,U,B[,S]",
+    p.add_argument("--configs", nargs="*", type=kernel_config, default=[], metavar="G,U,B[,S[,T]]",
                    help="split kernel settings to add as rows (CUDA; default none)")  # fmt: skip
     p.add_argument("--phases", action="store_true", help="also time build / encode / wait")
     p.add_argument("--ncu", action="store_true", help="one step of each, between markers")
@@ -323,10 +323,10 @@ def main(argv=None):
             continue
         rows = {"mlx-lm": mlx_build, "kvfn": kvfn_build}
         rows["kvfn masked SDPA"] = variant_loop(model, kvfn_build.box[1], ENABLED=False)
-        for g, u, b, st in args.configs if mx.default_device() == mx.gpu else ():
-            rows[f"kvfn {g},{u},{b},{st}"] = variant_loop(
+        for g, u, b, st, tc in args.configs if mx.default_device() == mx.gpu else ():
+            rows[f"kvfn {g},{u},{b},{st},{tc}"] = variant_loop(
                 model, kvfn_build.box[1], MAX_HEADS_PER_BLOCK=g, UNROLL=u, BLOCKS_PER_SM=b,
-                STAGES=st
+                STAGES=st, TENSOR_CORES=bool(tc)
             )  # fmt: skip
         if duo is not None:
             rows.update(duo_rows(model, duo))

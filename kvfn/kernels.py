@@ -30,6 +30,11 @@ ENABLED = os.environ.get("KVFN_DECODE_KERNEL", "1") != "0"
 # KVFN_TWO_GROUP_KERNEL=0 keeps a head-partitioned layer's decode attention per group
 TWO_GROUP_ENABLED = ENABLED and os.environ.get("KVFN_TWO_GROUP_KERNEL", "1") != "0"
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+# KVFN_TENSOR_CORES=1 runs the split kernel's tensor-core version (MMA_SPLIT_SOURCE) on the
+# shapes it takes: float16 / bfloat16, head_dim 64 or 128
+TENSOR_CORES = ENABLED and os.environ.get("KVFN_TENSOR_CORES", "0") == "1"
+MMA_DTYPES = (mx.float16, mx.bfloat16)
+MMA_DIMS = (64, 128)
 
 HEADER = r"""
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -346,6 +351,265 @@ COMBINE_SOURCE = r"""
 """
 
 
+# The split kernel on tensor cores (bf16 / fp16, head_dim 64 or 128): the same blocks, splits,
+# outputs and combine as SPLIT_SOURCE, but a warp scores and accumulates 16 keys a step with
+# mma.sync (m16n8k16, float32 accumulators). The block's G query heads are the rows of a 16-row
+# A operand (rows G-15 zero). A thread's fragments come straight from 16-byte rows it staged
+# (cp.async) itself: the order of the dot products' terms is free, so logical k of the score
+# mma maps to the dims the thread loaded, and the probabilities stay in the registers the
+# score mma wrote them to (FlashAttention-2's layout); V's fragments pair two keys by byte
+# permutes. Scores are in base 2 (scale holds scale * log2(e)); probabilities are rounded to T.
+MMA_HEADER = HEADER + r"""
+template <typename T>
+struct Mma;
+
+template <>
+struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+  }
+  static __device__ __forceinline__ void run(
+      float (&d)[4], unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct Mma<__half> {
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+  }
+  static __device__ __forceinline__ void run(
+      float (&d)[4], unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ __forceinline__ unsigned word(const uint4& r, int i) {
+  return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w;
+}
+
+// Two 16-bit elements, element e of `lo`'s and of `hi`'s 32-bit word, as one word (lo first).
+__device__ __forceinline__ unsigned pair(unsigned lo, unsigned hi, int e) {
+  return __byte_perm(lo, hi, e ? 0x7632 : 0x5410);
+}
+
+// Stage `slot` of a warp's 16 keys [kb, kb + 16): lane (g, t) copies dims [32j + 8t, +8) of K
+// rows kb + g and kb + 8 + g, and dims [64j + 8g, +8) of V rows kb + 2t, +1, +8, +9. Keys at or
+// past `stop` are zeros.
+template <typename T, int D, int NTH>
+__device__ __forceinline__ void stage_mma(
+    uint4* staged, const T* k, const T* v, size_t base, int kb, int stop, int g, int t) {
+  constexpr int JK = D / 32;
+  constexpr int JV = D / 64;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key = kb + 8 * h + g;
+    const bool valid = key < stop;
+    const T* src = k + base + (size_t)(valid ? key : 0) * D + 8 * t;
+#pragma unroll
+    for (int j = 0; j < JK; ++j) {
+      copy16_async(staged + (h * JK + j) * NTH + threadIdx.x, src + 32 * j, valid);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int key = kb + 2 * t + (r & 1) + 8 * (r >> 1);
+    const bool valid = key < stop;
+    const T* src = v + base + (size_t)(valid ? key : 0) * D + 8 * g;
+#pragma unroll
+    for (int j = 0; j < JV; ++j) {
+      copy16_async(staged + (2 * JK + r * JV + j) * NTH + threadIdx.x, src + 64 * j, valid);
+    }
+  }
+}
+"""
+
+MMA_SPLIT_SOURCE = r"""
+  constexpr int W = 4;
+  constexpr int NTH = W * 32;
+  constexpr int JK = D / 32;
+  constexpr int JV = D / 64;
+  constexpr int KC = D / 16;
+  constexpr int NTL = D / 8;
+  constexpr int NU = 2 * JK + 4 * JV;
+  constexpr int STEP = W * 16;
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  static_assert(G <= 8, "at most 8 query heads a block");
+  static_assert(ST >= 1, "at least one staged step");
+
+  const int split = blockIdx.x;
+  const int row = blockIdx.y;
+  const int bh = row / NT;
+  const int head0 = bh * GT + (row % NT) * G;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4;
+  const int t = lane % 4;
+
+  const int len = min(max(lengths[(bh / HKV) * LSB + (bh % HKV) * LSH], 0), C);
+  int chunk = (len + NS - 1) / NS;
+  chunk = (chunk + STEP - 1) / STEP * STEP;
+  const int start = min(split * chunk, len);
+  const int stop = min(start + chunk, len);
+  const size_t base = (size_t)bh * C * D;
+  const float qscale = scale[0];
+
+  // Row g of the A operand: query head head0 + g, dims in the order the K rows are staged.
+  unsigned qa[KC][2];
+#pragma unroll
+  for (int j = 0; j < JK; ++j) {
+    uint4 r = make_uint4(0, 0, 0, 0);
+    if (g < G) {
+      r = *reinterpret_cast<const uint4*>(q + (size_t)(head0 + g) * D + 32 * j + 8 * t);
+    }
+    qa[2 * j][0] = r.x;
+    qa[2 * j][1] = r.y;
+    qa[2 * j + 1][0] = r.z;
+    qa[2 * j + 1][1] = r.w;
+  }
+
+  float m = neg_inf();
+  float l = 0.f;
+  float acc[NTL][4];
+#pragma unroll
+  for (int n = 0; n < NTL; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      acc[n][i] = 0.f;
+    }
+  }
+
+  extern __shared__ uint4 staged[];  // ST steps of NU 16-byte rows a thread
+  for (int p = 0; p + 1 < ST; ++p) {
+    stage_mma<T, D, NTH>(staged + p * NU * NTH, k, v, base, start + p * STEP + warp * 16, stop,
+                         g, t);
+    async_commit();
+  }
+  for (int s0 = start, it = 0; s0 < stop; s0 += STEP, ++it) {
+    const int kb = s0 + warp * 16;
+    stage_mma<T, D, NTH>(staged + ((it + ST - 1) % ST) * NU * NTH, k, v, base,
+                         kb + (ST - 1) * STEP, stop, g, t);
+    async_commit();
+    async_wait<ST - 1>();
+    const uint4* mine = staged + (it % ST) * NU * NTH + threadIdx.x;
+
+    // S (16 heads x 16 keys) in two tiles of 8 keys: lane (g, t) holds keys kb + 8h + 2t, +1.
+    float s[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        s[h][i] = 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < JK; ++j) {
+        const uint4 kr = mine[(h * JK + j) * NTH];
+        Mma<T>::run(s[h], qa[2 * j][0], qa[2 * j][1], kr.x, kr.y);
+        Mma<T>::run(s[h], qa[2 * j + 1][0], qa[2 * j + 1][1], kr.z, kr.w);
+      }
+    }
+    float sv[4] = {s[0][0], s[0][1], s[1][0], s[1][1]};
+    float mx = neg_inf();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int key = kb + 2 * t + (i & 1) + 8 * (i >> 1);
+      sv[i] = key < stop ? sv[i] * qscale : neg_inf();
+      mx = fmaxf(mx, sv[i]);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mn = fmaxf(m, mx);
+    const float corr = mn == neg_inf() ? 1.f : exp2f(m - mn);
+    float p[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      p[i] = sv[i] == neg_inf() ? 0.f : exp2f(sv[i] - mn);
+    }
+    l = l * corr + (p[0] + p[1]) + (p[2] + p[3]);
+    m = mn;
+    const unsigned pa0 = Mma<T>::pack(p[0], p[1]);
+    const unsigned pa2 = Mma<T>::pack(p[2], p[3]);
+
+    // O (16 heads x D) += P V: n-tile n holds dims 64 (n / 8) + 8 c + n % 8 in its column c.
+    uint4 vr[4][JV];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+#pragma unroll
+      for (int j = 0; j < JV; ++j) {
+        vr[r][j] = mine[(2 * JK + r * JV + j) * NTH];
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < NTL; ++n) {
+      const int j = n / 8;
+      const int e = n % 8;
+      acc[n][0] *= corr;
+      acc[n][1] *= corr;
+      const unsigned b0 = pair(word(vr[0][j], e / 2), word(vr[1][j], e / 2), e % 2);
+      const unsigned b1 = pair(word(vr[2][j], e / 2), word(vr[3][j], e / 2), e % 2);
+      Mma<T>::run(acc[n], pa0, pa2, b0, b1);
+    }
+  }
+  async_wait<0>();
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+
+  // Merge the warps through the staging memory (every warp is done reading it).
+  __syncthreads();
+  float* sm_m = reinterpret_cast<float*>(staged);
+  float* sm_l = sm_m + W * G;
+  float* sm_acc = sm_l + W * G;
+  if (g < G) {
+#pragma unroll
+    for (int n = 0; n < NTL; ++n) {
+      const int d = 64 * (n / 8) + 16 * t + n % 8;
+      sm_acc[(warp * G + g) * D + d] = acc[n][0];
+      sm_acc[(warp * G + g) * D + d + 8] = acc[n][1];
+    }
+    if (t == 0) {
+      sm_m[warp * G + g] = m;
+      sm_l[warp * G + g] = l;
+    }
+  }
+  __syncthreads();
+  for (int x = threadIdx.x; x < G * D; x += NTH) {
+    const int h = x / D;
+    const int d = x % D;
+    float mm = neg_inf();
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      mm = fmaxf(mm, sm_m[w * G + h]);
+    }
+    float ll = 0.f;
+    float aa = 0.f;
+    if (mm != neg_inf()) {
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        const float c = exp2f(sm_m[w * G + h] - mm);
+        ll += sm_l[w * G + h] * c;
+        aa += sm_acc[(w * G + h) * D + d] * c;
+      }
+    }
+    const size_t at = (size_t)(head0 + h) * NS + split;
+    o_part[at * D + d] = ll > 0.f ? aa / ll : 0.f;
+    if (d == 0) {
+      lse[at] = ll > 0.f ? mm + log2f(ll) : neg_inf();
+    }
+  }
+"""
+
+
 # The split kernel over two head groups of one layer (kvfn.partitioned): each KV head h reads
 # group hmap[2h] (0 or 1) at index hmap[2h + 1] in it; group 0 (k0, v0: (B, H0, C0, D)) has the
 # valid slots [0, lengths), group 1 (k1, v1: (B, H1, C1, D)) the first L1. Queries and outputs
@@ -504,14 +768,27 @@ def staged_bytes(unroll: int) -> int:
     return STAGES * 2 * unroll * THREADS * 16
 
 
-def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale, template):
+def mma_staged_bytes(dim: int) -> int:
+    """Shared memory a block of the tensor-core split kernel stages its rows in: ``STAGES``
+    steps of 16 keys a warp: two K rows of ``dim`` / 32 and four V rows of ``dim`` / 64
+    16-byte pieces a thread."""
+    return max(STAGES, 1) * (2 * (dim // 32) + 4 * (dim // 64)) * THREADS * 16
+
+
+def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale, template,
+                       mma=False):  # fmt: skip
     """One split-K launch of ``split_kernel(shared bytes)`` (its ``inputs`` then the scale; its own
-    ``template`` entries after the shared ones) over ``capacity`` rows a KV head, then the
-    combine: (B, n_q_heads, 1, D) in q's dtype."""
+    ``template`` entries after the shared ones; ``mma``: the tensor-core kernel's staging) over
+    ``capacity`` rows a KV head, then the combine: (B, n_q_heads, 1, D) in q's dtype."""
     batch, q_heads, _, dim = q.shape
     tile, tiles, splits = plan(batch, q_heads, kv_heads, capacity)
-    unroll = UNROLL or (4 if tile <= 4 else 2)
-    o_part, lse = split_kernel(staged_bytes(unroll))(
+    if mma:
+        shared, staging = mma_staged_bytes(dim), [("ST", max(STAGES, 1))]
+    else:
+        unroll = UNROLL or (4 if tile <= 4 else 2)
+        shared = staged_bytes(unroll)
+        staging = [("U", unroll), ("ST", STAGES), ("P", PREFETCH)]
+    o_part, lse = split_kernel(shared)(
         inputs=[*inputs, mx.array([scale * LOG2E], dtype=mx.float32)],
         template=[
             ("T", dtype),
@@ -521,9 +798,7 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
             ("NT", tiles),
             ("NS", splits),
             *template,
-            ("U", unroll),
-            ("ST", STAGES),
-            ("P", PREFETCH),
+            *staging,
         ],
         grid=(splits * THREADS, batch * kv_heads * tiles, 1),
         threadgroup=(THREADS, 1, 1),
@@ -546,8 +821,15 @@ def _kernel_attention(q, k, v, lengths, scale):
     lb, lh = lengths.shape + (1,) * (2 - lengths.ndim)
     template = [("C", capacity), ("HKV", kv_heads), ("LSB", lh if lb > 1 else 0),
                 ("LSH", 1 if lh > 1 else 0)]  # fmt: skip
-    return _split_and_combine(_split_kernel, [q, k, v, lengths.reshape(-1)], q, kv_heads,
-                              capacity, k.dtype, scale, template)  # fmt: skip
+    mma = _mma_applies(q, k)
+    return _split_and_combine(_mma_split_kernel if mma else _split_kernel,
+                              [q, k, v, lengths.reshape(-1)], q, kv_heads, capacity, k.dtype,
+                              scale, template, mma)  # fmt: skip
+
+
+def _mma_applies(q, k) -> bool:
+    """The tensor-core split kernel's conditions, beyond the split kernel's (``TENSOR_CORES``)."""
+    return TENSOR_CORES and k.dtype in MMA_DTYPES and q.shape[3] in MMA_DIMS
 
 
 def two_group_decode_attention(q, k0, v0, lengths, k1, v1, length1: int, head_map, *, scale):
@@ -638,6 +920,13 @@ def _two_group_kernel(shared_memory: int):
 def _split_kernel(shared_memory: int):
     return cuda_kernel("kvfn_ragged_decode_split", ["q", "k", "v", "lengths", "scale"],
                        ["o_part", "lse"], SPLIT_SOURCE, shared_memory=shared_memory)  # fmt: skip
+
+
+@lru_cache(maxsize=None)
+def _mma_split_kernel(shared_memory: int):
+    return cuda_kernel("kvfn_ragged_decode_mma", ["q", "k", "v", "lengths", "scale"],
+                       ["o_part", "lse"], MMA_SPLIT_SOURCE, header=MMA_HEADER,
+                       shared_memory=shared_memory)  # fmt: skip
 
 
 @lru_cache(maxsize=None)

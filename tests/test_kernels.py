@@ -4,6 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import kvfn.kernels as kernels
 from kvfn.kernels import MIN_KEYS_PER_SPLIT, plan, ragged_decode_attention
 
 B, KV, C = 2, 2, 16
@@ -74,6 +75,63 @@ def test_lengths_across_split_boundaries_match_reference(dtype):
     out = ragged_decode_attention(q, k, v, lengths, scale=0.125)
     expected = reference(q, k, v, lengths, 0.125)
     np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, atol=tolerance(dtype))
+
+
+needs_cuda = pytest.mark.skipif(not kernels.on_cuda(), reason="tensor cores: MLX's CUDA backend")
+
+
+def mma_tolerance(dtype):
+    """The probabilities are rounded to the inputs' dtype before the value product."""
+    return 2e-2 if dtype == mx.bfloat16 else 3e-3
+
+
+@needs_cuda
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda x: str(x.tolist()))
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
+def test_tensor_core_kernel_matches_reference(monkeypatch, lengths, group, dim, dtype):
+    monkeypatch.setattr(kernels, "TENSOR_CORES", True)
+    q, k, v = make(KV * group, dim, dtype)
+    assert kernels._mma_applies(q, k)
+    out = ragged_decode_attention(q, k, v, lengths, scale=dim**-0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    expected = reference(q, k, v, lengths, dim**-0.5)
+    np.testing.assert_allclose(
+        np.array(out.astype(mx.float32)), expected, atol=mma_tolerance(dtype)
+    )
+
+
+@needs_cuda
+@pytest.mark.parametrize("group", [4, 8])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
+def test_tensor_core_kernel_across_splits_matches_reference(monkeypatch, group, dtype):
+    """Many 64-key block steps in several splits, lengths at and around the split and
+    16-key warp boundaries, against the float64 reference and the CUDA-core kernel."""
+    capacity = 9 * MIN_KEYS_PER_SPLIT + 5
+    assert plan(B, KV * group, KV, capacity)[2] > 1
+    mx.random.seed(2)
+    q = mx.random.normal((B, KV * group, 1, 128)).astype(dtype)
+    k, v = (mx.random.normal((B, KV, capacity, 128)).astype(dtype) for _ in range(2))
+    lengths = mx.array([[1, 17], [2 * MIN_KEYS_PER_SPLIT + 63, capacity]], dtype=mx.int32)
+    plain = ragged_decode_attention(q, k, v, lengths, scale=0.088)
+    monkeypatch.setattr(kernels, "TENSOR_CORES", True)
+    out = ragged_decode_attention(q, k, v, lengths, scale=0.088)
+    expected = reference(q, k, v, lengths, 0.088)
+    got = np.array(out.astype(mx.float32))
+    np.testing.assert_allclose(got, expected, atol=mma_tolerance(dtype))
+    np.testing.assert_allclose(got, np.array(plain.astype(mx.float32)), atol=mma_tolerance(dtype))
+
+
+@needs_cuda
+def test_tensor_core_kernel_compiles_into_a_decode_step(monkeypatch):
+    """Traced inside mx.compile with a traced length, as a decode step runs it."""
+    monkeypatch.setattr(kernels, "TENSOR_CORES", True)
+    q, k, v = make(8, 128, mx.bfloat16, seed=3)
+    step = mx.compile(lambda q, k, v, n: ragged_decode_attention(q, k, v, n, scale=0.1))
+    for n in (1, 9, C):
+        got = np.array(step(q, k, v, mx.array(n, dtype=mx.int32)).astype(mx.float32))
+        np.testing.assert_allclose(got, reference(q, k, v, n, 0.1), atol=2e-2)
 
 
 def test_zero_length_gives_zeros_not_nan():
@@ -233,7 +291,9 @@ def test_two_groups_in_head_order_match_each_group_alone(lengths, dim, dtype):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc compiles the kernels offline")
-@pytest.mark.parametrize("name", ["SPLIT_SOURCE", "TWO_GROUP_SOURCE", "SLOTS_SOURCE"])
+@pytest.mark.parametrize(
+    "name", ["SPLIT_SOURCE", "TWO_GROUP_SOURCE", "SLOTS_SOURCE", "MMA_SPLIT_SOURCE"]
+)
 def test_split_kernels_compile_to_the_blocks_plan_assumes(name):
     """Each split kernel's source compiles for Hopper as MLX wraps it, spills nothing, and
     needs few enough registers for kernels.BLOCKS_PER_SM blocks of THREADS an SM, which
@@ -246,5 +306,10 @@ def test_split_kernels_compile_to_the_blocks_plan_assumes(name):
     r = compiled(wrapped(load_kernels(), name, 128, unroll, kernels.STAGES))
     assert r["spill_stores"] == r["spill_loads"] == 0
     assert resident_blocks(r["registers"], kernels.THREADS) >= kernels.BLOCKS_PER_SM, r
-    per_block = r["smem"] + kernels.staged_bytes(unroll) + 1024  # 1 KB the driver reserves
+    staged = (
+        kernels.mma_staged_bytes(128)
+        if name == "MMA_SPLIT_SOURCE"
+        else kernels.staged_bytes(unroll)
+    )
+    per_block = r["smem"] + staged + 1024  # 1 KB the driver reserves
     assert per_block * kernels.BLOCKS_PER_SM <= 228 * 1024, (per_block, r)  # Hopper, an SM
