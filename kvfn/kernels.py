@@ -31,7 +31,8 @@ ENABLED = os.environ.get("KVFN_DECODE_KERNEL", "1") != "0"
 TWO_GROUP_ENABLED = ENABLED and os.environ.get("KVFN_TWO_GROUP_KERNEL", "1") != "0"
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # KVFN_TENSOR_CORES=1 runs the split kernel's tensor-core version (MMA_SPLIT_SOURCE) on the
-# shapes it takes: float16 / bfloat16, head_dim 64 or 128
+# shapes it takes: float16 / bfloat16, head_dim 64 or 128. Off: on the H200 it was as exact but
+# slower from 32K rows (a 32-layer step 1.10x at 32K; profile section 15)
 TENSOR_CORES = ENABLED and os.environ.get("KVFN_TENSOR_CORES", "0") == "1"
 MMA_DTYPES = (mx.float16, mx.bfloat16)
 MMA_DIMS = (64, 128)
