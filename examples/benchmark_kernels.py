@@ -205,14 +205,15 @@ def sweep(kk, capacities, iters, splits_list, unrolls):
 
 def kernel_config(text: str) -> tuple:
     """``G,U,B[,S[,T]]`` (query heads a block at most, keys a lane step, blocks an SM: positive;
-    steps staged through shared memory, 0 for none: the default; T 1 for the tensor-core
-    kernel, which takes no U, where it applies: float16 / bfloat16, head_dim 64 or 128)."""
+    steps staged through shared memory, 0 for none: the default; T the tensor-core kernel where
+    it applies, float16 / bfloat16 and head_dim 64 or 128: 1 with each lane staging its
+    fragments' pieces, 2 with whole rows read by ldmatrix; neither takes U)."""
     parts = text.split(",")
     parts += ["0", "0"][: max(0, 5 - len(parts))]
-    valid = len(parts) == 5 and all(p.isdigit() for p in parts) and parts[4] in ("0", "1")
+    valid = len(parts) == 5 and all(p.isdigit() for p in parts) and parts[4] in ("0", "1", "2")
     if not valid or "0" in parts[:3]:
         raise argparse.ArgumentTypeError(
-            f"must be G,U,B[,S[,T]]: three positive integers, stages >= 0 and T 0 or 1; "
+            f"must be G,U,B[,S[,T]]: three positive integers, stages >= 0 and T 0, 1 or 2; "
             f"got {text!r}"
         )
     return tuple(int(p) for p in parts)
@@ -238,7 +239,8 @@ def configs_table(kk, capacities, iters, configs, layers):
             f"x{layers} full", f"x{layers} ideal"]  # fmt: skip
     print(row(head))
     print(row(["---"] * len(head)))
-    saved = kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES, kk.TENSOR_CORES
+    saved = kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES
+    saved_mma = kk.TENSOR_CORES, kk.MMA_ROWS
     for capacity in capacities:
         q, k, v = operands(capacity)
         (_, full, _), (_, half, _), (_, ragged, _) = cases(capacity)
@@ -251,7 +253,7 @@ def configs_table(kk, capacities, iters, configs, layers):
         c_ideal = compiled_ms(kk, capacity, full, layers, iters, "ideal")
         for g, u, b, st, tc in configs:
             kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES = g, u, b, st
-            kk.TENSOR_CORES = bool(tc)
+            kk.TENSOR_CORES, kk.MMA_ROWS = tc > 0, tc == 2
             g = kk.plan(1, HEADS, KV_HEADS, capacity)[0]  # the heads a block plan() takes
             err = [max_error(kk.ragged_decode_attention(q, k, v, n, scale=DIM**-0.5), exact(n))
                    for n in (full, ragged)]  # fmt: skip
@@ -264,7 +266,8 @@ def configs_table(kk, capacities, iters, configs, layers):
                        f"{t_ideal['half']:.1f}", c, c_ideal]), flush=True)  # fmt: skip
             mx.clear_cache()
         del q, k, v
-    kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES, kk.TENSOR_CORES = saved
+    kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES = saved
+    kk.TENSOR_CORES, kk.MMA_ROWS = saved_mma
 
 
 LOAD_PATHS = ((True, 0), (False, 0), (True, 1), (True, 2), (True, 3))  # (PREFETCH, STAGES)

@@ -40,13 +40,15 @@ def resident_blocks(registers: int, threads: int = 128) -> int:
     return 65536 // (threads * (-(-registers // 8) * 8))
 
 
-def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0) -> str:
+def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0, rows=None) -> str:
+    """The kernel ``name`` as MLX wraps it, instantiated for bfloat16 (``rows``: the tensor-core
+    kernel's whole-row loads, default ``kernels.MMA_ROWS``)."""
     source = getattr(kk, name)
     header = getattr(kk, HEADERS.get(name, "HEADER"))
     inputs, own = KERNELS[name]
     params = dict(D=dim, **{k: TEMPLATE[k] for k in SHARED + own})
     if name in NO_UNROLL:
-        params.update(ST=max(stages, 1))
+        params.update(ST=max(stages, 1), LR=int(kk.MMA_ROWS if rows is None else rows))
     else:
         params.update(U=unroll, ST=stages, P=int(kk.PREFETCH))
     args = ["const T* q"]

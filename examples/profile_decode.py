@@ -326,7 +326,7 @@ def main(argv=None):
         for g, u, b, st, tc in args.configs if mx.default_device() == mx.gpu else ():
             rows[f"kvfn {g},{u},{b},{st},{tc}"] = variant_loop(
                 model, kvfn_build.box[1], MAX_HEADS_PER_BLOCK=g, UNROLL=u, BLOCKS_PER_SM=b,
-                STAGES=st, TENSOR_CORES=bool(tc)
+                STAGES=st, TENSOR_CORES=tc > 0, MMA_ROWS=tc == 2
             )  # fmt: skip
         if duo is not None:
             rows.update(duo_rows(model, duo))

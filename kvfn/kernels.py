@@ -35,6 +35,9 @@ KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # slower from 32K rows (a 32-layer step 1.10x at 32K; profile section 15)
 TENSOR_CORES = ENABLED and os.environ.get("KVFN_TENSOR_CORES", "0") == "1"
 MMA_DTYPES = (mx.float16, mx.bfloat16)
+# the tensor-core kernel's loads: each warp stages whole rows and reads its fragments with
+# ldmatrix (not yet run on a GPU); else each lane stages the pieces its fragments hold
+MMA_ROWS = False
 MMA_DIMS = (64, 128)
 
 HEADER = r"""
@@ -405,6 +408,41 @@ __device__ __forceinline__ unsigned pair(unsigned lo, unsigned hi, int e) {
   return __byte_perm(lo, hi, e ? 0x7632 : 0x5410);
 }
 
+// Four 8x8 16-bit matrices from shared memory, lane i giving row i % 8 of matrix i / 8;
+// `trans` delivers each transposed (lane (g, t) gets column g, rows 2t and 2t + 1).
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix4(unsigned (&r)[4], const uint4* row) {
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
+  }
+}
+
+// Stage a warp's 16 K rows then 16 V rows [kb, kb + 16) whole: each instruction copies two
+// 256-byte rows (D = 128); 16-byte chunk c of row r lands at c ^ (r % 8), so the 8 rows an
+// ldmatrix reads at one chunk sit in different banks. Keys at or past `stop` are zeros.
+template <typename T, int D>
+__device__ __forceinline__ void stage_whole_rows(
+    uint4* tile, const T* k, const T* v, size_t base, int kb, int stop, int lane) {
+  constexpr int CH = D / 8;
+  // a loop: unrolled, ptxas keeps every copy's addresses across the whole step (177 registers
+  // at D = 128, two blocks an SM; 141 so)
+#pragma unroll 1
+  for (int i = 0; i < 16 * CH / 32; ++i) {
+    const int x = i * 32 + lane;
+    const int r = x / CH;
+    const int c = x % CH;
+    const bool valid = kb + r < stop;
+    const size_t at = base + (size_t)(valid ? kb + r : 0) * D + 8 * c;
+    copy16_async(tile + r * CH + (c ^ (r & 7)), k + at, valid);
+    copy16_async(tile + (16 + r) * CH + (c ^ (r & 7)), v + at, valid);
+  }
+}
+
 // Stage `slot` of a warp's 16 keys [kb, kb + 16): lane (g, t) copies dims [32j + 8t, +8) of K
 // rows kb + g and kb + 8 + g, and dims [64j + 8g, +8) of V rows kb + 2t, +1, +8, +9. Keys at or
 // past `stop` are zeros.
@@ -443,7 +481,8 @@ MMA_SPLIT_SOURCE = r"""
   constexpr int JV = D / 64;
   constexpr int KC = D / 16;
   constexpr int NTL = D / 8;
-  constexpr int NU = 2 * JK + 4 * JV;
+  constexpr int CH = D / 8;
+  constexpr int NU = 2 * JK + 4 * JV;  // 16-byte pieces a thread stages a step (both loads)
   constexpr int STEP = W * 16;
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static_assert(G <= 8, "at most 8 query heads a block");
@@ -466,18 +505,27 @@ MMA_SPLIT_SOURCE = r"""
   const size_t base = (size_t)bh * C * D;
   const float qscale = scale[0];
 
-  // Row g of the A operand: query head head0 + g, dims in the order the K rows are staged.
+  // Row g of the A operand: query head head0 + g, its dims in the order the K fragments hold
+  // them (LR: in order; else as each lane staged its K rows).
   unsigned qa[KC][2];
 #pragma unroll
   for (int j = 0; j < JK; ++j) {
     uint4 r = make_uint4(0, 0, 0, 0);
-    if (g < G) {
+    if (g < G && !LR) {
       r = *reinterpret_cast<const uint4*>(q + (size_t)(head0 + g) * D + 32 * j + 8 * t);
     }
     qa[2 * j][0] = r.x;
     qa[2 * j][1] = r.y;
     qa[2 * j + 1][0] = r.z;
     qa[2 * j + 1][1] = r.w;
+  }
+  if (LR) {
+#pragma unroll
+    for (int kc = 0; kc < KC; ++kc) {
+      const T* at = q + (size_t)(head0 + g) * D + 16 * kc + 2 * t;
+      qa[kc][0] = g < G ? *reinterpret_cast<const unsigned*>(at) : 0u;
+      qa[kc][1] = g < G ? *reinterpret_cast<const unsigned*>(at + 8) : 0u;
+    }
   }
 
   float m = neg_inf();
@@ -491,19 +539,35 @@ MMA_SPLIT_SOURCE = r"""
     }
   }
 
-  extern __shared__ uint4 staged[];  // ST steps of NU 16-byte rows a thread
+  // ST steps of NU * NTH 16-byte pieces: LR, each warp's 16 whole K and V rows (32 CH);
+  // else each thread's own pieces, NTH apart
+  extern __shared__ uint4 staged[];
+  uint4* const own = LR ? staged + warp * 32 * CH : staged + threadIdx.x;
   for (int p = 0; p + 1 < ST; ++p) {
-    stage_mma<T, D, NTH>(staged + p * NU * NTH, k, v, base, start + p * STEP + warp * 16, stop,
-                         g, t);
+    const int kb = start + p * STEP + warp * 16;
+    if (LR) {
+      stage_whole_rows<T, D>(own + p * NU * NTH, k, v, base, kb, stop, lane);
+    } else {
+      stage_mma<T, D, NTH>(staged + p * NU * NTH, k, v, base, kb, stop, g, t);
+    }
     async_commit();
   }
   for (int s0 = start, it = 0; s0 < stop; s0 += STEP, ++it) {
     const int kb = s0 + warp * 16;
-    stage_mma<T, D, NTH>(staged + ((it + ST - 1) % ST) * NU * NTH, k, v, base,
-                         kb + (ST - 1) * STEP, stop, g, t);
+    const int next = ((it + ST - 1) % ST) * NU * NTH;
+    if (LR) {
+      __syncwarp();  // every lane is done reading the slot staged next
+      stage_whole_rows<T, D>(own + next, k, v, base, kb + (ST - 1) * STEP, stop, lane);
+    } else {
+      stage_mma<T, D, NTH>(staged + next, k, v, base, kb + (ST - 1) * STEP, stop, g, t);
+    }
     async_commit();
     async_wait<ST - 1>();
-    const uint4* mine = staged + (it % ST) * NU * NTH + threadIdx.x;
+    if (LR) {
+      __syncwarp();  // the other lanes' copies are visible
+    }
+    const uint4* tile = own + (it % ST) * NU * NTH;  // LR: the warp's rows
+    const uint4* mine = tile;  // else: this thread's pieces
 
     // S (16 heads x 16 keys) in two tiles of 8 keys: lane (g, t) holds keys kb + 8h + 2t, +1.
     float s[2][4];
@@ -513,11 +577,26 @@ MMA_SPLIT_SOURCE = r"""
       for (int i = 0; i < 4; ++i) {
         s[h][i] = 0.f;
       }
+    }
+    if (LR) {
+      const int r = 8 * (lane / 16) + lane % 8;  // matrices: (keys 0-7, 8-15) x (2 kc, 2 kc + 1)
 #pragma unroll
-      for (int j = 0; j < JK; ++j) {
-        const uint4 kr = mine[(h * JK + j) * NTH];
-        Mma<T>::run(s[h], qa[2 * j][0], qa[2 * j][1], kr.x, kr.y);
-        Mma<T>::run(s[h], qa[2 * j + 1][0], qa[2 * j + 1][1], kr.z, kr.w);
+      for (int kc = 0; kc < KC; ++kc) {
+        const int c = 2 * kc + (lane / 8) % 2;
+        unsigned b[4];
+        ldmatrix4<false>(b, tile + r * CH + (c ^ (r & 7)));
+        Mma<T>::run(s[0], qa[kc][0], qa[kc][1], b[0], b[1]);
+        Mma<T>::run(s[1], qa[kc][0], qa[kc][1], b[2], b[3]);
+      }
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < JK; ++j) {
+          const uint4 kr = mine[(h * JK + j) * NTH];
+          Mma<T>::run(s[h], qa[2 * j][0], qa[2 * j][1], kr.x, kr.y);
+          Mma<T>::run(s[h], qa[2 * j + 1][0], qa[2 * j + 1][1], kr.z, kr.w);
+        }
       }
     }
     float sv[4] = {s[0][0], s[0][1], s[1][0], s[1][1]};
@@ -541,25 +620,41 @@ MMA_SPLIT_SOURCE = r"""
     m = mn;
     const unsigned pa0 = Mma<T>::pack(p[0], p[1]);
     const unsigned pa2 = Mma<T>::pack(p[2], p[3]);
-
-    // O (16 heads x D) += P V: n-tile n holds dims 64 (n / 8) + 8 c + n % 8 in its column c.
-    uint4 vr[4][JV];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-#pragma unroll
-      for (int j = 0; j < JV; ++j) {
-        vr[r][j] = mine[(2 * JK + r * JV + j) * NTH];
-      }
-    }
 #pragma unroll
     for (int n = 0; n < NTL; ++n) {
-      const int j = n / 8;
-      const int e = n % 8;
       acc[n][0] *= corr;
       acc[n][1] *= corr;
-      const unsigned b0 = pair(word(vr[0][j], e / 2), word(vr[1][j], e / 2), e % 2);
-      const unsigned b1 = pair(word(vr[2][j], e / 2), word(vr[3][j], e / 2), e % 2);
-      Mma<T>::run(acc[n], pa0, pa2, b0, b1);
+    }
+
+    // O (16 heads x D) += P V. LR: n-tile n holds dims 8n + column; else dims
+    // 64 (n / 8) + 8 column + n % 8.
+    if (LR) {
+      const int r = 8 * ((lane / 8) % 2) + lane % 8;  // matrices: (keys 0-7, 8-15) x (n, n + 1)
+#pragma unroll
+      for (int n = 0; n < NTL; n += 2) {
+        const int c = n + lane / 16;
+        unsigned b[4];
+        ldmatrix4<true>(b, tile + (16 + r) * CH + (c ^ (r & 7)));
+        Mma<T>::run(acc[n], pa0, pa2, b[0], b[1]);
+        Mma<T>::run(acc[n + 1], pa0, pa2, b[2], b[3]);
+      }
+    } else {
+      uint4 vr[4][JV];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+#pragma unroll
+        for (int j = 0; j < JV; ++j) {
+          vr[r][j] = mine[(2 * JK + r * JV + j) * NTH];
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < NTL; ++n) {
+        const int j = n / 8;
+        const int e = n % 8;
+        const unsigned b0 = pair(word(vr[0][j], e / 2), word(vr[1][j], e / 2), e % 2);
+        const unsigned b1 = pair(word(vr[2][j], e / 2), word(vr[3][j], e / 2), e % 2);
+        Mma<T>::run(acc[n], pa0, pa2, b0, b1);
+      }
     }
   }
   async_wait<0>();
@@ -574,9 +669,9 @@ MMA_SPLIT_SOURCE = r"""
   if (g < G) {
 #pragma unroll
     for (int n = 0; n < NTL; ++n) {
-      const int d = 64 * (n / 8) + 16 * t + n % 8;
+      const int d = LR ? 8 * n + 2 * t : 64 * (n / 8) + 16 * t + n % 8;
       sm_acc[(warp * G + g) * D + d] = acc[n][0];
-      sm_acc[(warp * G + g) * D + d + 8] = acc[n][1];
+      sm_acc[(warp * G + g) * D + d + (LR ? 1 : 8)] = acc[n][1];
     }
     if (t == 0) {
       sm_m[warp * G + g] = m;
@@ -784,7 +879,8 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
     batch, q_heads, _, dim = q.shape
     tile, tiles, splits = plan(batch, q_heads, kv_heads, capacity)
     if mma:
-        shared, staging = mma_staged_bytes(dim), [("ST", max(STAGES, 1))]
+        shared = mma_staged_bytes(dim)
+        staging = [("ST", max(STAGES, 1)), ("LR", MMA_ROWS)]
     else:
         unroll = UNROLL or (4 if tile <= 4 else 2)
         shared = staged_bytes(unroll)

@@ -90,8 +90,10 @@ def mma_tolerance(dtype):
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
-def test_tensor_core_kernel_matches_reference(monkeypatch, lengths, group, dim, dtype):
+@pytest.mark.parametrize("rows", [False, True], ids=["lanes", "rows"])
+def test_tensor_core_kernel_matches_reference(monkeypatch, lengths, group, dim, dtype, rows):
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
+    monkeypatch.setattr(kernels, "MMA_ROWS", rows)
     q, k, v = make(KV * group, dim, dtype)
     assert kernels._mma_applies(q, k)
     out = ragged_decode_attention(q, k, v, lengths, scale=dim**-0.5)
@@ -105,7 +107,8 @@ def test_tensor_core_kernel_matches_reference(monkeypatch, lengths, group, dim, 
 @needs_cuda
 @pytest.mark.parametrize("group", [4, 8])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
-def test_tensor_core_kernel_across_splits_matches_reference(monkeypatch, group, dtype):
+@pytest.mark.parametrize("rows", [False, True], ids=["lanes", "rows"])
+def test_tensor_core_kernel_across_splits_matches_reference(monkeypatch, group, dtype, rows):
     """Many 64-key block steps in several splits, lengths at and around the split and
     16-key warp boundaries, against the float64 reference and the CUDA-core kernel."""
     capacity = 9 * MIN_KEYS_PER_SPLIT + 5
@@ -116,6 +119,7 @@ def test_tensor_core_kernel_across_splits_matches_reference(monkeypatch, group, 
     lengths = mx.array([[1, 17], [2 * MIN_KEYS_PER_SPLIT + 63, capacity]], dtype=mx.int32)
     plain = ragged_decode_attention(q, k, v, lengths, scale=0.088)
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
+    monkeypatch.setattr(kernels, "MMA_ROWS", rows)
     out = ragged_decode_attention(q, k, v, lengths, scale=0.088)
     expected = reference(q, k, v, lengths, 0.088)
     got = np.array(out.astype(mx.float32))
@@ -124,9 +128,11 @@ def test_tensor_core_kernel_across_splits_matches_reference(monkeypatch, group, 
 
 
 @needs_cuda
-def test_tensor_core_kernel_compiles_into_a_decode_step(monkeypatch):
+@pytest.mark.parametrize("rows", [False, True], ids=["lanes", "rows"])
+def test_tensor_core_kernel_compiles_into_a_decode_step(monkeypatch, rows):
     """Traced inside mx.compile with a traced length, as a decode step runs it."""
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
+    monkeypatch.setattr(kernels, "MMA_ROWS", rows)
     q, k, v = make(8, 128, mx.bfloat16, seed=3)
     step = mx.compile(lambda q, k, v, n: ragged_decode_attention(q, k, v, n, scale=0.1))
     for n in (1, 9, C):
@@ -292,9 +298,11 @@ def test_two_groups_in_head_order_match_each_group_alone(lengths, dim, dtype):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc compiles the kernels offline")
 @pytest.mark.parametrize(
-    "name", ["SPLIT_SOURCE", "TWO_GROUP_SOURCE", "SLOTS_SOURCE", "MMA_SPLIT_SOURCE"]
+    "name,rows",
+    [("SPLIT_SOURCE", None), ("TWO_GROUP_SOURCE", None), ("SLOTS_SOURCE", None),
+     ("MMA_SPLIT_SOURCE", False), ("MMA_SPLIT_SOURCE", True)],  # fmt: skip
 )
-def test_split_kernels_compile_to_the_blocks_plan_assumes(name):
+def test_split_kernels_compile_to_the_blocks_plan_assumes(name, rows):
     """Each split kernel's source compiles for Hopper as MLX wraps it, spills nothing, and
     needs few enough registers for kernels.BLOCKS_PER_SM blocks of THREADS an SM, which
     ``plan`` sizes its single wave of splits by (more registers: a second, straggling wave);
@@ -303,7 +311,7 @@ def test_split_kernels_compile_to_the_blocks_plan_assumes(name):
     from examples.kernel_registers import compiled, load_kernels, resident_blocks, wrapped
 
     unroll = kernels.UNROLL or 4
-    r = compiled(wrapped(load_kernels(), name, 128, unroll, kernels.STAGES))
+    r = compiled(wrapped(load_kernels(), name, 128, unroll, kernels.STAGES, rows))
     assert r["spill_stores"] == r["spill_loads"] == 0
     assert resident_blocks(r["registers"], kernels.THREADS) >= kernels.BLOCKS_PER_SM, r
     staged = (
