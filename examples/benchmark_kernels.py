@@ -228,8 +228,9 @@ def compiled_ms(kk, capacity, lengths, layers, iters, variant) -> str:
 
 
 def configs_table(kk, capacities, iters, configs, layers):
-    """Each (query heads a block, keys a lane step, blocks an SM) setting of the split kernel:
-    its error against float32 masked SDPA (full and ragged lengths), us per call (x20 per
+    """Each (query heads a block, keys a lane step, blocks an SM, steps staged, tensor cores)
+    setting of the split kernel (``kernel_config``; the tensor-core kernel stages at least one
+    step, as its S column shows): its error against float32 masked SDPA (full and ragged lengths), us per call (x20 per
     eval) over all and half the rows, and a compiled step of ``layers`` calls, against the
     ideal (SDPA with no mask over exactly the valid rows)."""
     print(f"\nKernel settings (G query heads a block, U keys a lane step, B blocks an SM, S "
@@ -261,7 +262,8 @@ def configs_table(kk, capacities, iters, configs, layers):
                    for name, n in (("full", full), ("half", half))}  # fmt: skip
             t = timed(fns, max(10, iters // 10), repeat=20)
             c = compiled_ms(kk, capacity, full, layers, iters, "kernel")
-            print(row([capacity, f"{g},{u},{b},{st},{tc}", f"{err[0]:.1e}", f"{err[1]:.1e}",
+            setting = f"{g},{u},{b},{max(st, 1) if tc else st},{tc}"
+            print(row([capacity, setting, f"{err[0]:.1e}", f"{err[1]:.1e}",
                        f"{t['full']:.1f}", f"{t['half']:.1f}", f"{t_ideal['full']:.1f}",
                        f"{t_ideal['half']:.1f}", c, c_ideal]), flush=True)  # fmt: skip
             mx.clear_cache()

@@ -5,6 +5,7 @@ holds (65536 / (128 threads x registers)), which ``kernels.BLOCKS_PER_SM`` assum
 
     python examples/kernel_registers.py --unrolls 1 2 4     # D=128, 4 query heads a block
     python examples/kernel_registers.py --stages 0 2 3      # rows in registers or staged
+    python examples/kernel_registers.py --kernels MMA_SPLIT_SOURCE --rows 0 1   # tensor cores
 """
 
 import argparse
@@ -40,9 +41,11 @@ def resident_blocks(registers: int, threads: int = 128) -> int:
     return 65536 // (threads * (-(-registers // 8) * 8))
 
 
-def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0, rows=None) -> str:
-    """The kernel ``name`` as MLX wraps it, instantiated for bfloat16 (``rows``: the tensor-core
-    kernel's whole-row loads, default ``kernels.MMA_ROWS``)."""
+def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0, rows=None,
+            dtype: str = "__nv_bfloat16") -> str:  # fmt: skip
+    """The kernel ``name`` as MLX wraps it, instantiated for ``dtype`` (``rows``: the
+    tensor-core kernel's whole-row loads, default ``kernels.MMA_ROWS``; it stages at least one
+    step and takes no ``unroll``)."""
     source = getattr(kk, name)
     header = getattr(kk, HEADERS.get(name, "HEADER"))
     inputs, own = KERNELS[name]
@@ -56,12 +59,12 @@ def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0, rows=None) ->
     args += ["const float* scale", "float* o_part", "float* lse"]
     template = ", ".join(f"int {k}" for k in params)
     values = ", ".join(str(v) for v in params.values())
-    types = ", ".join(a.rsplit(" ", 1)[0].replace("T*", "__nv_bfloat16*") for a in args)
+    types = ", ".join(a.rsplit(" ", 1)[0].replace("T*", f"{dtype}*") for a in args)
     return (
         f"#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n{header}\n"
         f"template <typename T, {template}>\n__global__ void split({', '.join(args)}) {{\n"
         f"{source}\n}}\n"
-        f"template __global__ void split<__nv_bfloat16, {values}>({types});\n"
+        f"template __global__ void split<{dtype}, {values}>({types});\n"
     )
 
 
@@ -96,17 +99,28 @@ def main(argv=None):
     p.add_argument("--unrolls", type=int, nargs="+", default=[2, 4])
     p.add_argument("--stages", type=int, nargs="+", default=None,
                    help="steps staged through shared memory (default: kernels.STAGES)")  # fmt: skip
+    p.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        choices=[0, 1],
+        default=None,
+        help="the tensor-core kernel's loads: 1 whole rows (default kernels.MMA_ROWS)",
+    )
     p.add_argument("--arch", default="sm_90")
     args = p.parse_args(argv)
     if shutil.which("nvcc") is None:
         p.error("nvcc is not on the PATH (the CUDA toolkit compiles the kernels offline)")
     kk = load_kernels()
     for name in args.kernels:
+        mma = name in NO_UNROLL
         for dim in args.dims:
-            for unroll in args.unrolls:
+            for unroll in [None] if mma else args.unrolls:
                 for st in args.stages or [kk.STAGES]:
-                    cu = wrapped(kk, name, dim, unroll, st)
-                    print(f"{name} D={dim} U={unroll} ST={st}: {report(cu, args.arch)}")
+                    for rows in (args.rows or [int(kk.MMA_ROWS)]) if mma else [None]:
+                        cu = wrapped(kk, name, dim, unroll, st, rows)
+                        shape = f"ST={max(st, 1)} LR={rows}" if mma else f"U={unroll} ST={st}"
+                        print(f"{name} D={dim} {shape}: {report(cu, args.arch)}")
 
 
 if __name__ == "__main__":

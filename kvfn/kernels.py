@@ -31,14 +31,16 @@ ENABLED = os.environ.get("KVFN_DECODE_KERNEL", "1") != "0"
 TWO_GROUP_ENABLED = ENABLED and os.environ.get("KVFN_TWO_GROUP_KERNEL", "1") != "0"
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # KVFN_TENSOR_CORES=1 runs the split kernel's tensor-core version (MMA_SPLIT_SOURCE) on the
-# shapes it takes: float16 / bfloat16, head_dim 64 or 128. Off: on the H200 it was as exact but
-# slower from 32K rows (a 32-layer step 1.10x at 32K; profile section 15)
+# shapes it takes: float16 / bfloat16, head_dim 64 or 128. Off: on the H200 (profile section 15)
+# its error was close to the CUDA-core kernel's, its 32-layer attention 1.10x that kernel's at
+# 32K, and a whole 8B step at 128K 1.1 ms slower
 TENSOR_CORES = ENABLED and os.environ.get("KVFN_TENSOR_CORES", "0") == "1"
 MMA_DTYPES = (mx.float16, mx.bfloat16)
 # the tensor-core kernel's loads: each warp stages whole rows and reads its fragments with
 # ldmatrix (not yet run on a GPU); else each lane stages the pieces its fragments hold
 MMA_ROWS = False
 MMA_DIMS = (64, 128)
+MMA_MAX_HEADS = 8  # query heads a block of the tensor-core kernel (its A operand's rows 0-7)
 
 HEADER = r"""
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -358,7 +360,7 @@ COMBINE_SOURCE = r"""
 # The split kernel on tensor cores (bf16 / fp16, head_dim 64 or 128): the same blocks, splits,
 # outputs and combine as SPLIT_SOURCE, but a warp scores and accumulates 16 keys a step with
 # mma.sync (m16n8k16, float32 accumulators). The block's G query heads are the rows of a 16-row
-# A operand (rows G-15 zero). A thread's fragments come straight from 16-byte rows it staged
+# A operand (rows G..15 zero). A thread's fragments come straight from 16-byte rows it staged
 # (cp.async) itself: the order of the dot products' terms is free, so logical k of the score
 # mma maps to the dims the thread loaded, and the probabilities stay in the registers the
 # score mma wrote them to (FlashAttention-2's layout); V's fragments pair two keys by byte
@@ -443,7 +445,7 @@ __device__ __forceinline__ void stage_whole_rows(
   }
 }
 
-// Stage `slot` of a warp's 16 keys [kb, kb + 16): lane (g, t) copies dims [32j + 8t, +8) of K
+// Stage a warp's 16 keys [kb, kb + 16) at `staged` (a slot, pieces NTH apart): lane (g, t) copies dims [32j + 8t, +8) of K
 // rows kb + g and kb + 8 + g, and dims [64j + 8g, +8) of V rows kb + 2t, +1, +8, +9. Keys at or
 // past `stop` are zeros.
 template <typename T, int D, int NTH>
@@ -925,8 +927,11 @@ def _kernel_attention(q, k, v, lengths, scale):
 
 
 def _mma_applies(q, k) -> bool:
-    """The tensor-core split kernel's conditions, beyond the split kernel's (``TENSOR_CORES``)."""
-    return TENSOR_CORES and k.dtype in MMA_DTYPES and q.shape[3] in MMA_DIMS
+    """The tensor-core split kernel's conditions, beyond the split kernel's (``TENSOR_CORES``):
+    a dtype and head_dim it takes, and at most 8 query heads a block (its A operand's rows)."""
+    if not (TENSOR_CORES and k.dtype in MMA_DTYPES and q.shape[3] in MMA_DIMS):
+        return False
+    return plan(q.shape[0], q.shape[1], k.shape[1], k.shape[2])[0] <= MMA_MAX_HEADS
 
 
 def two_group_decode_attention(q, k0, v0, lengths, k1, v1, length1: int, head_map, *, scale):
