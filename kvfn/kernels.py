@@ -360,11 +360,13 @@ COMBINE_SOURCE = r"""
 # The split kernel on tensor cores (bf16 / fp16, head_dim 64 or 128): the same blocks, splits,
 # outputs and combine as SPLIT_SOURCE, but a warp scores and accumulates 16 keys a step with
 # mma.sync (m16n8k16, float32 accumulators). The block's G query heads are the rows of a 16-row
-# A operand (rows G..15 zero). A thread's fragments come straight from 16-byte rows it staged
-# (cp.async) itself: the order of the dot products' terms is free, so logical k of the score
-# mma maps to the dims the thread loaded, and the probabilities stay in the registers the
-# score mma wrote them to (FlashAttention-2's layout); V's fragments pair two keys by byte
-# permutes. Scores are in base 2 (scale holds scale * log2(e)); probabilities are rounded to T.
+# A operand (rows G..15 zero); the probabilities stay in the registers the score mma wrote them
+# to (FlashAttention-2's layout) and are rounded to T. Two load paths (template LR):
+# LR = 0, a thread's fragments come straight from the 16-byte pieces it staged (cp.async)
+# itself: the order of the dot products' terms is free, so logical k of the score mma maps to
+# the dims the thread loaded, and V's fragments pair two keys by byte permutes; LR = 1, each warp
+# stages its 16 K and V rows whole into swizzled shared memory and reads fragments by ldmatrix.
+# Scores are in base 2 (scale holds scale * log2(e)).
 MMA_HEADER = HEADER + r"""
 template <typename T>
 struct Mma;
