@@ -219,6 +219,13 @@ def kernel_config(text: str) -> tuple:
     return tuple(int(p) for p in parts)
 
 
+def kernel_settings(config: tuple) -> dict:
+    """The ``kvfn.kernels`` settings a ``kernel_config`` tuple stands for."""
+    g, u, b, st, tc = config
+    return dict(MAX_HEADS_PER_BLOCK=g, UNROLL=u, BLOCKS_PER_SM=b, STAGES=st,
+                TENSOR_CORES=tc > 0, MMA_ROWS=tc == 2)  # fmt: skip
+
+
 def compiled_ms(kk, capacity, lengths, layers, iters, variant) -> str:
     """ms per compiled step of ``layers`` calls of one variant, as a cell ("-" for 0 layers)."""
     if not layers:
@@ -240,8 +247,7 @@ def configs_table(kk, capacities, iters, configs, layers):
             f"x{layers} full", f"x{layers} ideal"]  # fmt: skip
     print(row(head))
     print(row(["---"] * len(head)))
-    saved = kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES
-    saved_mma = kk.TENSOR_CORES, kk.MMA_ROWS
+    saved = {name: getattr(kk, name) for name in kernel_settings(configs[0])}
     for capacity in capacities:
         q, k, v = operands(capacity)
         (_, full, _), (_, half, _), (_, ragged, _) = cases(capacity)
@@ -252,9 +258,10 @@ def configs_table(kk, capacities, iters, configs, layers):
                  for n, lengths, rows in cases(capacity)[:2]}  # fmt: skip
         t_ideal = timed(ideal, max(10, iters // 10), repeat=20)
         c_ideal = compiled_ms(kk, capacity, full, layers, iters, "ideal")
-        for g, u, b, st, tc in configs:
-            kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES = g, u, b, st
-            kk.TENSOR_CORES, kk.MMA_ROWS = tc > 0, tc == 2
+        for config in configs:
+            for name, value in kernel_settings(config).items():  # not k: the keys above
+                setattr(kk, name, value)
+            g, u, b, st, tc = config
             g = kk.plan(1, HEADS, KV_HEADS, capacity)[0]  # the heads a block plan() takes
             err = [max_error(kk.ragged_decode_attention(q, k, v, n, scale=DIM**-0.5), exact(n))
                    for n in (full, ragged)]  # fmt: skip
@@ -268,8 +275,8 @@ def configs_table(kk, capacities, iters, configs, layers):
                        f"{t_ideal['half']:.1f}", c, c_ideal]), flush=True)  # fmt: skip
             mx.clear_cache()
         del q, k, v
-    kk.MAX_HEADS_PER_BLOCK, kk.UNROLL, kk.BLOCKS_PER_SM, kk.STAGES = saved
-    kk.TENSOR_CORES, kk.MMA_ROWS = saved_mma
+    for name, value in saved.items():
+        setattr(kk, name, value)
 
 
 LOAD_PATHS = ((True, 0), (False, 0), (True, 1), (True, 2), (True, 3))  # (PREFETCH, STAGES)

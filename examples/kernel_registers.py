@@ -27,8 +27,7 @@ KERNELS = {  # source name: (the kernel's inputs after q, its own template entri
     "SLOTS_SOURCE": (["k", "v", "lengths", "hmap"], ["S", "C0", "C1", "L1", "HKV", "LSB"]),
     "MMA_SPLIT_SOURCE": (["k", "v", "lengths"], ["C", "HKV", "LSB", "LSH"]),
 }  # fmt: skip
-HEADERS = {"MMA_SPLIT_SOURCE": "MMA_HEADER"}  # the others use HEADER
-NO_UNROLL = ("MMA_SPLIT_SOURCE",)  # template without U and P
+MMA = ("MMA_SPLIT_SOURCE",)  # on MMA_HEADER (the others on HEADER), a template without U and P
 SHARED = ["G", "GT", "NT", "NS"]
 INT_INPUTS = ("lengths", "hmap")
 TEMPLATE = dict(G=4, GT=4, NT=1, NS=49, C=8528, HKV=8, LSB=0, LSH=0, C0=8528, C1=320, H0=4,
@@ -47,10 +46,10 @@ def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0, rows=None,
     tensor-core kernel's whole-row loads, default ``kernels.MMA_ROWS``; it stages at least one
     step and takes no ``unroll``)."""
     source = getattr(kk, name)
-    header = getattr(kk, HEADERS.get(name, "HEADER"))
+    header = kk.MMA_HEADER if name in MMA else kk.HEADER
     inputs, own = KERNELS[name]
     params = dict(D=dim, **{k: TEMPLATE[k] for k in SHARED + own})
-    if name in NO_UNROLL:
+    if name in MMA:
         params.update(ST=max(stages, 1), LR=int(kk.MMA_ROWS if rows is None else rows))
     else:
         params.update(U=unroll, ST=stages, P=int(kk.PREFETCH))
@@ -113,7 +112,7 @@ def main(argv=None):
         p.error("nvcc is not on the PATH (the CUDA toolkit compiles the kernels offline)")
     kk = load_kernels()
     for name in args.kernels:
-        mma = name in NO_UNROLL
+        mma = name in MMA
         for dim in args.dims:
             for unroll in [None] if mma else args.unrolls:
                 for st in args.stages or [kk.STAGES]:

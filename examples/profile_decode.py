@@ -50,7 +50,7 @@ from examples.benchmark_decode import (  # noqa: E402
     pipelined_ms,
     random_model,
 )
-from examples.benchmark_kernels import kernel_config  # noqa: E402
+from examples.benchmark_kernels import kernel_config, kernel_settings  # noqa: E402
 from kvfn import slots  # noqa: E402
 
 MODES = ("sync", "piped", "piped-held")
@@ -323,11 +323,10 @@ def main(argv=None):
             continue
         rows = {"mlx-lm": mlx_build, "kvfn": kvfn_build}
         rows["kvfn masked SDPA"] = variant_loop(model, kvfn_build.box[1], ENABLED=False)
-        for g, u, b, st, tc in args.configs if mx.default_device() == mx.gpu else ():
-            rows[f"kvfn {g},{u},{b},{st},{tc}"] = variant_loop(
-                model, kvfn_build.box[1], MAX_HEADS_PER_BLOCK=g, UNROLL=u, BLOCKS_PER_SM=b,
-                STAGES=st, TENSOR_CORES=tc > 0, MMA_ROWS=tc == 2
-            )  # fmt: skip
+        for config in args.configs if mx.default_device() == mx.gpu else ():
+            rows["kvfn " + ",".join(map(str, config))] = variant_loop(
+                model, kvfn_build.box[1], **kernel_settings(config)
+            )
         if duo is not None:
             rows.update(duo_rows(model, duo))
             del duo

@@ -371,37 +371,27 @@ MMA_HEADER = HEADER + r"""
 template <typename T>
 struct Mma;
 
-template <>
-struct Mma<__nv_bfloat16> {
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
-  }
-  static __device__ __forceinline__ void run(
-      float (&d)[4], unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
-  }
-};
-
-template <>
-struct Mma<__half> {
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
-  }
-  static __device__ __forceinline__ void run(
-      float (&d)[4], unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
-  }
-};
+// Mma<T>::pack: a float pair as two T (lo first); Mma<T>::run: d += A B on tensor cores
+// (m16n8k16, float32 accumulators), A's rows 8-15 zero (a1 = a3 = 0). One specialization a
+// dtype: the type, its pair type and conversion, its PTX name.
+#define KVFN_MMA(TYPE, PAIR, TO_PAIR, PTX)                                                 \
+  template <>                                                                             \
+  struct Mma<TYPE> {                                                                      \
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) {                 \
+      PAIR h = TO_PAIR(lo, hi);                                                            \
+      return *reinterpret_cast<unsigned*>(&h);                                            \
+    }                                                                                     \
+    static __device__ __forceinline__ void run(                                           \
+        float (&d)[4], unsigned a0, unsigned a2, unsigned b0, unsigned b1) {              \
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 "           \
+                   "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"    \
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                       \
+                   : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));               \
+    }                                                                                     \
+  };
+KVFN_MMA(__nv_bfloat16, __nv_bfloat162, __floats2bfloat162_rn, "bf16")
+KVFN_MMA(__half, __half2, __floats2half2_rn, "f16")
+#undef KVFN_MMA
 
 __device__ __forceinline__ unsigned word(const uint4& r, int i) {
   return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w;
@@ -510,25 +500,27 @@ MMA_SPLIT_SOURCE = r"""
   const float qscale = scale[0];
 
   // Row g of the A operand: query head head0 + g, its dims in the order the K fragments hold
-  // them (LR: in order; else as each lane staged its K rows).
+  // them (LR: in order; else as each lane staged its K rows). Rows G..7 zero.
+  const T* qrow = q + (size_t)(head0 + min(g, G - 1)) * D;
   unsigned qa[KC][2];
-#pragma unroll
-  for (int j = 0; j < JK; ++j) {
-    uint4 r = make_uint4(0, 0, 0, 0);
-    if (g < G && !LR) {
-      r = *reinterpret_cast<const uint4*>(q + (size_t)(head0 + g) * D + 32 * j + 8 * t);
-    }
-    qa[2 * j][0] = r.x;
-    qa[2 * j][1] = r.y;
-    qa[2 * j + 1][0] = r.z;
-    qa[2 * j + 1][1] = r.w;
-  }
   if (LR) {
 #pragma unroll
     for (int kc = 0; kc < KC; ++kc) {
-      const T* at = q + (size_t)(head0 + g) * D + 16 * kc + 2 * t;
+      const T* at = qrow + 16 * kc + 2 * t;
       qa[kc][0] = g < G ? *reinterpret_cast<const unsigned*>(at) : 0u;
       qa[kc][1] = g < G ? *reinterpret_cast<const unsigned*>(at + 8) : 0u;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < JK; ++j) {
+      uint4 r = make_uint4(0, 0, 0, 0);
+      if (g < G) {
+        r = *reinterpret_cast<const uint4*>(qrow + 32 * j + 8 * t);
+      }
+      qa[2 * j][0] = r.x;
+      qa[2 * j][1] = r.y;
+      qa[2 * j + 1][0] = r.z;
+      qa[2 * j + 1][1] = r.w;
     }
   }
 
@@ -570,8 +562,7 @@ MMA_SPLIT_SOURCE = r"""
     if (LR) {
       __syncwarp();  // the other lanes' copies are visible
     }
-    const uint4* tile = own + (it % ST) * NU * NTH;  // LR: the warp's rows
-    const uint4* mine = tile;  // else: this thread's pieces
+    const uint4* tile = own + (it % ST) * NU * NTH;  // LR: the warp's rows; else this thread's
 
     // S (16 heads x 16 keys) in two tiles of 8 keys: lane (g, t) holds keys kb + 8h + 2t, +1.
     float s[2][4];
@@ -597,7 +588,7 @@ MMA_SPLIT_SOURCE = r"""
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
         for (int j = 0; j < JK; ++j) {
-          const uint4 kr = mine[(h * JK + j) * NTH];
+          const uint4 kr = tile[(h * JK + j) * NTH];
           Mma<T>::run(s[h], qa[2 * j][0], qa[2 * j][1], kr.x, kr.y);
           Mma<T>::run(s[h], qa[2 * j + 1][0], qa[2 * j + 1][1], kr.z, kr.w);
         }
@@ -648,7 +639,7 @@ MMA_SPLIT_SOURCE = r"""
       for (int r = 0; r < 4; ++r) {
 #pragma unroll
         for (int j = 0; j < JV; ++j) {
-          vr[r][j] = mine[(2 * JK + r * JV + j) * NTH];
+          vr[r][j] = tile[(2 * JK + r * JV + j) * NTH];
         }
       }
 #pragma unroll
