@@ -204,28 +204,26 @@ def sweep(kk, capacities, iters, splits_list, unrolls):
 
 
 def kernel_config(text: str) -> tuple:
-    """``G,U,B[,S[,T[,K]]]`` (query heads a block at most, keys a lane step, blocks an SM:
-    positive; steps staged through shared memory, 0 for none: the default; T the tensor-core
-    kernel where it applies, float16 / bfloat16 and head_dim 64 or 128: 1 with each lane
-    staging its fragments' pieces, 2 with whole rows read by ldmatrix; neither takes U; K 1:
-    the CUDA-core kernel's warps stage rows by bulk copies, with S >= 1)."""
+    """``G,U,B[,S[,T]]`` (query heads a block at most, keys a lane step, blocks an SM: positive;
+    steps staged through shared memory, 0 for none: the default; T the tensor-core kernel where
+    it applies, float16 / bfloat16 and head_dim 64 or 128: 1 with each lane staging its
+    fragments' pieces, 2 with whole rows read by ldmatrix; neither takes U)."""
     parts = text.split(",")
-    parts += ["0", "0", "0"][: max(0, 6 - len(parts))]
-    valid = len(parts) == 6 and all(p.isdigit() for p in parts) and parts[4] in ("0", "1", "2")
-    valid = valid and parts[5] in ("0", "1") and not (parts[5] == "1" and parts[3] == "0")
+    parts += ["0", "0"][: max(0, 5 - len(parts))]
+    valid = len(parts) == 5 and all(p.isdigit() for p in parts) and parts[4] in ("0", "1", "2")
     if not valid or "0" in parts[:3]:
         raise argparse.ArgumentTypeError(
-            f"must be G,U,B[,S[,T[,K]]]: three positive integers, stages >= 0, T 0, 1 or 2 and "
-            f"K 0 or 1 (1 needs stages >= 1); got {text!r}"
+            f"must be G,U,B[,S[,T]]: three positive integers, stages >= 0 and T 0, 1 or 2; "
+            f"got {text!r}"
         )
     return tuple(int(p) for p in parts)
 
 
 def kernel_settings(config: tuple) -> dict:
     """The ``kvfn.kernels`` settings a ``kernel_config`` tuple stands for."""
-    g, u, b, st, tc, bulk = config
+    g, u, b, st, tc = config
     return dict(MAX_HEADS_PER_BLOCK=g, UNROLL=u, BLOCKS_PER_SM=b, STAGES=st,
-                TENSOR_CORES=tc > 0, MMA_ROWS=tc == 2, BULK=bulk == 1)  # fmt: skip
+                TENSOR_CORES=tc > 0, MMA_ROWS=tc == 2)  # fmt: skip
 
 
 def compiled_ms(kk, capacity, lengths, layers, iters, variant) -> str:
@@ -237,15 +235,15 @@ def compiled_ms(kk, capacity, lengths, layers, iters, variant) -> str:
 
 
 def configs_table(kk, capacities, iters, configs, layers):
-    """Each (query heads a block, keys a lane step, blocks an SM, steps staged, tensor cores,
-    bulk copies) setting of the split kernel (``kernel_config``; the tensor-core kernel stages at least one
+    """Each (query heads a block, keys a lane step, blocks an SM, steps staged, tensor cores)
+    setting of the split kernel (``kernel_config``; the tensor-core kernel stages at least one
     step, as its S column shows): its error against float32 masked SDPA (full and ragged lengths), us per call (x20 per
     eval) over all and half the rows, and a compiled step of ``layers`` calls, against the
     ideal (SDPA with no mask over exactly the valid rows)."""
     print(f"\nKernel settings (G query heads a block, U keys a lane step, B blocks an SM, S "
-          f"steps staged, T tensor cores, K bulk copies); us per call x20, ms per compiled step of {layers} "
+          f"steps staged, T tensor cores); us per call x20, ms per compiled step of {layers} "
           f"calls")  # fmt: skip
-    head = ["C", "G,U,B,S,T,K", "err full", "err ragged", "full", "half", "ideal full", "ideal half",
+    head = ["C", "G,U,B,S,T", "err full", "err ragged", "full", "half", "ideal full", "ideal half",
             f"x{layers} full", f"x{layers} ideal"]  # fmt: skip
     print(row(head))
     print(row(["---"] * len(head)))
@@ -263,7 +261,7 @@ def configs_table(kk, capacities, iters, configs, layers):
         for config in configs:
             for name, value in kernel_settings(config).items():  # not k: the keys above
                 setattr(kk, name, value)
-            g, u, b, st, tc, bulk = config
+            g, u, b, st, tc = config
             g = kk.plan(1, HEADS, KV_HEADS, capacity)[0]  # the heads a block plan() takes
             err = [max_error(kk.ragged_decode_attention(q, k, v, n, scale=DIM**-0.5), exact(n))
                    for n in (full, ragged)]  # fmt: skip
@@ -271,7 +269,7 @@ def configs_table(kk, capacities, iters, configs, layers):
                    for name, n in (("full", full), ("half", half))}  # fmt: skip
             t = timed(fns, max(10, iters // 10), repeat=20)
             c = compiled_ms(kk, capacity, full, layers, iters, "kernel")
-            setting = f"{g},{u},{b},{max(st, 1) if tc else st},{tc},{bulk}"
+            setting = f"{g},{u},{b},{max(st, 1) if tc else st},{tc}"
             print(row([capacity, setting, f"{err[0]:.1e}", f"{err[1]:.1e}",
                        f"{t['full']:.1f}", f"{t['half']:.1f}", f"{t_ideal['full']:.1f}",
                        f"{t_ideal['half']:.1f}", c, c_ideal]), flush=True)  # fmt: skip
@@ -281,35 +279,32 @@ def configs_table(kk, capacities, iters, configs, layers):
         setattr(kk, name, value)
 
 
-# (PREFETCH, STAGES, BULK)
-LOAD_PATHS = ((True, 0, False), (False, 0, False), (True, 1, False), (True, 2, False),
-              (True, 3, False), (True, 1, True), (True, 2, True))  # fmt: skip
+LOAD_PATHS = ((True, 0), (False, 0), (True, 1), (True, 2), (True, 3))  # (PREFETCH, STAGES)
 
 
 def check(kk):
     """Kernel (each load path: registers with and without prefetch, rows staged in shared
-    memory by cp.async or bulk copies) against float32 masked SDPA; prints each mismatch."""
+    memory) against float32 masked SDPA; prints each mismatch."""
     worst, failures = 0.0, 0
-    saved = kk.PREFETCH, kk.STAGES, kk.BULK
+    saved = kk.PREFETCH, kk.STAGES
     shapes = [(mx.bfloat16, d, h, c, b) for d in (64, 128) for h, c, b in ((32, 8, 1), (14, 2, 3))]
     for dtype, dim, heads, kv_heads, batch in shapes + [(mx.float32, 128, 32, 8, 1)]:
         for capacity in (37, 5000):
             q, k, v = operands(capacity, dim, heads, kv_heads, batch, dtype)
             for lengths in check_lengths(capacity, batch, kv_heads):
-                for prefetch, stages, bulk in LOAD_PATHS:
-                    kk.PREFETCH, kk.STAGES, kk.BULK = prefetch, stages, bulk
+                for prefetch, stages in LOAD_PATHS:
+                    kk.PREFETCH, kk.STAGES = prefetch, stages
                     err = check_one(kk, q, k, v, lengths)
                     if not err <= (1e-4 if dtype == mx.float32 else 2e-2):
                         failures += 1
                         print(
                             f"MISMATCH {dtype} D={dim} {heads}/{kv_heads} B={batch} C={capacity} "
-                            f"prefetch={prefetch} stages={stages} bulk={bulk} "
-                            f"lengths={lengths.tolist()}: "
+                            f"prefetch={prefetch} stages={stages} lengths={lengths.tolist()}: "
                             f"err {err}"
                         )
                     elif dtype != mx.float32:
                         worst = max(worst, err)
-    kk.PREFETCH, kk.STAGES, kk.BULK = saved
+    kk.PREFETCH, kk.STAGES = saved
     print(f"check: {failures} mismatches; worst half-precision error {worst:.1e}")
 
 
@@ -403,7 +398,7 @@ def main():
     parser.add_argument(
         "--configs",
         nargs="+",
-        metavar="G,U,B[,S[,T[,K]]]",
+        metavar="G,U,B[,S[,T]]",
         type=kernel_config,
         help="split kernel settings to compare (then only that table)",
     )

@@ -6,7 +6,6 @@ holds (65536 / (128 threads x registers)), which ``kernels.BLOCKS_PER_SM`` assum
     python examples/kernel_registers.py --unrolls 1 2 4     # D=128, 4 query heads a block
     python examples/kernel_registers.py --stages 0 2 3      # rows in registers or staged
     python examples/kernel_registers.py --kernels MMA_SPLIT_SOURCE --rows 0 1   # tensor cores
-    python examples/kernel_registers.py --unrolls 4 --bulk 0 1   # cp.async or bulk copies
 """
 
 import argparse
@@ -42,11 +41,10 @@ def resident_blocks(registers: int, threads: int = 128) -> int:
 
 
 def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0, rows=None,
-            dtype: str = "__nv_bfloat16", bulk=None) -> str:  # fmt: skip
+            dtype: str = "__nv_bfloat16") -> str:  # fmt: skip
     """The kernel ``name`` as MLX wraps it, instantiated for ``dtype`` (``rows``: the
     tensor-core kernel's whole-row loads, default ``kernels.MMA_ROWS``; it stages at least one
-    step and takes no ``unroll``; ``bulk``: the CUDA-core kernels' bulk copies, default
-    ``kernels.BULK``)."""
+    step and takes no ``unroll``)."""
     source = getattr(kk, name)
     header = kk.MMA_HEADER if name in MMA else kk.HEADER
     inputs, own = KERNELS[name]
@@ -54,9 +52,7 @@ def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0, rows=None,
     if name in MMA:
         params.update(ST=max(stages, 1), LR=int(kk.MMA_ROWS if rows is None else rows))
     else:
-        params.update(
-            U=unroll, ST=stages, BK=int(kk.BULK if bulk is None else bulk), P=int(kk.PREFETCH)
-        )
+        params.update(U=unroll, ST=stages, P=int(kk.PREFETCH))
     args = ["const T* q"]
     args += [f"const {'int' if n in INT_INPUTS else 'T'}* {n}" for n in inputs]
     args += ["const float* scale", "float* o_part", "float* lse"]
@@ -110,14 +106,6 @@ def main(argv=None):
         default=None,
         help="the tensor-core kernel's loads: 1 whole rows (default kernels.MMA_ROWS)",
     )
-    p.add_argument(
-        "--bulk",
-        type=int,
-        nargs="+",
-        choices=[0, 1],
-        default=None,
-        help="the CUDA-core kernels' staging: 1 bulk copies (default kernels.BULK)",
-    )
     p.add_argument("--arch", default="sm_90")
     args = p.parse_args(argv)
     if shutil.which("nvcc") is None:
@@ -128,14 +116,9 @@ def main(argv=None):
         for dim in args.dims:
             for unroll in [None] if mma else args.unrolls:
                 for st in args.stages or [kk.STAGES]:
-                    ways = (args.rows or [int(kk.MMA_ROWS)]) if mma else (args.bulk or [kk.BULK])
-                    for way in ways:
-                        if mma:
-                            cu = wrapped(kk, name, dim, unroll, st, rows=way)
-                            shape = f"ST={max(st, 1)} LR={way}"
-                        else:
-                            cu = wrapped(kk, name, dim, unroll, st, bulk=way)
-                            shape = f"U={unroll} ST={st} BK={int(way)}"
+                    for rows in (args.rows or [int(kk.MMA_ROWS)]) if mma else [None]:
+                        cu = wrapped(kk, name, dim, unroll, st, rows)
+                        shape = f"ST={max(st, 1)} LR={rows}" if mma else f"U={unroll} ST={st}"
                         print(f"{name} D={dim} {shape}: {report(cu, args.arch)}")
 
 

@@ -25,9 +25,6 @@ MAX_HEADS_PER_BLOCK = 8
 PREFETCH = True
 UNROLL = None  # keys a lane group loads per step (U); None: 4 for up to 4 heads a block, else 2
 STAGES = 2  # steps of rows in flight through shared memory (cp.async); 0: register prefetch
-# KVFN_BULK_COPY=1: with STAGES > 0, each warp of the CUDA-core kernels stages its rows with
-# Hopper's bulk copies (one instruction a warp's K or V step) instead of 16 bytes a lane
-BULK = os.environ.get("KVFN_BULK_COPY", "0") == "1"
 # KVFN_DECODE_KERNEL=0 turns the CUDA kernel off (every call takes the masked SDPA)
 ENABLED = os.environ.get("KVFN_DECODE_KERNEL", "1") != "0"
 # KVFN_TWO_GROUP_KERNEL=0 keeps a head-partitioned layer's decode attention per group
@@ -100,73 +97,6 @@ __device__ __forceinline__ void stage_rows(
   }
 }
 
-// Hopper's bulk copies (cp.async.bulk): one instruction copies a warp's consecutive rows
-// global -> shared and completes on an mbarrier. Before sm_90 the kernels never call these.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define KVFN_BULK 1
-#else
-#define KVFN_BULK 0
-#endif
-
-__device__ __forceinline__ unsigned shared_at(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void bar_init(unsigned long long* bar) {
-#if KVFN_BULK
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_at(bar)) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-
-// This phase of `bar` completes when `bytes` have landed (0: at once).
-__device__ __forceinline__ void bar_expect(unsigned long long* bar, unsigned bytes) {
-#if KVFN_BULK
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_at(bar)),
-               "r"(bytes) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void bar_wait(unsigned long long* bar, unsigned parity) {
-#if KVFN_BULK
-  unsigned done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done) : "r"(shared_at(bar)), "r"(parity) : "memory");
-  }
-#endif
-}
-
-__device__ __forceinline__ void copy_bulk(void* dst, const void* src, unsigned bytes,
-                                          unsigned long long* bar) {
-#if KVFN_BULK
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-      ::"r"(shared_at(dst)), "l"(src), "r"(bytes), "r"(shared_at(bar)) : "memory");
-#endif
-}
-
-// Stage `slot` of a warp's N rows from row j (K then V; `rows`: row 0's offset): lane 0 copies
-// those below `stop` and sets `bar` to complete when they land. Rows past `stop` keep stale
-// bytes. A slot is N * D elements of K, then of V, a warp's slots W apart.
-template <typename T, int N, int D, int W>
-__device__ __forceinline__ void stage_bulk(uint4* staged, int slot, unsigned long long* bar,
-                                           const T* k, const T* v, size_t rows, int j, int stop) {
-  if (threadIdx.x % 32 == 0) {
-    constexpr int PIECES = N * D * sizeof(T) / 16;
-    const unsigned bytes = max(0, min(N, stop - j)) * D * sizeof(T);
-    uint4* dst = staged + (slot * W + threadIdx.x / 32) * 2 * PIECES;
-    bar_expect(bar, 2 * bytes);
-    if (bytes > 0) {
-      copy_bulk(dst, k + rows + (size_t)j * D, bytes, bar);
-      copy_bulk(dst + PIECES, v + rows + (size_t)j * D, bytes, bar);
-    }
-  }
-}
-
 // Merges a second online-softmax state (m2, l2, acc2) into (m, l, acc); exponents are base 2.
 template <int N>
 __device__ __forceinline__ void merge(
@@ -190,9 +120,8 @@ __device__ __forceinline__ void merge(
 # (head_dim), G (query heads per block), GT (query heads per KV head), NT = GT / G, NS (splits),
 # C (capacity), HKV (KV heads), LSB / LSH (lengths' batch / head strides, 0 where broadcast),
 # U (consecutive keys a lane group loads per step), ST (steps of rows in flight, copied to
-# shared memory by cp.async; 0: registers), BK (with ST > 0 on sm_90+, each warp stages its
-# rows by bulk copies, ST steps ahead), P (with ST = 0, load the next step's rows before this
-# step's math). Each lane holds 16 bytes of a row; LPK lanes hold one row; a warp step
+# shared memory by cp.async; 0: registers), P (with ST = 0, load the next step's rows before
+# this step's math). Each lane holds 16 bytes of a row; LPK lanes hold one row; a warp step
 # covers KPW groups x U consecutive keys. Scores are in base 2 (q is scaled by scale * log2(e)).
 SPLIT_SOURCE = r"""
   constexpr int W = 4;
@@ -248,21 +177,7 @@ SPLIT_SOURCE = r"""
   extern __shared__ uint4 staged[];  // ST steps of this thread's K/V rows (ST > 0)
   uint4 kraw[U];
   uint4 vraw[U];
-  constexpr bool bulk = BK && ST > 0 && KVFN_BULK;
-  constexpr int KW = KPW * U;  // consecutive keys a warp step covers
-  __shared__ unsigned long long bars[W][ST > 0 ? ST : 1];
-  if (bulk) {
-    if (lane == 0) {
-      for (int p = 0; p < ST; ++p) {
-        bar_init(&bars[warp][p]);
-      }
-    }
-    __syncwarp();
-    for (int p = 0; p < ST; ++p) {
-      stage_bulk<T, KW, D, W>(staged, p, &bars[warp][p], k, v, base - part * EPT,
-                              start + p * STEP + warp * KW, stop);
-    }
-  } else if (ST > 0) {
+  if (ST > 0) {
     for (int p = 0; p + 1 < ST; ++p) {
       stage_rows<T, U, D, W * 32>(staged, p, k, v, base, start + p * STEP + group * U, stop);
       async_commit();
@@ -274,20 +189,7 @@ SPLIT_SOURCE = r"""
     const int j0 = s0 + group * U;
     uint4 knext[U];
     uint4 vnext[U];
-    if (bulk) {
-      bar_wait(&bars[warp][it % ST], (it / ST) & 1);
-      const uint4* mine = staged + ((it % ST) * W + warp) * 2 * KW * LPK + (lane / LPK) * U * LPK
-                          + part;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const bool valid = j0 + u < stop;
-        kraw[u] = valid ? mine[u * LPK] : make_uint4(0, 0, 0, 0);
-        vraw[u] = valid ? mine[(KW + u) * LPK] : make_uint4(0, 0, 0, 0);
-      }
-      __syncwarp();  // the warp has read the slot: refill it ST steps ahead
-      stage_bulk<T, KW, D, W>(staged, it % ST, &bars[warp][it % ST], k, v, base - part * EPT,
-                              s0 + ST * STEP + warp * KW, stop);
-    } else if (ST > 0) {
+    if (ST > 0) {
       stage_rows<T, U, D, W * 32>(staged, (it + ST - 1) % ST, k, v, base,
                                   j0 + (ST - 1) * STEP, stop);
       async_commit();
@@ -374,7 +276,7 @@ SPLIT_SOURCE = r"""
       }
     }
   }
-  if (ST > 0 && !bulk) {
+  if (ST > 0) {
     async_wait<0>();  // no copy may land in shared memory after the block exits
   }
 
@@ -977,7 +879,7 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
     else:
         unroll = UNROLL or (4 if tile <= 4 else 2)
         shared = staged_bytes(unroll)
-        staging = [("U", unroll), ("ST", STAGES), ("BK", BULK), ("P", PREFETCH)]
+        staging = [("U", unroll), ("ST", STAGES), ("P", PREFETCH)]
     o_part, lse = split_kernel(shared)(
         inputs=[*inputs, mx.array([scale * LOG2E], dtype=mx.float32)],
         template=[

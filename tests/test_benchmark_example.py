@@ -342,18 +342,15 @@ def test_benchmark_kernels_chain_reads_each_kernels_mean_and_needs_cuda(monkeypa
 
 
 def test_kernel_settings_parse_and_name_the_bad_one():
-    """``--configs`` of benchmark_kernels / profile_decode: G,U,B[,S[,T[,K]]], T 0 (CUDA cores),
-    1 or 2 (tensor cores: lane-staged pieces, whole rows), K 1 bulk copies (with stages)."""
+    """``--configs`` of benchmark_kernels / profile_decode: G,U,B[,S[,T]], T 0 (CUDA cores),
+    1 or 2 (tensor cores: lane-staged pieces, whole rows)."""
     import argparse
 
-    from examples.benchmark_kernels import kernel_config, kernel_settings
+    from examples.benchmark_kernels import kernel_config
 
-    assert kernel_config("4,4,3") == (4, 4, 3, 0, 0, 0)
-    assert kernel_config("4,4,3,2") == (4, 4, 3, 2, 0, 0)
-    assert kernel_config("4,4,3,2,2") == (4, 4, 3, 2, 2, 0)
-    assert kernel_settings(kernel_config("4,4,4,2,0,1"))["BULK"] is True
-    assert kernel_settings(kernel_config("4,4,3,2,1"))["BULK"] is False
-    for bad in ("4,4", "4,4,3,2,3", "0,4,3", "4,4,3,0,0,1", "4,4,3,2,0,2", "4,4,3,2,0,1,1",
-                "4,x,3"):  # fmt: skip
+    assert kernel_config("4,4,3") == (4, 4, 3, 0, 0)
+    assert kernel_config("4,4,3,2") == (4, 4, 3, 2, 0)
+    assert kernel_config("4,4,3,2,2") == (4, 4, 3, 2, 2)
+    for bad in ("4,4", "4,4,3,2,3", "0,4,3", "4,4,3,2,1,1", "4,x,3"):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
             kernel_config(bad)

@@ -143,32 +143,6 @@ def test_tensor_core_kernel_compiles_into_a_decode_step(monkeypatch, rows):
         np.testing.assert_allclose(got, reference(q, k, v, n, 0.1), atol=2e-2)
 
 
-@needs_cuda
-@pytest.mark.parametrize("stages", [1, 2, 3])
-@pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
-def test_bulk_copies_give_the_cp_async_kernels_outputs(monkeypatch, stages, group, dim, dtype):
-    """Bulk copies change where a step's rows land in shared memory, not the arithmetic: the
-    outputs equal 16-byte-a-lane staging bit for bit, over several splits, lengths at and
-    around split, block-step and warp boundaries, and NaN in every row past a length (a slot
-    a bulk copy left stale is never read)."""
-    monkeypatch.setattr(kernels, "STAGES", stages)
-    capacity = 9 * MIN_KEYS_PER_SPLIT + 5
-    assert plan(B, KV * group, KV, capacity)[2] > 1
-    mx.random.seed(4)
-    q = mx.random.normal((B, KV * group, 1, dim)).astype(dtype)
-    k, v = (mx.random.normal((B, KV, capacity, dim)).astype(dtype) for _ in range(2))
-    lengths = mx.array([[1, 33], [2 * MIN_KEYS_PER_SPLIT + 63, capacity]], dtype=mx.int32)
-    past = mx.arange(capacity)[None, None, :, None] >= lengths[:, :, None, None]
-    k, v = (mx.where(past, mx.array(float("nan"), dtype), x) for x in (k, v))
-    plain = np.array(ragged_decode_attention(q, k, v, lengths, scale=0.1).astype(mx.float32))
-    monkeypatch.setattr(kernels, "BULK", True)
-    got = np.array(ragged_decode_attention(q, k, v, lengths, scale=0.1).astype(mx.float32))
-    np.testing.assert_array_equal(got, plain)
-    np.testing.assert_allclose(got, reference(q, k, v, lengths, 0.1), atol=tolerance(dtype))
-
-
 def test_tensor_core_kernel_applies_to_the_shapes_it_takes(monkeypatch):
     """Checked before any launch, on any backend: float16 / bfloat16, head_dim 64 or 128, at
     most 8 query heads a block; elsewhere the CUDA-core kernel runs."""
@@ -330,11 +304,8 @@ def test_slots_validation(change, message):
 @pytest.mark.parametrize("lengths", [mx.array(11, mx.int32), mx.array([0, 24], mx.int32)])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("bulk", [False, True], ids=["cp_async", "bulk"])
-def test_two_groups_in_head_order_match_each_group_alone(monkeypatch, lengths, dim, dtype, bulk):
-    """The fused two-group kernel (CUDA) equals each group's attention put back in head order
-    (its rows staged by either copy)."""
-    monkeypatch.setattr(kernels, "BULK", bulk)
+def test_two_groups_in_head_order_match_each_group_alone(lengths, dim, dtype):
+    """The fused two-group kernel (CUDA) equals each group's attention put back in head order."""
     from kvfn.kernels import two_group_decode_attention, two_group_fused
     from kvfn.partitioned import _head_map
 
@@ -357,16 +328,13 @@ def test_two_groups_in_head_order_match_each_group_alone(monkeypatch, lengths, d
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc compiles the kernels offline")
 @pytest.mark.parametrize(
-    "name,way",
-    [("SPLIT_SOURCE", False), ("TWO_GROUP_SOURCE", False), ("SLOTS_SOURCE", False),
-     ("SPLIT_SOURCE", True), ("TWO_GROUP_SOURCE", True), ("SLOTS_SOURCE", True),
+    "name,rows",
+    [("SPLIT_SOURCE", None), ("TWO_GROUP_SOURCE", None), ("SLOTS_SOURCE", None),
      ("MMA_SPLIT_SOURCE", False), ("MMA_SPLIT_SOURCE", True)],  # fmt: skip
-    ids=lambda x: {False: "0", True: "1"}.get(x, x),
 )
 @pytest.mark.parametrize("dtype", ["__nv_bfloat16", "__half"])
-def test_split_kernels_compile_to_the_blocks_plan_assumes(name, way, dtype):
-    """Each split kernel's source (``way``: the CUDA-core kernels' bulk copies, the tensor-core
-    kernel's whole-row loads) compiles for Hopper as MLX wraps it, spills nothing, and
+def test_split_kernels_compile_to_the_blocks_plan_assumes(name, rows, dtype):
+    """Each split kernel's source compiles for Hopper as MLX wraps it, spills nothing, and
     needs few enough registers for kernels.BLOCKS_PER_SM blocks of THREADS an SM, which
     ``plan`` sizes its single wave of splits by (more registers: a second, straggling wave);
     their shared memory (static, and the rows staged by cp.async) fits as many blocks."""
@@ -374,8 +342,7 @@ def test_split_kernels_compile_to_the_blocks_plan_assumes(name, way, dtype):
     from examples.kernel_registers import compiled, load_kernels, resident_blocks, wrapped
 
     unroll = kernels.UNROLL or 4
-    ways = dict(rows=way) if name == "MMA_SPLIT_SOURCE" else dict(bulk=way)
-    r = compiled(wrapped(load_kernels(), name, 128, unroll, kernels.STAGES, dtype=dtype, **ways))
+    r = compiled(wrapped(load_kernels(), name, 128, unroll, kernels.STAGES, rows, dtype))
     assert r["spill_stores"] == r["spill_loads"] == 0
     assert resident_blocks(r["registers"], kernels.THREADS) >= kernels.BLOCKS_PER_SM, r
     staged = (

@@ -200,9 +200,7 @@ needs_cuda = pytest.mark.skipif(
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("bulk", [False, True], ids=["cp_async", "bulk"])
-def test_slots_kernel_equals_each_group_alone(monkeypatch, dtype, bulk):
-    monkeypatch.setattr(kernels, "BULK", bulk)  # the rows staged by either copy
+def test_slots_kernel_equals_each_group_alone(dtype):
     p = layer(B=1, C=300, prompt=200, D=64, Dv=64)
     plain, ring = p.groups
     ring = ring.replace(full=True)  # one sequence, 200 rows through a ring of 7: every slot holds
