@@ -205,15 +205,15 @@ def sweep(kk, capacities, iters, splits_list, unrolls):
 
 def kernel_config(text: str) -> tuple:
     """``G,U,B[,S[,T]]`` (query heads a block at most, keys a lane step, blocks an SM: positive;
-    steps staged through shared memory, 0 for none: the default; T the tensor-core kernel where
-    it applies, float16 / bfloat16 and head_dim 64 or 128: 1 with each lane staging its
-    fragments' pieces, 2 with whole rows read by ldmatrix; neither takes U)."""
+    steps staged through shared memory, 0 for none: the default; T 1: the tensor-core kernel
+    on every split it takes, float16 / bfloat16 and head_dim 64 or 128, which takes no U; T 0:
+    the CUDA-core kernel)."""
     parts = text.split(",")
     parts += ["0", "0"][: max(0, 5 - len(parts))]
-    valid = len(parts) == 5 and all(p.isdigit() for p in parts) and parts[4] in ("0", "1", "2")
+    valid = len(parts) == 5 and all(p.isdigit() for p in parts) and parts[4] in ("0", "1")
     if not valid or "0" in parts[:3]:
         raise argparse.ArgumentTypeError(
-            f"must be G,U,B[,S[,T]]: three positive integers, stages >= 0 and T 0, 1 or 2; "
+            f"must be G,U,B[,S[,T]]: three positive integers, stages >= 0 and T 0 or 1; "
             f"got {text!r}"
         )
     return tuple(int(p) for p in parts)
@@ -223,7 +223,7 @@ def kernel_settings(config: tuple) -> dict:
     """The ``kvfn.kernels`` settings a ``kernel_config`` tuple stands for."""
     g, u, b, st, tc = config
     return dict(MAX_HEADS_PER_BLOCK=g, UNROLL=u, BLOCKS_PER_SM=b, STAGES=st,
-                TENSOR_CORES=tc > 0, MMA_ROWS=tc == 2)  # fmt: skip
+                TENSOR_CORES=tc == 1, MMA_MIN_KEYS_PER_SPLIT=0)  # fmt: skip
 
 
 def compiled_ms(kk, capacity, lengths, layers, iters, variant) -> str:

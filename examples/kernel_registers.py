@@ -5,7 +5,7 @@ holds (65536 / (128 threads x registers)), which ``kernels.BLOCKS_PER_SM`` assum
 
     python examples/kernel_registers.py --unrolls 1 2 4     # D=128, 4 query heads a block
     python examples/kernel_registers.py --stages 0 2 3      # rows in registers or staged
-    python examples/kernel_registers.py --kernels MMA_SPLIT_SOURCE --rows 0 1   # tensor cores
+    python examples/kernel_registers.py --kernels MMA_SPLIT_SOURCE --dims 64 128   # tensor cores
 """
 
 import argparse
@@ -40,17 +40,16 @@ def resident_blocks(registers: int, threads: int = 128) -> int:
     return 65536 // (threads * (-(-registers // 8) * 8))
 
 
-def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0, rows=None,
+def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0,
             dtype: str = "__nv_bfloat16") -> str:  # fmt: skip
-    """The kernel ``name`` as MLX wraps it, instantiated for ``dtype`` (``rows``: the
-    tensor-core kernel's whole-row loads, default ``kernels.MMA_ROWS``; it stages at least one
-    step and takes no ``unroll``)."""
+    """The kernel ``name`` as MLX wraps it, instantiated for ``dtype`` (the tensor-core kernel
+    stages at least one step and takes no ``unroll``)."""
     source = getattr(kk, name)
     header = kk.MMA_HEADER if name in MMA else kk.HEADER
     inputs, own = KERNELS[name]
     params = dict(D=dim, **{k: TEMPLATE[k] for k in SHARED + own})
     if name in MMA:
-        params.update(ST=max(stages, 1), LR=int(kk.MMA_ROWS if rows is None else rows))
+        params.update(ST=max(stages, 1))
     else:
         params.update(U=unroll, ST=stages, P=int(kk.PREFETCH))
     args = ["const T* q"]
@@ -98,14 +97,6 @@ def main(argv=None):
     p.add_argument("--unrolls", type=int, nargs="+", default=[2, 4])
     p.add_argument("--stages", type=int, nargs="+", default=None,
                    help="steps staged through shared memory (default: kernels.STAGES)")  # fmt: skip
-    p.add_argument(
-        "--rows",
-        type=int,
-        nargs="+",
-        choices=[0, 1],
-        default=None,
-        help="the tensor-core kernel's loads: 1 whole rows (default kernels.MMA_ROWS)",
-    )
     p.add_argument("--arch", default="sm_90")
     args = p.parse_args(argv)
     if shutil.which("nvcc") is None:
@@ -116,10 +107,9 @@ def main(argv=None):
         for dim in args.dims:
             for unroll in [None] if mma else args.unrolls:
                 for st in args.stages or [kk.STAGES]:
-                    for rows in (args.rows or [int(kk.MMA_ROWS)]) if mma else [None]:
-                        cu = wrapped(kk, name, dim, unroll, st, rows)
-                        shape = f"ST={max(st, 1)} LR={rows}" if mma else f"U={unroll} ST={st}"
-                        print(f"{name} D={dim} {shape}: {report(cu, args.arch)}")
+                    cu = wrapped(kk, name, dim, unroll, st)
+                    shape = f"ST={max(st, 1)}" if mma else f"U={unroll} ST={st}"
+                    print(f"{name} D={dim} {shape}: {report(cu, args.arch)}")
 
 
 if __name__ == "__main__":

@@ -30,15 +30,15 @@ ENABLED = os.environ.get("KVFN_DECODE_KERNEL", "1") != "0"
 # KVFN_TWO_GROUP_KERNEL=0 keeps a head-partitioned layer's decode attention per group
 TWO_GROUP_ENABLED = ENABLED and os.environ.get("KVFN_TWO_GROUP_KERNEL", "1") != "0"
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-# KVFN_TENSOR_CORES=1 runs the split kernel's tensor-core version (MMA_SPLIT_SOURCE) on the
-# shapes it takes: float16 / bfloat16, head_dim 64 or 128. Off: on the H200 (profile section 15)
-# its error was close to the CUDA-core kernel's, its 32-layer attention 1.10x that kernel's at
-# 32K, and a whole 8B step at 128K 1.1 ms slower
-TENSOR_CORES = ENABLED and os.environ.get("KVFN_TENSOR_CORES", "0") == "1"
+# The split kernel's tensor-core version (MMA_SPLIT_SOURCE) runs on the shapes it takes
+# (float16 / bfloat16, head_dim 64 or 128) where a split reads at least MMA_MIN_KEYS_PER_SPLIT
+# rows of the capacity: on the H200 (profile section 16) its 32-layer attention at head_dim 128
+# took 0.94-0.96x the CUDA-core kernel's at 32K-128K rows (splits of 668-2675) but 1.13-1.45x
+# at 8K (splits of 256), a fixed cost a block. KVFN_TENSOR_CORES=0 turns it off, =1 runs it on
+# every split it takes
+TENSOR_CORES = ENABLED and os.environ.get("KVFN_TENSOR_CORES") != "0"
+MMA_MIN_KEYS_PER_SPLIT = 0 if os.environ.get("KVFN_TENSOR_CORES") == "1" else 512
 MMA_DTYPES = (mx.float16, mx.bfloat16)
-# the tensor-core kernel's loads: each warp stages whole rows and reads its fragments with
-# ldmatrix (not yet run on a GPU); else each lane stages the pieces its fragments hold
-MMA_ROWS = False
 MMA_DIMS = (64, 128)
 MMA_MAX_HEADS = 8  # query heads a block of the tensor-core kernel (its A operand's rows 0-7)
 
@@ -361,12 +361,9 @@ COMBINE_SOURCE = r"""
 # outputs and combine as SPLIT_SOURCE, but a warp scores and accumulates 16 keys a step with
 # mma.sync (m16n8k16, float32 accumulators). The block's G query heads are the rows of a 16-row
 # A operand (rows G..15 zero); the probabilities stay in the registers the score mma wrote them
-# to (FlashAttention-2's layout) and are rounded to T. Two load paths (template LR):
-# LR = 0, a thread's fragments come straight from the 16-byte pieces it staged (cp.async)
-# itself: the order of the dot products' terms is free, so logical k of the score mma maps to
-# the dims the thread loaded, and V's fragments pair two keys by byte permutes; LR = 1, each warp
-# stages its 16 K and V rows whole into swizzled shared memory and reads fragments by ldmatrix.
-# Scores are in base 2 (scale holds scale * log2(e)).
+# to (FlashAttention-2's layout) and are rounded to T. Each warp stages its 16 K and V rows
+# whole (cp.async) into swizzled shared memory and reads its fragments by ldmatrix. Scores are
+# in base 2 (scale holds scale * log2(e)).
 MMA_HEADER = HEADER + r"""
 template <typename T>
 struct Mma;
@@ -392,15 +389,6 @@ struct Mma;
 KVFN_MMA(__nv_bfloat16, __nv_bfloat162, __floats2bfloat162_rn, "bf16")
 KVFN_MMA(__half, __half2, __floats2half2_rn, "f16")
 #undef KVFN_MMA
-
-__device__ __forceinline__ unsigned word(const uint4& r, int i) {
-  return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w;
-}
-
-// Two 16-bit elements, element e of `lo`'s and of `hi`'s 32-bit word, as one word (lo first).
-__device__ __forceinline__ unsigned pair(unsigned lo, unsigned hi, int e) {
-  return __byte_perm(lo, hi, e ? 0x7632 : 0x5410);
-}
 
 // Four 8x8 16-bit matrices from shared memory, lane i giving row i % 8 of matrix i / 8;
 // `trans` delivers each transposed (lane (g, t) gets column g, rows 2t and 2t + 1).
@@ -436,47 +424,14 @@ __device__ __forceinline__ void stage_whole_rows(
     copy16_async(tile + (16 + r) * CH + (c ^ (r & 7)), v + at, valid);
   }
 }
-
-// Stage a warp's 16 keys [kb, kb + 16) at `staged` (a slot, pieces NTH apart): lane (g, t) copies dims [32j + 8t, +8) of K
-// rows kb + g and kb + 8 + g, and dims [64j + 8g, +8) of V rows kb + 2t, +1, +8, +9. Keys at or
-// past `stop` are zeros.
-template <typename T, int D, int NTH>
-__device__ __forceinline__ void stage_mma(
-    uint4* staged, const T* k, const T* v, size_t base, int kb, int stop, int g, int t) {
-  constexpr int JK = D / 32;
-  constexpr int JV = D / 64;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int key = kb + 8 * h + g;
-    const bool valid = key < stop;
-    const T* src = k + base + (size_t)(valid ? key : 0) * D + 8 * t;
-#pragma unroll
-    for (int j = 0; j < JK; ++j) {
-      copy16_async(staged + (h * JK + j) * NTH + threadIdx.x, src + 32 * j, valid);
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int key = kb + 2 * t + (r & 1) + 8 * (r >> 1);
-    const bool valid = key < stop;
-    const T* src = v + base + (size_t)(valid ? key : 0) * D + 8 * g;
-#pragma unroll
-    for (int j = 0; j < JV; ++j) {
-      copy16_async(staged + (2 * JK + r * JV + j) * NTH + threadIdx.x, src + 64 * j, valid);
-    }
-  }
-}
 """
 
 MMA_SPLIT_SOURCE = r"""
   constexpr int W = 4;
   constexpr int NTH = W * 32;
-  constexpr int JK = D / 32;
-  constexpr int JV = D / 64;
   constexpr int KC = D / 16;
   constexpr int NTL = D / 8;
-  constexpr int CH = D / 8;
-  constexpr int NU = 2 * JK + 4 * JV;  // 16-byte pieces a thread stages a step (both loads)
+  constexpr int CH = D / 8;  // 16-byte chunks a row
   constexpr int STEP = W * 16;
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static_assert(G <= 8, "at most 8 query heads a block");
@@ -499,29 +454,14 @@ MMA_SPLIT_SOURCE = r"""
   const size_t base = (size_t)bh * C * D;
   const float qscale = scale[0];
 
-  // Row g of the A operand: query head head0 + g, its dims in the order the K fragments hold
-  // them (LR: in order; else as each lane staged its K rows). Rows G..7 zero.
+  // Row g of the A operand: query head head0 + g (rows G..7 zero).
   const T* qrow = q + (size_t)(head0 + min(g, G - 1)) * D;
   unsigned qa[KC][2];
-  if (LR) {
 #pragma unroll
-    for (int kc = 0; kc < KC; ++kc) {
-      const T* at = qrow + 16 * kc + 2 * t;
-      qa[kc][0] = g < G ? *reinterpret_cast<const unsigned*>(at) : 0u;
-      qa[kc][1] = g < G ? *reinterpret_cast<const unsigned*>(at + 8) : 0u;
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < JK; ++j) {
-      uint4 r = make_uint4(0, 0, 0, 0);
-      if (g < G) {
-        r = *reinterpret_cast<const uint4*>(qrow + 32 * j + 8 * t);
-      }
-      qa[2 * j][0] = r.x;
-      qa[2 * j][1] = r.y;
-      qa[2 * j + 1][0] = r.z;
-      qa[2 * j + 1][1] = r.w;
-    }
+  for (int kc = 0; kc < KC; ++kc) {
+    const T* at = qrow + 16 * kc + 2 * t;
+    qa[kc][0] = g < G ? *reinterpret_cast<const unsigned*>(at) : 0u;
+    qa[kc][1] = g < G ? *reinterpret_cast<const unsigned*>(at + 8) : 0u;
   }
 
   float m = neg_inf();
@@ -535,34 +475,23 @@ MMA_SPLIT_SOURCE = r"""
     }
   }
 
-  // ST steps of NU * NTH 16-byte pieces: LR, each warp's 16 whole K and V rows (32 CH);
-  // else each thread's own pieces, NTH apart
+  // ST steps of W warps' 16 whole K and 16 V rows (SLOT 16-byte chunks a step)
+  constexpr int SLOT = W * 32 * CH;
   extern __shared__ uint4 staged[];
-  uint4* const own = LR ? staged + warp * 32 * CH : staged + threadIdx.x;
+  uint4* const own = staged + warp * 32 * CH;
   for (int p = 0; p + 1 < ST; ++p) {
-    const int kb = start + p * STEP + warp * 16;
-    if (LR) {
-      stage_whole_rows<T, D>(own + p * NU * NTH, k, v, base, kb, stop, lane);
-    } else {
-      stage_mma<T, D, NTH>(staged + p * NU * NTH, k, v, base, kb, stop, g, t);
-    }
+    stage_whole_rows<T, D>(own + p * SLOT, k, v, base, start + p * STEP + warp * 16, stop, lane);
     async_commit();
   }
   for (int s0 = start, it = 0; s0 < stop; s0 += STEP, ++it) {
     const int kb = s0 + warp * 16;
-    const int next = ((it + ST - 1) % ST) * NU * NTH;
-    if (LR) {
-      __syncwarp();  // every lane is done reading the slot staged next
-      stage_whole_rows<T, D>(own + next, k, v, base, kb + (ST - 1) * STEP, stop, lane);
-    } else {
-      stage_mma<T, D, NTH>(staged + next, k, v, base, kb + (ST - 1) * STEP, stop, g, t);
-    }
+    __syncwarp();  // every lane is done reading the slot staged next
+    stage_whole_rows<T, D>(own + ((it + ST - 1) % ST) * SLOT, k, v, base,
+                           kb + (ST - 1) * STEP, stop, lane);
     async_commit();
     async_wait<ST - 1>();
-    if (LR) {
-      __syncwarp();  // the other lanes' copies are visible
-    }
-    const uint4* tile = own + (it % ST) * NU * NTH;  // LR: the warp's rows; else this thread's
+    __syncwarp();  // the other lanes' copies are visible
+    const uint4* tile = own + (it % ST) * SLOT;  // the warp's rows
 
     // S (16 heads x 16 keys) in two tiles of 8 keys: lane (g, t) holds keys kb + 8h + 2t, +1.
     float s[2][4];
@@ -573,26 +502,14 @@ MMA_SPLIT_SOURCE = r"""
         s[h][i] = 0.f;
       }
     }
-    if (LR) {
-      const int r = 8 * (lane / 16) + lane % 8;  // matrices: (keys 0-7, 8-15) x (2 kc, 2 kc + 1)
+    const int rk = 8 * (lane / 16) + lane % 8;  // matrices: (keys 0-7, 8-15) x (2 kc, 2 kc + 1)
 #pragma unroll
-      for (int kc = 0; kc < KC; ++kc) {
-        const int c = 2 * kc + (lane / 8) % 2;
-        unsigned b[4];
-        ldmatrix4<false>(b, tile + r * CH + (c ^ (r & 7)));
-        Mma<T>::run(s[0], qa[kc][0], qa[kc][1], b[0], b[1]);
-        Mma<T>::run(s[1], qa[kc][0], qa[kc][1], b[2], b[3]);
-      }
-    } else {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int j = 0; j < JK; ++j) {
-          const uint4 kr = tile[(h * JK + j) * NTH];
-          Mma<T>::run(s[h], qa[2 * j][0], qa[2 * j][1], kr.x, kr.y);
-          Mma<T>::run(s[h], qa[2 * j + 1][0], qa[2 * j + 1][1], kr.z, kr.w);
-        }
-      }
+    for (int kc = 0; kc < KC; ++kc) {
+      const int c = 2 * kc + (lane / 8) % 2;
+      unsigned b[4];
+      ldmatrix4<false>(b, tile + rk * CH + (c ^ (rk & 7)));
+      Mma<T>::run(s[0], qa[kc][0], qa[kc][1], b[0], b[1]);
+      Mma<T>::run(s[1], qa[kc][0], qa[kc][1], b[2], b[3]);
     }
     float sv[4] = {s[0][0], s[0][1], s[1][0], s[1][1]};
     float mx = neg_inf();
@@ -621,35 +538,15 @@ MMA_SPLIT_SOURCE = r"""
       acc[n][1] *= corr;
     }
 
-    // O (16 heads x D) += P V. LR: n-tile n holds dims 8n + column; else dims
-    // 64 (n / 8) + 8 column + n % 8.
-    if (LR) {
-      const int r = 8 * ((lane / 8) % 2) + lane % 8;  // matrices: (keys 0-7, 8-15) x (n, n + 1)
+    // O (16 heads x D) += P V; n-tile n holds dims 8n + column.
+    const int rv = 8 * ((lane / 8) % 2) + lane % 8;  // matrices: (keys 0-7, 8-15) x (n, n + 1)
 #pragma unroll
-      for (int n = 0; n < NTL; n += 2) {
-        const int c = n + lane / 16;
-        unsigned b[4];
-        ldmatrix4<true>(b, tile + (16 + r) * CH + (c ^ (r & 7)));
-        Mma<T>::run(acc[n], pa0, pa2, b[0], b[1]);
-        Mma<T>::run(acc[n + 1], pa0, pa2, b[2], b[3]);
-      }
-    } else {
-      uint4 vr[4][JV];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-#pragma unroll
-        for (int j = 0; j < JV; ++j) {
-          vr[r][j] = tile[(2 * JK + r * JV + j) * NTH];
-        }
-      }
-#pragma unroll
-      for (int n = 0; n < NTL; ++n) {
-        const int j = n / 8;
-        const int e = n % 8;
-        const unsigned b0 = pair(word(vr[0][j], e / 2), word(vr[1][j], e / 2), e % 2);
-        const unsigned b1 = pair(word(vr[2][j], e / 2), word(vr[3][j], e / 2), e % 2);
-        Mma<T>::run(acc[n], pa0, pa2, b0, b1);
-      }
+    for (int n = 0; n < NTL; n += 2) {
+      const int c = n + lane / 16;
+      unsigned b[4];
+      ldmatrix4<true>(b, tile + (16 + rv) * CH + (c ^ (rv & 7)));
+      Mma<T>::run(acc[n], pa0, pa2, b[0], b[1]);
+      Mma<T>::run(acc[n + 1], pa0, pa2, b[2], b[3]);
     }
   }
   async_wait<0>();
@@ -664,9 +561,8 @@ MMA_SPLIT_SOURCE = r"""
   if (g < G) {
 #pragma unroll
     for (int n = 0; n < NTL; ++n) {
-      const int d = LR ? 8 * n + 2 * t : 64 * (n / 8) + 16 * t + n % 8;
-      sm_acc[(warp * G + g) * D + d] = acc[n][0];
-      sm_acc[(warp * G + g) * D + d + (LR ? 1 : 8)] = acc[n][1];
+      sm_acc[(warp * G + g) * D + 8 * n + 2 * t] = acc[n][0];
+      sm_acc[(warp * G + g) * D + 8 * n + 2 * t + 1] = acc[n][1];
     }
     if (t == 0) {
       sm_m[warp * G + g] = m;
@@ -861,9 +757,8 @@ def staged_bytes(unroll: int) -> int:
 
 def mma_staged_bytes(dim: int) -> int:
     """Shared memory a block of the tensor-core split kernel stages its rows in: ``STAGES``
-    steps of 16 keys a warp: two K rows of ``dim`` / 32 and four V rows of ``dim`` / 64
-    16-byte pieces a thread."""
-    return max(STAGES, 1) * (2 * (dim // 32) + 4 * (dim // 64)) * THREADS * 16
+    (at least one) steps of each warp's 16 K and 16 V rows of ``dim`` 2-byte elements."""
+    return max(STAGES, 1) * (THREADS // 32) * 32 * dim * 2
 
 
 def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale, template,
@@ -875,7 +770,7 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
     tile, tiles, splits = plan(batch, q_heads, kv_heads, capacity)
     if mma:
         shared = mma_staged_bytes(dim)
-        staging = [("ST", max(STAGES, 1)), ("LR", MMA_ROWS)]
+        staging = [("ST", max(STAGES, 1))]
     else:
         unroll = UNROLL or (4 if tile <= 4 else 2)
         shared = staged_bytes(unroll)
@@ -921,10 +816,12 @@ def _kernel_attention(q, k, v, lengths, scale):
 
 def _mma_applies(q, k) -> bool:
     """The tensor-core split kernel's conditions, beyond the split kernel's (``TENSOR_CORES``):
-    a dtype and head_dim it takes, and at most 8 query heads a block (its A operand's rows)."""
+    a dtype and head_dim it takes, at most 8 query heads a block (its A operand's rows), and
+    splits of at least ``MMA_MIN_KEYS_PER_SPLIT`` rows of the capacity (static, as shapes are)."""
     if not (TENSOR_CORES and k.dtype in MMA_DTYPES and q.shape[3] in MMA_DIMS):
         return False
-    return plan(q.shape[0], q.shape[1], k.shape[1], k.shape[2])[0] <= MMA_MAX_HEADS
+    tile, _, splits = plan(q.shape[0], q.shape[1], k.shape[1], k.shape[2])
+    return tile <= MMA_MAX_HEADS and k.shape[2] // splits >= MMA_MIN_KEYS_PER_SPLIT
 
 
 def two_group_decode_attention(q, k0, v0, lengths, k1, v1, length1: int, head_map, *, scale):

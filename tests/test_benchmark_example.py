@@ -342,15 +342,18 @@ def test_benchmark_kernels_chain_reads_each_kernels_mean_and_needs_cuda(monkeypa
 
 
 def test_kernel_settings_parse_and_name_the_bad_one():
-    """``--configs`` of benchmark_kernels / profile_decode: G,U,B[,S[,T]], T 0 (CUDA cores),
-    1 or 2 (tensor cores: lane-staged pieces, whole rows)."""
+    """``--configs`` of benchmark_kernels / profile_decode: G,U,B[,S[,T]], T 0 (CUDA cores) or
+    1 (tensor cores on every split they take)."""
     import argparse
 
-    from examples.benchmark_kernels import kernel_config
+    from examples.benchmark_kernels import kernel_config, kernel_settings
 
     assert kernel_config("4,4,3") == (4, 4, 3, 0, 0)
     assert kernel_config("4,4,3,2") == (4, 4, 3, 2, 0)
-    assert kernel_config("4,4,3,2,2") == (4, 4, 3, 2, 2)
-    for bad in ("4,4", "4,4,3,2,3", "0,4,3", "4,4,3,2,1,1", "4,x,3"):
+    assert kernel_config("4,4,3,2,1") == (4, 4, 3, 2, 1)
+    assert kernel_settings(kernel_config("4,4,3,2"))["TENSOR_CORES"] is False
+    on = kernel_settings(kernel_config("4,4,3,2,1"))
+    assert on["TENSOR_CORES"] is True and on["MMA_MIN_KEYS_PER_SPLIT"] == 0
+    for bad in ("4,4", "4,4,3,2,2", "0,4,3", "4,4,3,2,1,1", "4,x,3"):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
             kernel_config(bad)

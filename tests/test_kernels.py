@@ -90,10 +90,9 @@ def mma_tolerance(dtype):
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
-@pytest.mark.parametrize("rows", [False, True], ids=["lanes", "rows"])
-def test_tensor_core_kernel_matches_reference(monkeypatch, lengths, group, dim, dtype, rows):
+def test_tensor_core_kernel_matches_reference(monkeypatch, lengths, group, dim, dtype):
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
-    monkeypatch.setattr(kernels, "MMA_ROWS", rows)
+    monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
     q, k, v = make(KV * group, dim, dtype)
     assert kernels._mma_applies(q, k)
     out = ragged_decode_attention(q, k, v, lengths, scale=dim**-0.5)
@@ -107,8 +106,7 @@ def test_tensor_core_kernel_matches_reference(monkeypatch, lengths, group, dim, 
 @needs_cuda
 @pytest.mark.parametrize("group", [4, 8])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
-@pytest.mark.parametrize("rows", [False, True], ids=["lanes", "rows"])
-def test_tensor_core_kernel_across_splits_matches_reference(monkeypatch, group, dtype, rows):
+def test_tensor_core_kernel_across_splits_matches_reference(monkeypatch, group, dtype):
     """Many 64-key block steps in several splits, lengths at and around the split and
     16-key warp boundaries, against the float64 reference and the CUDA-core kernel."""
     capacity = 9 * MIN_KEYS_PER_SPLIT + 5
@@ -117,9 +115,10 @@ def test_tensor_core_kernel_across_splits_matches_reference(monkeypatch, group, 
     q = mx.random.normal((B, KV * group, 1, 128)).astype(dtype)
     k, v = (mx.random.normal((B, KV, capacity, 128)).astype(dtype) for _ in range(2))
     lengths = mx.array([[1, 17], [2 * MIN_KEYS_PER_SPLIT + 63, capacity]], dtype=mx.int32)
+    monkeypatch.setattr(kernels, "TENSOR_CORES", False)
     plain = ragged_decode_attention(q, k, v, lengths, scale=0.088)
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
-    monkeypatch.setattr(kernels, "MMA_ROWS", rows)
+    monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
     out = ragged_decode_attention(q, k, v, lengths, scale=0.088)
     expected = reference(q, k, v, lengths, 0.088)
     got = np.array(out.astype(mx.float32))
@@ -131,11 +130,10 @@ def test_tensor_core_kernel_across_splits_matches_reference(monkeypatch, group, 
 
 
 @needs_cuda
-@pytest.mark.parametrize("rows", [False, True], ids=["lanes", "rows"])
-def test_tensor_core_kernel_compiles_into_a_decode_step(monkeypatch, rows):
+def test_tensor_core_kernel_compiles_into_a_decode_step(monkeypatch):
     """Traced inside mx.compile with a traced length, as a decode step runs it."""
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
-    monkeypatch.setattr(kernels, "MMA_ROWS", rows)
+    monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
     q, k, v = make(8, 128, mx.bfloat16, seed=3)
     step = mx.compile(lambda q, k, v, n: ragged_decode_attention(q, k, v, n, scale=0.1))
     for n in (1, 9, C):
@@ -143,10 +141,43 @@ def test_tensor_core_kernel_compiles_into_a_decode_step(monkeypatch, rows):
         np.testing.assert_allclose(got, reference(q, k, v, n, 0.1), atol=2e-2)
 
 
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
+def test_tensor_core_kernel_runs_by_default_on_long_splits(dtype):
+    """With the module's settings, a capacity whose splits read MMA_MIN_KEYS_PER_SPLIT rows
+    takes the tensor-core kernel, over ragged lengths, against the float64 reference."""
+    batch, kv_heads, group = 1, 8, 4  # one wave of plan's splits: 132 * 3 // 8 = 49
+    splits = plan(batch, kv_heads * group, kv_heads, 1 << 20)[2]
+    capacity = splits * kernels.MMA_MIN_KEYS_PER_SPLIT
+    mx.random.seed(5)
+    q = mx.random.normal((batch, kv_heads * group, 1, 128)).astype(dtype)
+    k, v = (mx.random.normal((batch, kv_heads, capacity, 128)).astype(dtype) for _ in range(2))
+    assert kernels._mma_applies(q, k)
+    lengths = mx.array([[capacity, 1, 0, 511, 512, 9000, 12345, capacity - 3]], mx.int32)
+    out = np.array(ragged_decode_attention(q, k, v, lengths, scale=0.088).astype(mx.float32))
+    want = np.zeros(out.shape)
+    for h in range(kv_heads):  # the float64 reference, one KV head at a time
+        n, heads = int(lengths[0, h]), slice(h * group, (h + 1) * group)
+        if n:
+            keys, values = (np.array(x[0, h, :n].astype(mx.float32), np.float64) for x in (k, v))
+            s = np.array(q[0, heads, 0].astype(mx.float32), np.float64) @ keys.T * 0.088
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            want[0, heads, 0] = p @ values / p.sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(out, want, atol=mma_tolerance(dtype))
+
+
 def test_tensor_core_kernel_applies_to_the_shapes_it_takes(monkeypatch):
     """Checked before any launch, on any backend: float16 / bfloat16, head_dim 64 or 128, at
-    most 8 query heads a block; elsewhere the CUDA-core kernel runs."""
+    most 8 query heads a block, splits of at least MMA_MIN_KEYS_PER_SPLIT rows of the capacity;
+    elsewhere the CUDA-core kernel runs."""
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
+    monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 512)
+    q, k, _ = make(8 * 4, 128, mx.bfloat16)  # 8 KV heads: 49 splits of plan's one wave
+    long = mx.zeros((1, 8, 49 * 512, 128), mx.bfloat16)
+    assert kernels._mma_applies(q[:1], long)
+    assert not kernels._mma_applies(q[:1], long[:, :, : 49 * 512 - 1])
+    assert not kernels._mma_applies(q, k)  # 16 rows: one split of 16
+    monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
     q, k, _ = make(KV * 4, 128, mx.bfloat16)
     assert kernels._mma_applies(q, k)
     q32, k32, _ = make(KV * 4, 128, mx.float32)
@@ -328,12 +359,10 @@ def test_two_groups_in_head_order_match_each_group_alone(lengths, dim, dtype):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc compiles the kernels offline")
 @pytest.mark.parametrize(
-    "name,rows",
-    [("SPLIT_SOURCE", None), ("TWO_GROUP_SOURCE", None), ("SLOTS_SOURCE", None),
-     ("MMA_SPLIT_SOURCE", False), ("MMA_SPLIT_SOURCE", True)],  # fmt: skip
+    "name", ["SPLIT_SOURCE", "TWO_GROUP_SOURCE", "SLOTS_SOURCE", "MMA_SPLIT_SOURCE"]
 )
 @pytest.mark.parametrize("dtype", ["__nv_bfloat16", "__half"])
-def test_split_kernels_compile_to_the_blocks_plan_assumes(name, rows, dtype):
+def test_split_kernels_compile_to_the_blocks_plan_assumes(name, dtype):
     """Each split kernel's source compiles for Hopper as MLX wraps it, spills nothing, and
     needs few enough registers for kernels.BLOCKS_PER_SM blocks of THREADS an SM, which
     ``plan`` sizes its single wave of splits by (more registers: a second, straggling wave);
@@ -342,7 +371,7 @@ def test_split_kernels_compile_to_the_blocks_plan_assumes(name, rows, dtype):
     from examples.kernel_registers import compiled, load_kernels, resident_blocks, wrapped
 
     unroll = kernels.UNROLL or 4
-    r = compiled(wrapped(load_kernels(), name, 128, unroll, kernels.STAGES, rows, dtype))
+    r = compiled(wrapped(load_kernels(), name, 128, unroll, kernels.STAGES, dtype))
     assert r["spill_stores"] == r["spill_loads"] == 0
     assert resident_blocks(r["registers"], kernels.THREADS) >= kernels.BLOCKS_PER_SM, r
     staged = (
