@@ -33,7 +33,7 @@ KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # The split kernel's tensor-core version (MMA_SPLIT_SOURCE) runs on the shapes it takes
 # (float16 / bfloat16, head_dim 64 or 128) where a split reads at least MMA_MIN_KEYS_PER_SPLIT
 # rows of the capacity: on the H200 (profile section 16) its 32-layer attention at head_dim 128
-# took 0.94-0.96x the CUDA-core kernel's at 32K-128K rows (splits of 668-2675) but 1.13-1.45x
+# took 0.88-0.98x the CUDA-core kernel's at 16K-128K rows (splits of 334-2675) but 1.13-1.45x
 # at 8K (splits of 256), a fixed cost a block. KVFN_TENSOR_CORES=0 turns it off, =1 runs it on
 # every split it takes
 TENSOR_CORES = ENABLED and os.environ.get("KVFN_TENSOR_CORES") != "0"
