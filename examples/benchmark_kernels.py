@@ -223,7 +223,7 @@ def kernel_settings(config: tuple) -> dict:
     """The ``kvfn.kernels`` settings a ``kernel_config`` tuple stands for."""
     g, u, b, st, tc = config
     return dict(MAX_HEADS_PER_BLOCK=g, UNROLL=u, BLOCKS_PER_SM=b, STAGES=st,
-                TENSOR_CORES=tc == 1, MMA_MIN_KEYS_PER_SPLIT=0)  # fmt: skip
+                TENSOR_CORES=tc == 1, MMA_MIN_KEYS_PER_SPLIT=0, MMA_RUN_DIMS=None)  # fmt: skip
 
 
 def compiled_ms(kk, capacity, lengths, layers, iters, variant) -> str:

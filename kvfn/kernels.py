@@ -30,16 +30,18 @@ ENABLED = os.environ.get("KVFN_DECODE_KERNEL", "1") != "0"
 # KVFN_TWO_GROUP_KERNEL=0 keeps a head-partitioned layer's decode attention per group
 TWO_GROUP_ENABLED = ENABLED and os.environ.get("KVFN_TWO_GROUP_KERNEL", "1") != "0"
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-# The split kernel's tensor-core version (MMA_SPLIT_SOURCE) runs on the shapes it takes
-# (float16 / bfloat16, head_dim 64 or 128) where a split reads at least MMA_MIN_KEYS_PER_SPLIT
-# rows of the capacity: on the H200 (profile section 16) its 32-layer attention at head_dim 128
-# took 0.88-0.98x the CUDA-core kernel's at 16K-128K rows (splits of 334-2675) but 1.13-1.45x
-# at 8K (splits of 256), a fixed cost a block. KVFN_TENSOR_CORES=0 turns it off, =1 runs it on
-# every split it takes
+# The split kernel's tensor-core version (MMA_SPLIT_SOURCE) takes float16 / bfloat16 and head_dim
+# 64 or 128 (MMA_DIMS). It runs on head_dim MMA_RUN_DIMS where a split reads at least
+# MMA_MIN_KEYS_PER_SPLIT rows of the capacity: on the H200 (profile section 16) its 32-layer
+# attention at head_dim 128 took 0.88-0.98x the CUDA-core kernel's at 16K-128K rows (splits of
+# 334-2675) but 1.13-1.45x at 8K (splits of 256), a fixed cost a block; head_dim 64 is not
+# timed. KVFN_TENSOR_CORES=0 turns it off, =1 runs it on every split and head_dim it takes
 TENSOR_CORES = ENABLED and os.environ.get("KVFN_TENSOR_CORES") != "0"
-MMA_MIN_KEYS_PER_SPLIT = 0 if os.environ.get("KVFN_TENSOR_CORES") == "1" else 512
+_EVERYWHERE = os.environ.get("KVFN_TENSOR_CORES") == "1"
 MMA_DTYPES = (mx.float16, mx.bfloat16)
 MMA_DIMS = (64, 128)
+MMA_RUN_DIMS = None if _EVERYWHERE else (128,)  # None: every head_dim it takes
+MMA_MIN_KEYS_PER_SPLIT = 0 if _EVERYWHERE else 512
 MMA_MAX_HEADS = 8  # query heads a block of the tensor-core kernel (its A operand's rows 0-7)
 
 HEADER = r"""
@@ -816,9 +818,11 @@ def _kernel_attention(q, k, v, lengths, scale):
 
 def _mma_applies(q, k) -> bool:
     """The tensor-core split kernel's conditions, beyond the split kernel's (``TENSOR_CORES``):
-    a dtype and head_dim it takes, at most 8 query heads a block (its A operand's rows), and
-    splits of at least ``MMA_MIN_KEYS_PER_SPLIT`` rows of the capacity (static, as shapes are)."""
-    if not (TENSOR_CORES and k.dtype in MMA_DTYPES and q.shape[3] in MMA_DIMS):
+    a dtype it takes, a head_dim it takes and runs on (``MMA_RUN_DIMS``), at most 8 query heads
+    a block (its A operand's rows), and splits of at least ``MMA_MIN_KEYS_PER_SPLIT`` rows of
+    the capacity (static, as shapes are)."""
+    dims = MMA_DIMS if MMA_RUN_DIMS is None else set(MMA_DIMS) & set(MMA_RUN_DIMS)
+    if not (TENSOR_CORES and k.dtype in MMA_DTYPES and q.shape[3] in dims):
         return False
     tile, _, splits = plan(q.shape[0], q.shape[1], k.shape[1], k.shape[2])
     return tile <= MMA_MAX_HEADS and k.shape[2] // splits >= MMA_MIN_KEYS_PER_SPLIT

@@ -93,6 +93,7 @@ def mma_tolerance(dtype):
 def test_tensor_core_kernel_matches_reference(monkeypatch, lengths, group, dim, dtype):
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
+    monkeypatch.setattr(kernels, "MMA_RUN_DIMS", None)
     q, k, v = make(KV * group, dim, dtype)
     assert kernels._mma_applies(q, k)
     out = ragged_decode_attention(q, k, v, lengths, scale=dim**-0.5)
@@ -119,6 +120,7 @@ def test_tensor_core_kernel_across_splits_matches_reference(monkeypatch, group, 
     plain = ragged_decode_attention(q, k, v, lengths, scale=0.088)
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
+    monkeypatch.setattr(kernels, "MMA_RUN_DIMS", None)
     out = ragged_decode_attention(q, k, v, lengths, scale=0.088)
     expected = reference(q, k, v, lengths, 0.088)
     got = np.array(out.astype(mx.float32))
@@ -134,6 +136,7 @@ def test_tensor_core_kernel_compiles_into_a_decode_step(monkeypatch):
     """Traced inside mx.compile with a traced length, as a decode step runs it."""
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
+    monkeypatch.setattr(kernels, "MMA_RUN_DIMS", None)
     q, k, v = make(8, 128, mx.bfloat16, seed=3)
     step = mx.compile(lambda q, k, v, n: ragged_decode_attention(q, k, v, n, scale=0.1))
     for n in (1, 9, C):
@@ -167,9 +170,9 @@ def test_tensor_core_kernel_runs_by_default_on_long_splits(dtype):
 
 
 def test_tensor_core_kernel_applies_to_the_shapes_it_takes(monkeypatch):
-    """Checked before any launch, on any backend: float16 / bfloat16, head_dim 64 or 128, at
-    most 8 query heads a block, splits of at least MMA_MIN_KEYS_PER_SPLIT rows of the capacity;
-    elsewhere the CUDA-core kernel runs."""
+    """Checked before any launch, on any backend: float16 / bfloat16, head_dim 64 or 128 (by
+    default 128 only), at most 8 query heads a block, splits of at least
+    MMA_MIN_KEYS_PER_SPLIT rows of the capacity; elsewhere the CUDA-core kernel runs."""
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 512)
     q, k, _ = make(8 * 4, 128, mx.bfloat16)  # 8 KV heads: 49 splits of plan's one wave
@@ -177,7 +180,11 @@ def test_tensor_core_kernel_applies_to_the_shapes_it_takes(monkeypatch):
     assert kernels._mma_applies(q[:1], long)
     assert not kernels._mma_applies(q[:1], long[:, :, : 49 * 512 - 1])
     assert not kernels._mma_applies(q, k)  # 16 rows: one split of 16
+    monkeypatch.setattr(kernels, "MMA_RUN_DIMS", (128,))
+    assert not kernels._mma_applies(q[:1, :, :, :64], long[..., :64])  # takes, does not run
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
+    monkeypatch.setattr(kernels, "MMA_RUN_DIMS", None)
+    assert kernels._mma_applies(q[:1, :, :, :64], long[..., :64])
     q, k, _ = make(KV * 4, 128, mx.bfloat16)
     assert kernels._mma_applies(q, k)
     q32, k32, _ = make(KV * 4, 128, mx.float32)
