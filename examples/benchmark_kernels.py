@@ -54,11 +54,27 @@ def cases(capacity):
 
 
 def without_prefetch(kk, fn):
-    kk.PREFETCH = False
+    """``fn()`` on the CUDA-core kernel loading rows without prefetch."""
+    saved = kk.PREFETCH, kk.TENSOR_CORES
+    kk.PREFETCH, kk.TENSOR_CORES = False, False
     try:
         return fn()
     finally:
-        kk.PREFETCH = True
+        kk.PREFETCH, kk.TENSOR_CORES = saved
+
+
+def on_cuda_cores(fn):
+    """``fn(kk, ...)`` with the CUDA-core kernel everywhere: the settings it sweeps or checks
+    (U, prefetch, stages) are that kernel's."""
+
+    def run(kk, *args):
+        saved, kk.TENSOR_CORES = kk.TENSOR_CORES, False
+        try:
+            return fn(kk, *args)
+        finally:
+            kk.TENSOR_CORES = saved
+
+    return run
 
 
 def variants(kk, q, k, v, lengths, rows):
@@ -128,7 +144,7 @@ def one_layer_table(kk, capacities, iters):
         "masked/kernel",
         "kernel GB/s",
         "kernel x20",
-        "no prefetch x20",
+        "CUDA cores, no prefetch x20",
         "ideal x20",
         "masked x20",
     ]
@@ -181,6 +197,7 @@ def compiled_table(kk, capacities, layers, iters):
             mx.clear_cache()
 
 
+@on_cuda_cores
 def sweep(kk, capacities, iters, splits_list, unrolls):
     print("\nSplit and unroll sweep (kernel only, us per call, x20 per eval); U=keys per lane step")
     plan = kk.plan
@@ -282,9 +299,10 @@ def configs_table(kk, capacities, iters, configs, layers):
 LOAD_PATHS = ((True, 0), (False, 0), (True, 1), (True, 2), (True, 3))  # (PREFETCH, STAGES)
 
 
+@on_cuda_cores
 def check(kk):
-    """Kernel (each load path: registers with and without prefetch, rows staged in shared
-    memory) against float32 masked SDPA; prints each mismatch."""
+    """The CUDA-core kernel (each load path: registers with and without prefetch, rows staged
+    in shared memory) against float32 masked SDPA; prints each mismatch."""
     worst, failures = 0.0, 0
     saved = kk.PREFETCH, kk.STAGES
     shapes = [(mx.bfloat16, d, h, c, b) for d in (64, 128) for h, c, b in ((32, 8, 1), (14, 2, 3))]

@@ -33,11 +33,15 @@ KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # The split kernel's tensor-core version (MMA_SPLIT_SOURCE) takes float16 / bfloat16 and head_dim
 # 64 or 128 (MMA_DIMS). It runs on head_dim MMA_RUN_DIMS where a split reads at least
 # MMA_MIN_KEYS_PER_SPLIT rows of the capacity: on the H200 (profile section 16) its 32-layer
-# attention at head_dim 128 took 0.88-0.98x the CUDA-core kernel's at 16K-128K rows (splits of
-# 334-2675) but 1.13-1.45x at 8K (splits of 256), a fixed cost a block; head_dim 64 is not
-# timed. KVFN_TENSOR_CORES=0 turns it off, =1 runs it on every split and head_dim it takes
-TENSOR_CORES = ENABLED and os.environ.get("KVFN_TENSOR_CORES") != "0"
-_EVERYWHERE = os.environ.get("KVFN_TENSOR_CORES") == "1"
+# attention at head_dim 128 took 0.88-0.98x the CUDA-core kernel's at 32K-128K rows (splits of
+# 668-2674; 0.96x at 16K, splits of 334, in one call) but 1.13-1.45x at 8K (splits of 256), a
+# fixed cost a block; head_dim 64 is not timed. KVFN_TENSOR_CORES=0 turns it off, =1 runs it on
+# every split and head_dim it takes
+_TC_ENV = os.environ.get("KVFN_TENSOR_CORES", "")
+if _TC_ENV not in ("", "0", "1"):
+    raise ValueError(f"KVFN_TENSOR_CORES must be 0 or 1 (or unset), got {_TC_ENV!r}")
+TENSOR_CORES = ENABLED and _TC_ENV != "0"
+_EVERYWHERE = _TC_ENV == "1"
 MMA_DTYPES = (mx.float16, mx.bfloat16)
 MMA_DIMS = (64, 128)
 MMA_RUN_DIMS = None if _EVERYWHERE else (128,)  # None: every head_dim it takes

@@ -354,6 +354,7 @@ def test_kernel_settings_parse_and_name_the_bad_one():
     assert kernel_settings(kernel_config("4,4,3,2"))["TENSOR_CORES"] is False
     on = kernel_settings(kernel_config("4,4,3,2,1"))
     assert on["TENSOR_CORES"] is True and on["MMA_MIN_KEYS_PER_SPLIT"] == 0
+    assert on["MMA_RUN_DIMS"] is None  # every head_dim the kernel takes
     for bad in ("4,4", "4,4,3,2,2", "0,4,3", "4,4,3,2,1,1", "4,x,3"):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
             kernel_config(bad)

@@ -121,6 +121,7 @@ def test_tensor_core_kernel_across_splits_matches_reference(monkeypatch, group, 
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
     monkeypatch.setattr(kernels, "MMA_RUN_DIMS", None)
+    assert kernels._mma_applies(q, k)
     out = ragged_decode_attention(q, k, v, lengths, scale=0.088)
     expected = reference(q, k, v, lengths, 0.088)
     got = np.array(out.astype(mx.float32))
@@ -138,6 +139,7 @@ def test_tensor_core_kernel_compiles_into_a_decode_step(monkeypatch):
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
     monkeypatch.setattr(kernels, "MMA_RUN_DIMS", None)
     q, k, v = make(8, 128, mx.bfloat16, seed=3)
+    assert kernels._mma_applies(q, k)
     step = mx.compile(lambda q, k, v, n: ragged_decode_attention(q, k, v, n, scale=0.1))
     for n in (1, 9, C):
         got = np.array(step(q, k, v, mx.array(n, dtype=mx.int32)).astype(mx.float32))
@@ -146,9 +148,11 @@ def test_tensor_core_kernel_compiles_into_a_decode_step(monkeypatch):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
-def test_tensor_core_kernel_runs_by_default_on_long_splits(dtype):
-    """With the module's settings, a capacity whose splits read MMA_MIN_KEYS_PER_SPLIT rows
-    takes the tensor-core kernel, over ragged lengths, against the float64 reference."""
+def test_tensor_core_kernel_runs_by_default_on_long_splits(monkeypatch, dtype):
+    """With the module's default settings, a capacity whose splits read MMA_MIN_KEYS_PER_SPLIT
+    rows takes the tensor-core kernel, over ragged lengths, against the float64 reference."""
+    for name, value in DEFAULTS.items():  # whatever KVFN_TENSOR_CORES this process has
+        monkeypatch.setattr(kernels, name, value)
     batch, kv_heads, group = 1, 8, 4  # one wave of plan's splits: 132 * 3 // 8 = 49
     splits = plan(batch, kv_heads * group, kv_heads, 1 << 20)[2]
     capacity = splits * kernels.MMA_MIN_KEYS_PER_SPLIT
@@ -167,6 +171,41 @@ def test_tensor_core_kernel_runs_by_default_on_long_splits(dtype):
             p = np.exp(s - s.max(axis=1, keepdims=True))
             want[0, heads, 0] = p @ values / p.sum(axis=1, keepdims=True)
     np.testing.assert_allclose(out, want, atol=mma_tolerance(dtype))
+
+
+DEFAULTS = dict(TENSOR_CORES=True, MMA_RUN_DIMS=(128,), MMA_MIN_KEYS_PER_SPLIT=512)
+
+
+@pytest.mark.parametrize(
+    "env, settings",
+    [
+        (None, DEFAULTS),
+        ("", DEFAULTS),
+        ("0", dict(DEFAULTS, TENSOR_CORES=False)),
+        ("1", dict(DEFAULTS, MMA_RUN_DIMS=None, MMA_MIN_KEYS_PER_SPLIT=0)),
+    ],
+)
+def test_tensor_core_settings_follow_the_environment(monkeypatch, env, settings):
+    """KVFN_TENSOR_CORES unset: tensor cores at head_dim 128 on splits of 512 rows; 0: off;
+    1: every split and head_dim the kernel takes (the module read fresh from its file)."""
+    from examples.benchmark_kernels import load_kernels
+
+    if env is None:
+        monkeypatch.delenv("KVFN_TENSOR_CORES", raising=False)
+    else:
+        monkeypatch.setenv("KVFN_TENSOR_CORES", env)
+    monkeypatch.delenv("KVFN_DECODE_KERNEL", raising=False)
+    fresh = load_kernels()
+    assert {name: getattr(fresh, name) for name in settings} == settings
+
+
+@pytest.mark.parametrize("env", ["yes", "2", " 1"])
+def test_tensor_core_setting_names_a_bad_value(monkeypatch, env):
+    from examples.benchmark_kernels import load_kernels
+
+    monkeypatch.setenv("KVFN_TENSOR_CORES", env)
+    with pytest.raises(ValueError, match=f"KVFN_TENSOR_CORES must be 0 or 1.*{env!r}"):
+        load_kernels()
 
 
 def test_tensor_core_kernel_applies_to_the_shapes_it_takes(monkeypatch):
