@@ -41,20 +41,23 @@ def resident_blocks(registers: int, threads: int = 128) -> int:
 
 
 def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0,
-            dtype: str = "__nv_bfloat16") -> str:  # fmt: skip
+            dtype: str = "__nv_bfloat16", one_split: bool = False) -> str:  # fmt: skip
     """The kernel ``name`` as MLX wraps it, instantiated for ``dtype`` (the tensor-core kernel
-    stages at least one step and takes no ``unroll``)."""
+    stages at least one step and takes no ``unroll``; ``one_split``: one split, whose output
+    is the attention's, in ``dtype``)."""
     source = getattr(kk, name)
     header = kk.MMA_HEADER if name in MMA else kk.HEADER
     inputs, own = KERNELS[name]
     params = dict(D=dim, **{k: TEMPLATE[k] for k in SHARED + own})
+    if one_split:
+        params["NS"] = 1
     if name in MMA:
         params.update(ST=max(stages, 1))
     else:
         params.update(U=unroll, ST=stages, P=int(kk.PREFETCH))
     args = ["const T* q"]
     args += [f"const {'int' if n in INT_INPUTS else 'T'}* {n}" for n in inputs]
-    args += ["const float* scale", "float* o_part", "float* lse"]
+    args += ["const float* scale", f"{'T' if one_split else 'float'}* o_part", "float* lse"]
     template = ", ".join(f"int {k}" for k in params)
     values = ", ".join(str(v) for v in params.values())
     types = ", ".join(a.rsplit(" ", 1)[0].replace("T*", f"{dtype}*") for a in args)

@@ -103,6 +103,12 @@ __device__ __forceinline__ void stage_rows(
   }
 }
 
+// *p = x in p's type: a split's partial output (float) or, with one split, the output (T).
+template <typename O>
+__device__ __forceinline__ void store(O* p, float x) {
+  *p = static_cast<O>(x);
+}
+
 // Merges a second online-softmax state (m2, l2, acc2) into (m, l, acc); exponents are base 2.
 template <int N>
 __device__ __forceinline__ void merge(
@@ -334,7 +340,7 @@ SPLIT_SOURCE = r"""
       }
     }
     const size_t at = (size_t)(head0 + g) * NS + split;
-    o_part[at * D + d] = ll > 0.f ? aa / ll : 0.f;
+    store(o_part + at * D + d, ll > 0.f ? aa / ll : 0.f);
     if (d == 0) {
       lse[at] = ll > 0.f ? mm + log2f(ll) : neg_inf();
     }
@@ -595,7 +601,7 @@ MMA_SPLIT_SOURCE = r"""
       }
     }
     const size_t at = (size_t)(head0 + h) * NS + split;
-    o_part[at * D + d] = ll > 0.f ? aa / ll : 0.f;
+    store(o_part + at * D + d, ll > 0.f ? aa / ll : 0.f);
     if (d == 0) {
       lse[at] = ll > 0.f ? mm + log2f(ll) : neg_inf();
     }
@@ -771,7 +777,8 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
                        mma=False):  # fmt: skip
     """One split-K launch of ``split_kernel(shared bytes)`` (its ``inputs`` then the scale; its own
     ``template`` entries after the shared ones; ``mma``: the tensor-core kernel's staging) over
-    ``capacity`` rows a KV head, then the combine: (B, n_q_heads, 1, D) in q's dtype."""
+    ``capacity`` rows a KV head, then the combine: (B, n_q_heads, 1, D) in q's dtype. With one
+    split the split kernel writes that output itself (the combine would copy it)."""
     batch, q_heads, _, dim = q.shape
     tile, tiles, splits = plan(batch, q_heads, kv_heads, capacity)
     if mma:
@@ -796,8 +803,10 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
         grid=(splits * THREADS, batch * kv_heads * tiles, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(batch * q_heads * splits * dim,), (batch * q_heads * splits,)],
-        output_dtypes=[mx.float32, mx.float32],
+        output_dtypes=[q.dtype if splits == 1 else mx.float32, mx.float32],
     )
+    if splits == 1:
+        return o_part.reshape(q.shape)
     (out,) = _combine_kernel()(
         inputs=[o_part, lse],
         template=[("T", q.dtype), ("D", dim), ("NS", splits)],

@@ -55,6 +55,7 @@ LENGTHS = [
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
 def test_matches_reference(lengths, group, dim, dtype):
+    assert plan(B, KV * group, KV, C)[2] == 1  # on CUDA one split, writing the output itself
     q, k, v = make(KV * group, dim, dtype)
     scale = dim**-0.5
     out = ragged_decode_attention(q, k, v, lengths, scale=scale)
@@ -206,6 +207,31 @@ def test_tensor_core_setting_names_a_bad_value(monkeypatch, env):
     monkeypatch.setenv("KVFN_TENSOR_CORES", env)
     with pytest.raises(ValueError, match=f"KVFN_TENSOR_CORES must be 0 or 1.*{env!r}"):
         load_kernels()
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "dtype, tensor_cores", [(mx.float32, False), (mx.bfloat16, False), (mx.bfloat16, True)]
+)
+def test_one_split_writes_the_output_itself(monkeypatch, dtype, tensor_cores):
+    """Forced to one split, a long capacity's attention (no combine launch: the split kernel
+    writes q's dtype) matches the float64 reference, as the many splits plan() picks do."""
+    monkeypatch.setattr(kernels, "TENSOR_CORES", tensor_cores)
+    monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
+    capacity = 9 * MIN_KEYS_PER_SPLIT + 5
+    mx.random.seed(6)
+    q = mx.random.normal((B, KV * 4, 1, 128)).astype(dtype)
+    k, v = (mx.random.normal((B, KV, capacity, 128)).astype(dtype) for _ in range(2))
+    assert kernels._mma_applies(q, k) == tensor_cores and plan(B, KV * 4, KV, capacity)[2] > 1
+    lengths = mx.array([[0, 65], [capacity - 1, capacity]], dtype=mx.int32)
+    want = reference(q, k, v, lengths, 0.088)
+    many = ragged_decode_attention(q, k, v, lengths, scale=0.088)
+    monkeypatch.setattr(kernels, "plan", lambda *a: plan(*a)[:2] + (1,))
+    one = ragged_decode_attention(q, k, v, lengths, scale=0.088)
+    assert one.dtype == dtype and one.shape == q.shape
+    atol = mma_tolerance(dtype) if tensor_cores else tolerance(dtype)
+    for out in (many, one):
+        np.testing.assert_allclose(np.array(out.astype(mx.float32)), want, atol=atol)
 
 
 def test_tensor_core_kernel_applies_to_the_shapes_it_takes(monkeypatch):
@@ -408,8 +434,10 @@ def test_two_groups_in_head_order_match_each_group_alone(lengths, dim, dtype):
     "name", ["SPLIT_SOURCE", "TWO_GROUP_SOURCE", "SLOTS_SOURCE", "MMA_SPLIT_SOURCE"]
 )
 @pytest.mark.parametrize("dtype", ["__nv_bfloat16", "__half"])
-def test_split_kernels_compile_to_the_blocks_plan_assumes(name, dtype):
-    """Each split kernel's source compiles for Hopper as MLX wraps it, spills nothing, and
+@pytest.mark.parametrize("one_split", [False, True], ids=["splits", "one_split"])
+def test_split_kernels_compile_to_the_blocks_plan_assumes(name, dtype, one_split):
+    """Each split kernel's source (its partial outputs in float32, or with one split the
+    output in T) compiles for Hopper as MLX wraps it, spills nothing, and
     needs few enough registers for kernels.BLOCKS_PER_SM blocks of THREADS an SM, which
     ``plan`` sizes its single wave of splits by (more registers: a second, straggling wave);
     their shared memory (static, and the rows staged by cp.async) fits as many blocks."""
@@ -417,7 +445,7 @@ def test_split_kernels_compile_to_the_blocks_plan_assumes(name, dtype):
     from examples.kernel_registers import compiled, load_kernels, resident_blocks, wrapped
 
     unroll = kernels.UNROLL or 4
-    r = compiled(wrapped(load_kernels(), name, 128, unroll, kernels.STAGES, dtype))
+    r = compiled(wrapped(load_kernels(), name, 128, unroll, kernels.STAGES, dtype, one_split))
     assert r["spill_stores"] == r["spill_loads"] == 0
     assert resident_blocks(r["registers"], kernels.THREADS) >= kernels.BLOCKS_PER_SM, r
     staged = (
