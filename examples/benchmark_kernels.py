@@ -16,6 +16,7 @@ import importlib.util
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -53,14 +54,23 @@ def cases(capacity):
     ]
 
 
+@contextmanager
+def patched(module, **values):
+    """``module``'s attributes set to ``values`` inside the block, restored after it."""
+    saved = {name: getattr(module, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield module
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 def without_prefetch(kk, fn):
     """``fn()`` on the CUDA-core kernel loading rows without prefetch."""
-    saved = kk.PREFETCH, kk.TENSOR_CORES
-    kk.PREFETCH, kk.TENSOR_CORES = False, False
-    try:
+    with patched(kk, PREFETCH=False, TENSOR_CORES=False):
         return fn()
-    finally:
-        kk.PREFETCH, kk.TENSOR_CORES = saved
 
 
 def on_cuda_cores(fn):
@@ -68,11 +78,8 @@ def on_cuda_cores(fn):
     (U, prefetch, stages) are that kernel's."""
 
     def run(kk, *args):
-        saved, kk.TENSOR_CORES = kk.TENSOR_CORES, False
-        try:
+        with patched(kk, TENSOR_CORES=False):
             return fn(kk, *args)
-        finally:
-            kk.TENSOR_CORES = saved
 
     return run
 
@@ -207,17 +214,16 @@ def sweep(kk, capacities, iters, splits_list, unrolls):
             ideal = {"i": variants(kk, q, k, v, lengths, rows)["ideal"]}
             print(capacity, name, f"ideal:{timed(ideal, max(10, iters // 10), repeat=20)['i']:.1f}")
             for unroll in unrolls:
-                kk.UNROLL = unroll
                 results = []
                 for splits in splits_list:
                     if splits * 64 > capacity:
                         continue
-                    kk.plan = lambda *a, s=splits: plan(*a)[:2] + (s,)
                     fn = {"k": lambda: kk.ragged_decode_attention(q, k, v, lengths, scale=0.1)}
-                    us = timed(fn, max(10, iters // 10), repeat=20)["k"]
+                    fixed = lambda *a, s=splits: plan(*a)[:2] + (s,)  # noqa: E731
+                    with patched(kk, UNROLL=unroll, plan=fixed):
+                        us = timed(fn, max(10, iters // 10), repeat=20)["k"]
                     results.append(f"{splits}:{us:.1f}")
                 print(f"   U={unroll}", " ".join(results), flush=True)
-            kk.plan, kk.UNROLL = plan, None
 
 
 def kernel_config(text: str) -> tuple:
@@ -254,9 +260,9 @@ def compiled_ms(kk, capacity, lengths, layers, iters, variant) -> str:
 def configs_table(kk, capacities, iters, configs, layers):
     """Each (query heads a block, keys a lane step, blocks an SM, steps staged, tensor cores)
     setting of the split kernel (``kernel_config``; the tensor-core kernel stages at least one
-    step, as its S column shows): its error against float32 masked SDPA (full and ragged lengths), us per call (x20 per
-    eval) over all and half the rows, and a compiled step of ``layers`` calls, against the
-    ideal (SDPA with no mask over exactly the valid rows)."""
+    step, as its S column shows): its error against float32 masked SDPA (full and ragged
+    lengths), us per call (x20 per eval) over all and half the rows, and a compiled step of
+    ``layers`` calls, against the ideal (SDPA with no mask over exactly the valid rows)."""
     print(f"\nKernel settings (G query heads a block, U keys a lane step, B blocks an SM, S "
           f"steps staged, T tensor cores); us per call x20, ms per compiled step of {layers} "
           f"calls")  # fmt: skip
@@ -264,7 +270,6 @@ def configs_table(kk, capacities, iters, configs, layers):
             f"x{layers} full", f"x{layers} ideal"]  # fmt: skip
     print(row(head))
     print(row(["---"] * len(head)))
-    saved = {name: getattr(kk, name) for name in kernel_settings(configs[0])}
     for capacity in capacities:
         q, k, v = operands(capacity)
         (_, full, _), (_, half, _), (_, ragged, _) = cases(capacity)
@@ -276,24 +281,21 @@ def configs_table(kk, capacities, iters, configs, layers):
         t_ideal = timed(ideal, max(10, iters // 10), repeat=20)
         c_ideal = compiled_ms(kk, capacity, full, layers, iters, "ideal")
         for config in configs:
-            for name, value in kernel_settings(config).items():  # not k: the keys above
-                setattr(kk, name, value)
             g, u, b, st, tc = config
-            g = kk.plan(1, HEADS, KV_HEADS, capacity)[0]  # the heads a block plan() takes
-            err = [max_error(kk.ragged_decode_attention(q, k, v, n, scale=DIM**-0.5), exact(n))
-                   for n in (full, ragged)]  # fmt: skip
             fns = {name: (lambda n=n: kk.ragged_decode_attention(q, k, v, n, scale=DIM**-0.5))
                    for name, n in (("full", full), ("half", half))}  # fmt: skip
-            t = timed(fns, max(10, iters // 10), repeat=20)
-            c = compiled_ms(kk, capacity, full, layers, iters, "kernel")
+            with patched(kk, **kernel_settings(config)):
+                g = kk.plan(1, HEADS, KV_HEADS, capacity)[0]  # the heads a block plan() takes
+                err = [max_error(kk.ragged_decode_attention(q, k, v, n, scale=DIM**-0.5),
+                                 exact(n)) for n in (full, ragged)]  # fmt: skip
+                t = timed(fns, max(10, iters // 10), repeat=20)
+                c = compiled_ms(kk, capacity, full, layers, iters, "kernel")
             setting = f"{g},{u},{b},{max(st, 1) if tc else st},{tc}"
             print(row([capacity, setting, f"{err[0]:.1e}", f"{err[1]:.1e}",
                        f"{t['full']:.1f}", f"{t['half']:.1f}", f"{t_ideal['full']:.1f}",
                        f"{t_ideal['half']:.1f}", c, c_ideal]), flush=True)  # fmt: skip
             mx.clear_cache()
         del q, k, v
-    for name, value in saved.items():
-        setattr(kk, name, value)
 
 
 LOAD_PATHS = ((True, 0), (False, 0), (True, 1), (True, 2), (True, 3))  # (PREFETCH, STAGES)
@@ -304,15 +306,14 @@ def check(kk):
     """The CUDA-core kernel (each load path: registers with and without prefetch, rows staged
     in shared memory) against float32 masked SDPA; prints each mismatch."""
     worst, failures = 0.0, 0
-    saved = kk.PREFETCH, kk.STAGES
     shapes = [(mx.bfloat16, d, h, c, b) for d in (64, 128) for h, c, b in ((32, 8, 1), (14, 2, 3))]
     for dtype, dim, heads, kv_heads, batch in shapes + [(mx.float32, 128, 32, 8, 1)]:
         for capacity in (37, 5000):
             q, k, v = operands(capacity, dim, heads, kv_heads, batch, dtype)
             for lengths in check_lengths(capacity, batch, kv_heads):
                 for prefetch, stages in LOAD_PATHS:
-                    kk.PREFETCH, kk.STAGES = prefetch, stages
-                    err = check_one(kk, q, k, v, lengths)
+                    with patched(kk, PREFETCH=prefetch, STAGES=stages):
+                        err = check_one(kk, q, k, v, lengths)
                     if not err <= (1e-4 if dtype == mx.float32 else 2e-2):
                         failures += 1
                         print(
@@ -322,7 +323,6 @@ def check(kk):
                         )
                     elif dtype != mx.float32:
                         worst = max(worst, err)
-    kk.PREFETCH, kk.STAGES = saved
     print(f"check: {failures} mismatches; worst half-precision error {worst:.1e}")
 
 

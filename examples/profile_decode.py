@@ -50,7 +50,7 @@ from examples.benchmark_decode import (  # noqa: E402
     pipelined_ms,
     random_model,
 )
-from examples.benchmark_kernels import kernel_config, kernel_settings  # noqa: E402
+from examples.benchmark_kernels import kernel_config, kernel_settings, patched  # noqa: E402
 from kvfn import slots  # noqa: E402
 
 MODES = ("sync", "piped", "piped-held")
@@ -82,15 +82,9 @@ def kvfn_loop(fm, states):
 def variant_loop(model, states, **settings):
     """``kvfn_loop`` of a new FunctionalModel whose step traces with these ``kvfn.kernels``
     settings (read when a step traces; restored after its first step)."""
-    saved = {k: getattr(kvfn.kernels, k) for k in settings}
-    try:
-        for k, v in settings.items():
-            setattr(kvfn.kernels, k, v)
+    with patched(kvfn.kernels, **settings):
         build = kvfn_loop(kvfn.FunctionalModel(model), states)
         mx.eval(build())
-    finally:
-        for k, v in saved.items():
-            setattr(kvfn.kernels, k, v)
     build.settings = settings
     return build
 

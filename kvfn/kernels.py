@@ -103,10 +103,37 @@ __device__ __forceinline__ void stage_rows(
   }
 }
 
-// *p = x in p's type: a split's partial output (float) or, with one split, the output (T).
-template <typename O>
-__device__ __forceinline__ void store(O* p, float x) {
-  *p = static_cast<O>(x);
+// Split `split` of query heads [head0, head0 + G): the block's W warps' online-softmax states
+// (in shared memory: m, l W x G, acc W x G x D) merged into its output in o_part's type (the
+// partial output in float, or with one split the attention's in T) and its log-sum-exp.
+template <int W, int G, int D, int NS, typename O>
+__device__ __forceinline__ void write_split(const float* sm_m, const float* sm_l,
+                                            const float* sm_acc, O* o_part, float* lse,
+                                            int head0, int split) {
+  for (int x = threadIdx.x; x < G * D; x += W * 32) {
+    const int g = x / D;
+    const int d = x % D;
+    float mm = neg_inf();
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      mm = fmaxf(mm, sm_m[w * G + g]);
+    }
+    float ll = 0.f;
+    float aa = 0.f;
+    if (mm != neg_inf()) {
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        const float c = exp2f(sm_m[w * G + g] - mm);
+        ll += sm_l[w * G + g] * c;
+        aa += sm_acc[(w * G + g) * D + d] * c;
+      }
+    }
+    const size_t at = (size_t)(head0 + g) * NS + split;
+    o_part[at * D + d] = static_cast<O>(ll > 0.f ? aa / ll : 0.f);
+    if (d == 0) {
+      lse[at] = ll > 0.f ? mm + log2f(ll) : neg_inf();
+    }
+  }
 }
 
 // Merges a second online-softmax state (m2, l2, acc2) into (m, l, acc); exponents are base 2.
@@ -321,30 +348,7 @@ SPLIT_SOURCE = r"""
     }
   }
   __syncthreads();
-  for (int t = threadIdx.x; t < G * D; t += W * 32) {
-    const int g = t / D;
-    const int d = t % D;
-    float mm = neg_inf();
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-      mm = fmaxf(mm, sm_m[w][g]);
-    }
-    float ll = 0.f;
-    float aa = 0.f;
-    if (mm != neg_inf()) {
-#pragma unroll
-      for (int w = 0; w < W; ++w) {
-        const float c = exp2f(sm_m[w][g] - mm);
-        ll += sm_l[w][g] * c;
-        aa += sm_acc[w][g][d] * c;
-      }
-    }
-    const size_t at = (size_t)(head0 + g) * NS + split;
-    store(o_part + at * D + d, ll > 0.f ? aa / ll : 0.f);
-    if (d == 0) {
-      lse[at] = ll > 0.f ? mm + log2f(ll) : neg_inf();
-    }
-  }
+  write_split<W, G, D, NS>(&sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0], o_part, lse, head0, split);
 """
 
 # One block per query head (batch-flattened), one thread per dimension: the splits' partial
@@ -440,7 +444,6 @@ __device__ __forceinline__ void stage_whole_rows(
 
 MMA_SPLIT_SOURCE = r"""
   constexpr int W = 4;
-  constexpr int NTH = W * 32;
   constexpr int KC = D / 16;
   constexpr int NTL = D / 8;
   constexpr int CH = D / 8;  // 16-byte chunks a row
@@ -582,30 +585,7 @@ MMA_SPLIT_SOURCE = r"""
     }
   }
   __syncthreads();
-  for (int x = threadIdx.x; x < G * D; x += NTH) {
-    const int h = x / D;
-    const int d = x % D;
-    float mm = neg_inf();
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-      mm = fmaxf(mm, sm_m[w * G + h]);
-    }
-    float ll = 0.f;
-    float aa = 0.f;
-    if (mm != neg_inf()) {
-#pragma unroll
-      for (int w = 0; w < W; ++w) {
-        const float c = exp2f(sm_m[w * G + h] - mm);
-        ll += sm_l[w * G + h] * c;
-        aa += sm_acc[(w * G + h) * D + d] * c;
-      }
-    }
-    const size_t at = (size_t)(head0 + h) * NS + split;
-    store(o_part + at * D + d, ll > 0.f ? aa / ll : 0.f);
-    if (d == 0) {
-      lse[at] = ll > 0.f ? mm + log2f(ll) : neg_inf();
-    }
-  }
+  write_split<W, G, D, NS>(sm_m, sm_l, sm_acc, o_part, lse, head0, split);
 """
 
 
@@ -834,8 +814,9 @@ def _mma_applies(q, k) -> bool:
     a dtype it takes, a head_dim it takes and runs on (``MMA_RUN_DIMS``), at most 8 query heads
     a block (its A operand's rows), and splits of at least ``MMA_MIN_KEYS_PER_SPLIT`` rows of
     the capacity (static, as shapes are)."""
-    dims = MMA_DIMS if MMA_RUN_DIMS is None else set(MMA_DIMS) & set(MMA_RUN_DIMS)
-    if not (TENSOR_CORES and k.dtype in MMA_DTYPES and q.shape[3] in dims):
+    dim = q.shape[3]
+    runs = dim in MMA_DIMS and (MMA_RUN_DIMS is None or dim in MMA_RUN_DIMS)
+    if not (TENSOR_CORES and k.dtype in MMA_DTYPES and runs):
         return False
     tile, _, splits = plan(q.shape[0], q.shape[1], k.shape[1], k.shape[2])
     return tile <= MMA_MAX_HEADS and k.shape[2] // splits >= MMA_MIN_KEYS_PER_SPLIT

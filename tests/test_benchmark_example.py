@@ -358,3 +358,16 @@ def test_kernel_settings_parse_and_name_the_bad_one():
     for bad in ("4,4", "4,4,3,2,2", "0,4,3", "4,4,3,2,1,1", "4,x,3"):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
             kernel_config(bad)
+
+
+def test_patched_settings_are_restored_even_when_the_block_fails():
+    """benchmark_kernels.patched: kernel settings inside the block, the old ones after it."""
+    import kvfn.kernels as kernels
+    from examples.benchmark_kernels import patched
+
+    before = kernels.STAGES, kernels.TENSOR_CORES
+    with pytest.raises(RuntimeError, match="inside"):
+        with patched(kernels, STAGES=before[0] + 3, TENSOR_CORES=not before[1]) as kk:
+            assert (kk.STAGES, kk.TENSOR_CORES) == (before[0] + 3, not before[1])
+            raise RuntimeError("inside")
+    assert (kernels.STAGES, kernels.TENSOR_CORES) == before

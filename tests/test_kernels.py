@@ -19,12 +19,14 @@ def make(q_heads, dim, dtype, seed=0):
 
 
 def reference(q, k, v, lengths, scale):
+    """Float64 attention of each query head to its KV head's first ``lengths`` rows."""
     q, k, v = (np.array(x.astype(mx.float32), dtype=np.float64) for x in (q, k, v))
+    batch, kv_heads = k.shape[:2]
     n = np.array(lengths)
-    n = np.broadcast_to(n.reshape(-1, 1) if n.ndim == 1 else n, (B, KV))
-    group = q.shape[1] // KV
+    n = np.broadcast_to(n.reshape(-1, 1) if n.ndim == 1 else n, (batch, kv_heads))
+    group = q.shape[1] // kv_heads
     out = np.zeros(q.shape)
-    for b in range(B):
+    for b in range(batch):
         for h in range(q.shape[1]):
             rows = min(max(int(n[b, h // group]), 0), k.shape[2])
             if rows == 0:
@@ -147,6 +149,10 @@ def test_tensor_core_kernel_compiles_into_a_decode_step(monkeypatch):
         np.testing.assert_allclose(got, reference(q, k, v, n, 0.1), atol=2e-2)
 
 
+# the module's tensor-core settings with KVFN_TENSOR_CORES unset
+DEFAULTS = dict(TENSOR_CORES=True, MMA_RUN_DIMS=(128,), MMA_MIN_KEYS_PER_SPLIT=512)
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
 def test_tensor_core_kernel_runs_by_default_on_long_splits(monkeypatch, dtype):
@@ -163,18 +169,8 @@ def test_tensor_core_kernel_runs_by_default_on_long_splits(monkeypatch, dtype):
     assert kernels._mma_applies(q, k)
     lengths = mx.array([[capacity, 1, 0, 511, 512, 9000, 12345, capacity - 3]], mx.int32)
     out = np.array(ragged_decode_attention(q, k, v, lengths, scale=0.088).astype(mx.float32))
-    want = np.zeros(out.shape)
-    for h in range(kv_heads):  # the float64 reference, one KV head at a time
-        n, heads = int(lengths[0, h]), slice(h * group, (h + 1) * group)
-        if n:
-            keys, values = (np.array(x[0, h, :n].astype(mx.float32), np.float64) for x in (k, v))
-            s = np.array(q[0, heads, 0].astype(mx.float32), np.float64) @ keys.T * 0.088
-            p = np.exp(s - s.max(axis=1, keepdims=True))
-            want[0, heads, 0] = p @ values / p.sum(axis=1, keepdims=True)
+    want = reference(q, k, v, lengths, 0.088)
     np.testing.assert_allclose(out, want, atol=mma_tolerance(dtype))
-
-
-DEFAULTS = dict(TENSOR_CORES=True, MMA_RUN_DIMS=(128,), MMA_MIN_KEYS_PER_SPLIT=512)
 
 
 @pytest.mark.parametrize(
