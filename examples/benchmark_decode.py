@@ -296,19 +296,33 @@ def own_copy(states) -> tuple:
                            positions=mx.array(s.positions)) for s in states)  # fmt: skip
 
 
-def interleaved(timers: dict, rounds: int) -> dict:
-    """Each timer's result (ms), the median over ``rounds`` in which every timer runs once in
+def in_rounds(timers: dict, rounds: int) -> dict:
+    """Each timer's results (ms), one a round over ``rounds`` in which every timer runs once in
     turn (the shared machine's drift then hits all alike)."""
     times = {name: [] for name in timers}
     for _ in range(rounds):
         for name, timer in timers.items():
             times[name].append(timer())
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def interleaved(timers: dict, rounds: int) -> dict:
+    """Each timer's median result (ms) over ``in_rounds``."""
+    return {name: statistics.median(t) for name, t in in_rounds(timers, rounds).items()}
+
+
+def paired(times: dict, a, b) -> tuple:
+    """(median, lowest, highest) over the rounds of a round's ``a`` over its ``b``: the two ran
+    in the same round, so a ratio sees less of the machine's drift than a ratio of medians."""
+    ratios = [x / y for x, y in zip(times[a], times[b])]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def decode_rows(model, fm, lengths, budgets, chunk, steps, weights, rounds=3):
     """Every step below is timed once a round, the rounds interleaved (a shared machine's load
-    moves between them); each figure is the median over rounds of a round's median."""
+    moves between them): each time is the median over rounds of a round's median, each ratio
+    the median of a round's ratios, with their range (``<ratio>_range``); steps compared are
+    timed one after the other."""
     rows = []
     token = mx.array([[1]])
     room = rounds * (steps + 4) + 8  # rows a timed loop appends
@@ -335,8 +349,8 @@ def decode_rows(model, fm, lengths, budgets, chunk, steps, weights, rounds=3):
         full_kv = sum(kvfn.eviction.stored_bytes(s, L - 1) for s in full)
         timers = dict(
             mlx_full=sync(mlx_build(mlx_prefill(model, tokens[:-1], chunk))),
-            floor=sync(mlx_build(mlx_prefill(model, tokens[:FLOOR_ROWS], chunk))),
             kvfn_full=sync(kvfn_build(full)),
+            floor=sync(mlx_build(mlx_prefill(model, tokens[:FLOOR_ROWS], chunk))),
         )
         del full
         kept = {}
@@ -350,32 +364,47 @@ def decode_rows(model, fm, lengths, budgets, chunk, steps, weights, rounds=3):
 
             timers.update({  # each timed loop its own state or cache
                 ("kvfn", R): sync(kvfn_build(own_copy(states))),
-                ("kvfn_host", R): lambda b=kvfn_build(own_copy(states)): host_ms(b, steps),
-                ("interop", R): sync(mlx_build(kvfn.to_mlx_cache(own_copy(states)))),
-                ("kvfn_piped", R): lambda b=kvfn_build(states): pipelined_ms(b, steps),
                 ("mlx", R): sync(small()),
+                ("interop", R): sync(mlx_build(kvfn.to_mlx_cache(own_copy(states)))),
+                ("kvfn_host", R): lambda b=kvfn_build(own_copy(states)): host_ms(b, steps),
                 ("mlx_host", R): lambda b=small(): host_ms(b, steps),
+                ("kvfn_piped", R): lambda b=kvfn_build(states): pipelined_ms(b, steps),
                 ("mlx_piped", R): lambda b=small(): pipelined_ms(b, steps),
             })  # fmt: skip
             del states
-        t = interleaved(timers, rounds)
+        times = in_rounds(timers, rounds)
         del timers
+        t = {name: statistics.median(ms) for name, ms in times.items()}
         for R, kept_kv in kept.items():
+            ratios = dict(
+                kvfn_R_vs_mlx_R=paired(times, ("kvfn", R), ("mlx", R)),
+                kvfn_full_vs_mlx_full=paired(times, "kvfn_full", "mlx_full"),
+                speedup_kvfn=paired(times, "mlx_full", ("kvfn", R)),
+                speedup_interop=paired(times, "mlx_full", ("interop", R)),
+                mlx_ceiling=paired(times, "mlx_full", "floor"),
+                kvfn_vs_mlx_pipelined=paired(times, ("kvfn_piped", R), ("mlx_piped", R)),
+            )
             rows.append(dict(
                 L=L, R=R, mlx_full_ms=t["mlx_full"], mlx_R_ms=t["mlx", R],
                 kvfn_R_ms=t["kvfn", R], kvfn_full_ms=t["kvfn_full"],
                 mlx_interop_ms=t["interop", R], kvfn_R_host_ms=t["kvfn_host", R],
                 mlx_R_host_ms=t["mlx_host", R], kvfn_R_pipelined_ms=t["kvfn_piped", R],
-                mlx_R_pipelined_ms=t["mlx_piped", R],
-                kvfn_R_vs_mlx_R=t["kvfn", R] / t["mlx", R],
-                kvfn_full_vs_mlx_full=t["kvfn_full"] / t["mlx_full"],
-                speedup_kvfn=t["mlx_full"] / t["kvfn", R],
-                speedup_interop=t["mlx_full"] / t["interop", R],
-                mlx_floor_ms=t["floor"], mlx_ceiling=t["mlx_full"] / t["floor"],
+                mlx_R_pipelined_ms=t["mlx_piped", R], mlx_floor_ms=t["floor"],
+                **{name: r[0] for name, r in ratios.items()},
+                **{name + "_range": list(r[1:]) for name, r in ratios.items()},
+                rounds_ms=dict(kvfn_R=times["kvfn", R], mlx_R=times["mlx", R],
+                               kvfn_full=times["kvfn_full"], mlx_full=times["mlx_full"]),
                 kept_kv_mb=kept_kv / 1e6, full_kv_mb=full_kv / 1e6,
                 byte_bound=(weights + full_kv) / (weights + kept_kv),
             ))  # fmt: skip
     return rows
+
+
+def cell(row: dict, name: str) -> str:
+    """A ratio and, where the rounds gave different ones, their range."""
+    lo, hi = row[name + "_range"]
+    spread = f" ({lo:.2f}-{hi:.2f})" if f"{lo:.2f}" != f"{hi:.2f}" else ""
+    return f"{row[name]:.2f}{spread}"
 
 
 def markdown(result: dict) -> str:
@@ -393,22 +422,24 @@ def markdown(result: dict) -> str:
     for r in result["evict"]:
         out.append(f"| {r['L']} | {r['R']} | {r['traced_ms']:.1f} | {r['eager_ms']:.1f} | "
                    f"{r['eager_ms'] - r['traced_ms']:.1f} |")  # fmt: skip
-    out += ["", "decode (ms per step)", "",
+    out += ["", "decode (ms per step; a ratio is the median of the rounds' own ratios, their "
+            "range in brackets)", "",
             "| L -> R | mlx-lm full L | mlx-lm R rows | kvfn compacted R | kvfn full L | mlx-lm over kvfn interop | kvfn R / mlx R | kvfn full / mlx full | speedup kvfn | speedup interop | MLX ceiling | byte bound |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in result["decode"]:
         out.append(f"| {r['L']} -> {r['R']} | {r['mlx_full_ms']:.2f} | {r['mlx_R_ms']:.2f} | "
                    f"{r['kvfn_R_ms']:.2f} | {r['kvfn_full_ms']:.2f} | {r['mlx_interop_ms']:.2f} | "
-                   f"{r['kvfn_R_vs_mlx_R']:.2f} | {r['kvfn_full_vs_mlx_full']:.2f} | "
-                   f"{r['speedup_kvfn']:.2f} | {r['speedup_interop']:.2f} | "
-                   f"{r['mlx_ceiling']:.2f} | {r['byte_bound']:.2f} |")  # fmt: skip
+                   + " | ".join(cell(r, n) for n in ("kvfn_R_vs_mlx_R", "kvfn_full_vs_mlx_full",
+                                                     "speedup_kvfn", "speedup_interop",
+                                                     "mlx_ceiling"))
+                   + f" | {r['byte_bound']:.2f} |")  # fmt: skip
     out += ["", "decode over R rows: host graph building, and steps pipelined with async_eval (ms)", "",
             "| L -> R | mlx-lm host | kvfn host | mlx-lm pipelined | kvfn pipelined | kvfn / mlx-lm pipelined |",
             "|---|---|---|---|---|---|"]  # fmt: skip
     for r in result["decode"]:
         out.append(f"| {r['L']} -> {r['R']} | {r['mlx_R_host_ms']:.2f} | {r['kvfn_R_host_ms']:.2f} | "
                    f"{r['mlx_R_pipelined_ms']:.2f} | {r['kvfn_R_pipelined_ms']:.2f} | "
-                   f"{r['kvfn_R_pipelined_ms'] / r['mlx_R_pipelined_ms']:.2f} |")  # fmt: skip
+                   f"{cell(r, 'kvfn_vs_mlx_pipelined')} |")  # fmt: skip
     return "\n".join(out)
 
 
