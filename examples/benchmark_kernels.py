@@ -9,6 +9,7 @@ it also times a compiled function making N such calls.
 
     python examples/benchmark_kernels.py [--iters 200] [--layers 32] [--sweep] [--check]
     python examples/benchmark_kernels.py --chain --capacities 1024 4096 32768  # CUPTI durations
+    python examples/benchmark_kernels.py --chain --capacities 4096 --configs 4,4,3,2 4,4,3,0
 """
 
 import argparse
@@ -348,12 +349,14 @@ def check_one(kk, q, k, v, lengths):
     return max_error(got, want)
 
 
-def chain_table(kk, capacities, layers=32, steps=10):
+def chain_table(kk, capacities, layers=32, steps=10, settings=""):
     """Each kernel's duration (CUPTI, through PyTorch's profiler) inside ``layers`` dependent
     calls, each call's output the next call's query as in a decode step: cuDNN's fused SDPA
     over all rows, the split kernel as planned over the same rows, and the split kernel at
-    lengths 0 and 64 of that capacity (its fixed cost). us a call, per kernel: the mean."""
-    print(f"\nkernels inside {layers} dependent calls (us a call, each kernel's mean)")
+    lengths 0 and 64 of that capacity (its fixed cost). us a call, per kernel: the mean;
+    ``settings`` names the kernel settings in the title."""
+    print(f"\nkernels inside {layers} dependent calls (us a call, each kernel's mean)"
+          + (f", settings {settings}" if settings else ""))  # fmt: skip
     print("| capacity | cuDNN | kvfn (splits) | kvfn, length 0 | kvfn, length 64 |")
     print("|---|---|---|---|---|")
     scale = DIM**-0.5
@@ -418,19 +421,24 @@ def main():
         nargs="+",
         metavar="G,U,B[,S[,T]]",
         type=kernel_config,
-        help="split kernel settings to compare (then only that table)",
+        help="split kernel settings to compare (then only that table, or with --chain one "
+        "chain table each)",
     )
     args = parser.parse_args()
     kk = load_kernels()
     print("device", mx.default_device(), "cuda", mx.cuda.is_available(), "mlx", mx.__version__)
     if args.check:
         check(kk)
-    if args.configs:
-        return configs_table(kk, args.capacities, args.iters, args.configs, args.layers)
     if args.chain:
         if not kk.on_cuda():
             raise SystemExit("--chain reads CUDA kernels: run it with MLX's CUDA backend")
-        return chain_table(kk, args.capacities, args.layers or 32)
+        for config in args.configs or [None]:
+            with patched(kk, **(kernel_settings(config) if config else {})):
+                chain_table(kk, args.capacities, args.layers or 32,
+                            settings=",".join(map(str, config or ())))  # fmt: skip
+        return
+    if args.configs:
+        return configs_table(kk, args.capacities, args.iters, args.configs, args.layers)
     one_layer_table(kk, args.capacities, args.iters)
     if args.layers:
         compiled_table(kk, args.capacities, args.layers, max(10, args.iters // 4))
