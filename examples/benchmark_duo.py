@@ -10,9 +10,9 @@ retrieval ratio; streaming heads keep --sink + --recent rows. Step times are med
 compiled decode advancing the state (as a decode loop does: the old state's buffers are free to
 be written in place); mlx-lm's eager step over its own full KVCache (trimmed back after each
 step) is the reference. Host ms: building one compiled step's graph. With ``--rounds N`` every
-loop of a ratio's row (the full caches' loops too) runs N times in turn and each figure is the
-median of its N (the machine's drift then hits all loops alike); one ratio's states are alive at
-a time.
+loop of a ratio's row (the full caches' loops too) runs N times in turn; each time is the
+median of its N and each ratio the median of the rounds' own ratios, printed with their range
+(the machine's drift then hits all loops alike); one ratio's states are alive at a time.
 
 Two step times per state: "sync", each step built then evaluated (host + GPU time add up), and
 "pipelined", a greedy decode loop that builds step t+1 while step t runs (``mx.async_eval``, as
@@ -27,6 +27,7 @@ its layer's K and V).
 import argparse
 import functools
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -39,9 +40,11 @@ import numpy as np  # noqa: E402
 from examples import benchmark_decode  # noqa: E402
 from examples.benchmark_decode import (  # noqa: E402
     SHAPES,
-    interleaved,
+    cell,
+    in_rounds,
     median_ms,
     mlx_prefill,
+    paired,
     pipelined_ms,
     random_model,
     step_mb,
@@ -159,14 +162,39 @@ def run(args) -> list:
                 loops[name] = functools.partial(step_ms, fm, s, steps)
                 loops[name + "_piped"] = functools.partial(piped_ms, fm, s, steps)
                 loops[name + "_host"] = functools.partial(host_ms, fm, s, steps)
-            row = dict(L=L, ratio=ratio, **interleaved(loops, args.rounds),
-                       full_mb=full_bytes / 1e6, duo_mb=duo_bytes / 1e6, **full_step_mb,
-                       **step_mbs(fm, duo=states, slots=packed))  # fmt: skip
+            times = in_rounds(loops, args.rounds)
+            row = dict(L=L, ratio=ratio, **{n: statistics.median(t) for n, t in times.items()},
+                       **ratios(times), full_mb=full_bytes / 1e6, duo_mb=duo_bytes / 1e6,
+                       **full_step_mb, **step_mbs(fm, duo=states, slots=packed))  # fmt: skip
             del loops, states, masked, packed, s
             rows.append(row)
             print_row(row)
     print_table(rows)
     return rows
+
+
+RATIOS = {  # a row's ratio: (its loop, the loop it is over)
+    "duo_vs_mlx_lm_full": ("duo", "mlx_lm_full"),
+    "duo_vs_union_mask": ("duo", "union_mask"),
+    "slots_vs_mlx_lm_full": ("slots", "mlx_lm_full"),
+    "slots_vs_kvfn_full": ("slots", "kvfn_full"),
+    "slots_vs_mlx_lm_full_piped": ("slots_piped", "mlx_lm_full_piped"),
+    "slots_vs_kvfn_full_piped": ("slots_piped", "kvfn_full_piped"),
+    "duo_vs_mlx_lm_full_piped": ("duo_piped", "mlx_lm_full_piped"),
+}
+
+
+TABLE_RATIOS = ("slots_vs_mlx_lm_full", "slots_vs_kvfn_full", "slots_vs_mlx_lm_full_piped",
+                "slots_vs_kvfn_full_piped", "duo_vs_mlx_lm_full_piped")  # fmt: skip
+
+
+def ratios(times: dict) -> dict:
+    """Each of ``RATIOS``: the median of the rounds' own ratios, and their range."""
+    out = {}
+    for name, (a, b) in RATIOS.items():
+        mid, lo, hi = paired(times, a, b)
+        out[name], out[name + "_range"] = mid, [lo, hi]
+    return out
 
 
 def print_row(r: dict) -> None:
@@ -179,7 +207,7 @@ def print_row(r: dict) -> None:
         f"duo {r['duo_mb']:8.1f} ({r['duo_mb'] / r['full_mb']:.2f}x) | step ms: mlx-lm full "
         f"{r['mlx_lm_full']:.2f}, kvfn full {r['kvfn_full']:.2f}, union+mask "
         f"{r['union_mask']:.2f}, duo {r['duo']:.2f} | duo / mlx-lm full "
-        f"{r['duo'] / r['mlx_lm_full']:.2f}, duo / union+mask {r['duo'] / r['union_mask']:.2f} | "
+        f"{cell(r, 'duo_vs_mlx_lm_full')}, duo / union+mask {cell(r, 'duo_vs_union_mask')} | "
         f"host ms: kvfn full {r['kvfn_full_host']:.2f}, duo {r['duo_host']:.2f}, slots "
         f"{r['slots_host']:.2f} | pipelined: mlx-lm full {r['mlx_lm_full_piped']:.2f}, kvfn full "
         f"{r['kvfn_full_piped']:.2f}, duo {r['duo_piped']:.2f}, slots {r['slots_piped']:.2f} | "
@@ -191,7 +219,8 @@ def print_row(r: dict) -> None:
 def print_table(rows: list) -> None:
     """Every row once more as one markdown table: sync and pipelined ms, ratios to the full
     caches (pipelined ratios in the last columns)."""
-    print("\nms per step: sync (host + GPU) / pipelined (async_eval); host ms in brackets")
+    print("\nms per step: sync (host + GPU) / pipelined (async_eval); host ms in square brackets; a "
+          "ratio is the median of the rounds' own ratios, their range in round brackets")  # fmt: skip
     print(
         "| L | ratio | KV | mlx-lm full | kvfn full | union+mask | duo | slots | slots / mlx-lm"
         " | slots / kvfn full | piped slots / mlx-lm | piped slots / kvfn full | piped duo / mlx-lm |"
@@ -205,10 +234,8 @@ def print_table(rows: list) -> None:
             f"| {r['union_mask']:.2f} "
             f"| {r['duo']:.2f} / {r['duo_piped']:.2f} [{r['duo_host']:.2f}] "
             f"| {r['slots']:.2f} / {r['slots_piped']:.2f} [{r['slots_host']:.2f}] "
-            f"| {r['slots'] / r['mlx_lm_full']:.2f} | {r['slots'] / r['kvfn_full']:.2f} "
-            f"| {r['slots_piped'] / r['mlx_lm_full_piped']:.2f} "
-            f"| {r['slots_piped'] / r['kvfn_full_piped']:.2f} "
-            f"| {r['duo_piped'] / r['mlx_lm_full_piped']:.2f} |",
+            + "".join(f"| {cell(r, name)} " for name in TABLE_RATIOS)
+            + "|",
             flush=True,
         )
 
@@ -223,7 +250,7 @@ def main(argv=None) -> list:
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=1,
-                   help="time every loop this many times in turn; report the median")  # fmt: skip
+                   help="time every loop this many times in turn; report the medians")  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)

@@ -107,20 +107,27 @@ def test_benchmark_duo_times_every_loop_in_rounds(capsys, monkeypatch):
 
     argv = ["--shape", "tiny", "--lengths", "300", "--ratios", "0.5", "0.25", "--sink", "4",
             "--recent", "16", "--chunk", "128", "--steps", "2"]  # fmt: skip
-    runs, real = [], benchmark_duo.interleaved
+    runs, rounds_ms, real = [], [], benchmark_duo.in_rounds
 
     def counted(loops, rounds):
         def run(name, loop):
             runs.append(name)
             return loop()
 
-        return real({k: functools.partial(run, k, v) for k, v in loops.items()}, rounds)
+        rounds_ms.append(real({k: functools.partial(run, k, v) for k, v in loops.items()}, rounds))
+        return rounds_ms[-1]
 
-    monkeypatch.setattr(benchmark_duo, "interleaved", counted)
+    monkeypatch.setattr(benchmark_duo, "in_rounds", counted)
     half, quarter = benchmark_duo.main(argv + ["--rounds", "2"])
     # per ratio: the full caches' 5 loops, then union + 2 x (sync, piped, host), in turn, twice
     assert len(runs) == 2 * 2 * 12 and len(set(runs)) == 12
     assert runs[:12] == runs[12:24] == runs[24:36] == runs[36:]
+    for row, times in zip((half, quarter), rounds_ms):  # times: the ratio's two rounds
+        assert row["duo"] == pytest.approx(sum(times["duo"]) / 2)
+        for name, (a, b) in benchmark_duo.RATIOS.items():  # each round's own ratio
+            own = sorted(x / y for x, y in zip(times[a], times[b]))
+            assert row[name + "_range"] == pytest.approx(own)
+            assert row[name] == pytest.approx(sum(own) / 2)
     assert quarter["duo_mb"] < half["duo_mb"] < half["full_mb"]
     timed = ("mlx_lm_full", "kvfn_full_piped", "union_mask", "duo", "duo_piped", "slots_host")
     assert all(row[k] > 0 for row in (half, quarter) for k in timed)
