@@ -298,17 +298,14 @@ def own_copy(states) -> tuple:
 
 def in_rounds(timers: dict, rounds: int) -> dict:
     """Each timer's results (ms), one a round over ``rounds`` in which every timer runs once in
-    turn (the shared machine's drift then hits all alike)."""
+    turn, every other round in reverse (the shared machine's drift then hits all alike, and no
+    timer always runs first)."""
     times = {name: [] for name in timers}
-    for _ in range(rounds):
-        for name, timer in timers.items():
-            times[name].append(timer())
+    order = list(timers)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            times[name].append(timers[name]())
     return times
-
-
-def interleaved(timers: dict, rounds: int) -> dict:
-    """Each timer's median result (ms) over ``in_rounds``."""
-    return {name: statistics.median(t) for name, t in in_rounds(timers, rounds).items()}
 
 
 def paired(times: dict, a, b) -> tuple:
@@ -319,10 +316,11 @@ def paired(times: dict, a, b) -> tuple:
 
 
 def decode_rows(model, fm, lengths, budgets, chunk, steps, weights, rounds=3):
-    """Every step below is timed once a round, the rounds interleaved (a shared machine's load
-    moves between them): each time is the median over rounds of a round's median, each ratio
-    the median of a round's ratios, with their range (``<ratio>_range``); steps compared are
-    timed one after the other."""
+    """Every step below is timed once a round (``in_rounds``: a shared machine's load moves
+    between them): each time is the median over rounds of a round's median, each ratio the
+    median of a round's ratios, with their range (``<ratio>_range``) and the rounds' times
+    (``rounds_ms``). The compacted, full-cache, ceiling and pipelined pairs run next to each
+    other in a round; the speedups' pairs further apart."""
     rows = []
     token = mx.array([[1]])
     room = rounds * (steps + 4) + 8  # rows a timed loop appends
@@ -348,9 +346,9 @@ def decode_rows(model, fm, lengths, budgets, chunk, steps, weights, rounds=3):
                             prefill_step_size=chunk)  # fmt: skip
         full_kv = sum(kvfn.eviction.stored_bytes(s, L - 1) for s in full)
         timers = dict(
+            floor=sync(mlx_build(mlx_prefill(model, tokens[:FLOOR_ROWS], chunk))),
             mlx_full=sync(mlx_build(mlx_prefill(model, tokens[:-1], chunk))),
             kvfn_full=sync(kvfn_build(full)),
-            floor=sync(mlx_build(mlx_prefill(model, tokens[:FLOOR_ROWS], chunk))),
         )
         del full
         kept = {}
@@ -393,7 +391,10 @@ def decode_rows(model, fm, lengths, budgets, chunk, steps, weights, rounds=3):
                 **{name: r[0] for name, r in ratios.items()},
                 **{name + "_range": list(r[1:]) for name, r in ratios.items()},
                 rounds_ms=dict(kvfn_R=times["kvfn", R], mlx_R=times["mlx", R],
-                               kvfn_full=times["kvfn_full"], mlx_full=times["mlx_full"]),
+                               interop_R=times["interop", R], kvfn_full=times["kvfn_full"],
+                               mlx_full=times["mlx_full"], floor=times["floor"],
+                               kvfn_R_piped=times["kvfn_piped", R],
+                               mlx_R_piped=times["mlx_piped", R]),  # fmt: skip
                 kept_kv_mb=kept_kv / 1e6, full_kv_mb=full_kv / 1e6,
                 byte_bound=(weights + full_kv) / (weights + kept_kv),
             ))  # fmt: skip

@@ -23,21 +23,24 @@ def test_benchmark_prints_kvfn_and_mlx_lm_side_by_side(capsys, tmp_path):
     assert row["L"] == 96 and row["R"] == 48
     rounds = row["rounds_ms"]
     assert all(len(ms) == 3 for ms in rounds.values())  # --rounds' default
-    for name, (a, b) in {"kvfn_R_vs_mlx_R": ("kvfn_R", "mlx_R"),
-                         "kvfn_full_vs_mlx_full": ("kvfn_full", "mlx_full"),
-                         "speedup_kvfn": ("mlx_full", "kvfn_R")}.items():  # fmt: skip
+    expected = {"kvfn_R_vs_mlx_R": ("kvfn_R", "mlx_R"),
+                "kvfn_full_vs_mlx_full": ("kvfn_full", "mlx_full"),
+                "speedup_kvfn": ("mlx_full", "kvfn_R"),
+                "speedup_interop": ("mlx_full", "interop_R"),
+                "mlx_ceiling": ("mlx_full", "floor"),
+                "kvfn_vs_mlx_pipelined": ("kvfn_R_piped", "mlx_R_piped")}  # fmt: skip
+    for name, (a, b) in expected.items():
         ratios = sorted(x / y for x, y in zip(rounds[a], rounds[b]))  # each round's own
         assert row[name] == pytest.approx(ratios[1])
         assert row[name + "_range"] == pytest.approx([ratios[0], ratios[-1]])
     assert row["kvfn_R_ms"] == pytest.approx(sorted(rounds["kvfn_R"])[1])
+    assert row["mlx_floor_ms"] == pytest.approx(sorted(rounds["floor"])[1])
     # 8 layers x 4 KV heads x (2 x 64 float32 + an int32 position) bytes a row
     per_row = 8 * 4 * (2 * 64 * 4 + 4)
     assert row["kept_kv_mb"] * 1e6 == pytest.approx(48 * per_row)
     assert row["full_kv_mb"] * 1e6 == pytest.approx(95 * per_row)
     w = result["weights_gb"] * 1e3
     assert row["byte_bound"] == pytest.approx((w + row["full_kv_mb"]) / (w + row["kept_kv_mb"]))
-    lo, hi = row["mlx_ceiling_range"]
-    assert lo <= row["mlx_ceiling"] <= hi
     out = capsys.readouterr().out
     assert (
         "kvfn R / mlx R" in out
@@ -47,6 +50,19 @@ def test_benchmark_prints_kvfn_and_mlx_lm_side_by_side(capsys, tmp_path):
         and "MLX ceiling" in out
     )
     assert (tmp_path / "b.json").stat().st_size > 100
+
+
+def test_rounds_alternate_their_order_and_ratios_pair_within_a_round():
+    calls, ticks = [], iter(range(1, 100))
+
+    def timer(name):
+        return lambda: calls.append(name) or next(ticks)
+
+    times = benchmark_decode.in_rounds({n: timer(n) for n in "abc"}, 3)
+    assert calls == list("abc" "cba" "abc")
+    assert times == {"a": [1, 6, 7], "b": [2, 5, 8], "c": [3, 4, 9]}
+    # a / c by round: 1/3, 6/4, 7/9; a ratio of medians would give 6/4
+    assert benchmark_decode.paired(times, "a", "c") == pytest.approx((7 / 9, 1 / 3, 6 / 4))
 
 
 @pytest.mark.parametrize(
@@ -119,12 +135,21 @@ def test_benchmark_duo_times_every_loop_in_rounds(capsys, monkeypatch):
 
     monkeypatch.setattr(benchmark_duo, "in_rounds", counted)
     half, quarter = benchmark_duo.main(argv + ["--rounds", "2"])
-    # per ratio: the full caches' 5 loops, then union + 2 x (sync, piped, host), in turn, twice
+    # per ratio: the full caches' 5 loops, then union + 2 x (sync, piped, host), in turn, then
+    # in reverse
     assert len(runs) == 2 * 2 * 12 and len(set(runs)) == 12
-    assert runs[:12] == runs[12:24] == runs[24:36] == runs[36:]
+    assert runs[:12] == runs[12:24][::-1] == runs[24:36] == runs[36:][::-1]
+    expected = {"duo_vs_mlx_lm_full": ("duo", "mlx_lm_full"),
+                "duo_vs_union_mask": ("duo", "union_mask"),
+                "slots_vs_mlx_lm_full": ("slots", "mlx_lm_full"),
+                "slots_vs_kvfn_full": ("slots", "kvfn_full"),
+                "slots_vs_mlx_lm_full_piped": ("slots_piped", "mlx_lm_full_piped"),
+                "slots_vs_kvfn_full_piped": ("slots_piped", "kvfn_full_piped"),
+                "duo_vs_mlx_lm_full_piped": ("duo_piped", "mlx_lm_full_piped")}  # fmt: skip
+    assert set(benchmark_duo.RATIOS) == set(expected)
     for row, times in zip((half, quarter), rounds_ms):  # times: the ratio's two rounds
         assert row["duo"] == pytest.approx(sum(times["duo"]) / 2)
-        for name, (a, b) in benchmark_duo.RATIOS.items():  # each round's own ratio
+        for name, (a, b) in expected.items():  # each round's own ratio
             own = sorted(x / y for x, y in zip(times[a], times[b]))
             assert row[name + "_range"] == pytest.approx(own)
             assert row[name] == pytest.approx(sum(own) / 2)
