@@ -315,6 +315,16 @@ def paired(times: dict, a, b) -> tuple:
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
+def paired_ratios(times: dict, pairs: dict) -> dict:
+    """Each ``name: (a, b)`` of ``pairs`` as ``paired`` gives it: ``name`` the median ratio,
+    ``name_range`` its [lowest, highest]."""
+    out = {}
+    for name, (a, b) in pairs.items():
+        mid, lo, hi = paired(times, a, b)
+        out[name], out[name + "_range"] = mid, [lo, hi]
+    return out
+
+
 def decode_rows(model, fm, lengths, budgets, chunk, steps, weights, rounds=3):
     """Every step below is timed once a round (``in_rounds``: a shared machine's load moves
     between them): each time is the median over rounds of a round's median, each ratio the
@@ -374,22 +384,21 @@ def decode_rows(model, fm, lengths, budgets, chunk, steps, weights, rounds=3):
         del timers
         t = {name: statistics.median(ms) for name, ms in times.items()}
         for R, kept_kv in kept.items():
-            ratios = dict(
-                kvfn_R_vs_mlx_R=paired(times, ("kvfn", R), ("mlx", R)),
-                kvfn_full_vs_mlx_full=paired(times, "kvfn_full", "mlx_full"),
-                speedup_kvfn=paired(times, "mlx_full", ("kvfn", R)),
-                speedup_interop=paired(times, "mlx_full", ("interop", R)),
-                mlx_ceiling=paired(times, "mlx_full", "floor"),
-                kvfn_vs_mlx_pipelined=paired(times, ("kvfn_piped", R), ("mlx_piped", R)),
-            )
+            ratios = paired_ratios(times, dict(
+                kvfn_R_vs_mlx_R=(("kvfn", R), ("mlx", R)),
+                kvfn_full_vs_mlx_full=("kvfn_full", "mlx_full"),
+                speedup_kvfn=("mlx_full", ("kvfn", R)),
+                speedup_interop=("mlx_full", ("interop", R)),
+                mlx_ceiling=("mlx_full", "floor"),
+                kvfn_vs_mlx_pipelined=(("kvfn_piped", R), ("mlx_piped", R)),
+            ))  # fmt: skip
             rows.append(dict(
                 L=L, R=R, mlx_full_ms=t["mlx_full"], mlx_R_ms=t["mlx", R],
                 kvfn_R_ms=t["kvfn", R], kvfn_full_ms=t["kvfn_full"],
                 mlx_interop_ms=t["interop", R], kvfn_R_host_ms=t["kvfn_host", R],
                 mlx_R_host_ms=t["mlx_host", R], kvfn_R_pipelined_ms=t["kvfn_piped", R],
                 mlx_R_pipelined_ms=t["mlx_piped", R], mlx_floor_ms=t["floor"],
-                **{name: r[0] for name, r in ratios.items()},
-                **{name + "_range": list(r[1:]) for name, r in ratios.items()},
+                **ratios,
                 rounds_ms=dict(kvfn_R=times["kvfn", R], mlx_R=times["mlx", R],
                                interop_R=times["interop", R], kvfn_full=times["kvfn_full"],
                                mlx_full=times["mlx_full"], floor=times["floor"],

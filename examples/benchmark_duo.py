@@ -44,7 +44,7 @@ from examples.benchmark_decode import (  # noqa: E402
     in_rounds,
     median_ms,
     mlx_prefill,
-    paired,
+    paired_ratios,
     pipelined_ms,
     random_model,
     step_mb,
@@ -164,8 +164,9 @@ def run(args) -> list:
                 loops[name + "_host"] = functools.partial(host_ms, fm, s, steps)
             times = in_rounds(loops, args.rounds)
             row = dict(L=L, ratio=ratio, **{n: statistics.median(t) for n, t in times.items()},
-                       **ratios(times), full_mb=full_bytes / 1e6, duo_mb=duo_bytes / 1e6,
-                       **full_step_mb, **step_mbs(fm, duo=states, slots=packed))  # fmt: skip
+                       **paired_ratios(times, RATIOS), full_mb=full_bytes / 1e6,
+                       duo_mb=duo_bytes / 1e6, **full_step_mb,
+                       **step_mbs(fm, duo=states, slots=packed))  # fmt: skip
             del loops, states, masked, packed, s
             rows.append(row)
             print_row(row)
@@ -186,15 +187,6 @@ RATIOS = {  # a row's ratio: (its loop, the loop it is over)
 
 TABLE_RATIOS = ("slots_vs_mlx_lm_full", "slots_vs_kvfn_full", "slots_vs_mlx_lm_full_piped",
                 "slots_vs_kvfn_full_piped", "duo_vs_mlx_lm_full_piped")  # fmt: skip
-
-
-def ratios(times: dict) -> dict:
-    """Each of ``RATIOS``: the median of the rounds' own ratios, and their range."""
-    out = {}
-    for name, (a, b) in RATIOS.items():
-        mid, lo, hi = paired(times, a, b)
-        out[name], out[name + "_range"] = mid, [lo, hi]
-    return out
 
 
 def print_row(r: dict) -> None:

@@ -17,9 +17,10 @@ import importlib.util
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 from functools import lru_cache
 from pathlib import Path
+from unittest import mock
 
 import mlx.core as mx
 import numpy as np
@@ -55,17 +56,9 @@ def cases(capacity):
     ]
 
 
-@contextmanager
 def patched(module, **values):
     """``module``'s attributes set to ``values`` inside the block, restored after it."""
-    saved = {name: getattr(module, name) for name in values}
-    try:
-        for name, value in values.items():
-            setattr(module, name, value)
-        yield module
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
+    return mock.patch.multiple(module, **values) if values else nullcontext()
 
 
 def without_prefetch(kk, fn):

@@ -407,7 +407,7 @@ def test_patched_settings_are_restored_even_when_the_block_fails():
 
     before = kernels.STAGES, kernels.TENSOR_CORES
     with pytest.raises(RuntimeError, match="inside"):
-        with patched(kernels, STAGES=before[0] + 3, TENSOR_CORES=not before[1]) as kk:
-            assert (kk.STAGES, kk.TENSOR_CORES) == (before[0] + 3, not before[1])
+        with patched(kernels, STAGES=before[0] + 3, TENSOR_CORES=not before[1]):
+            assert (kernels.STAGES, kernels.TENSOR_CORES) == (before[0] + 3, not before[1])
             raise RuntimeError("inside")
     assert (kernels.STAGES, kernels.TENSOR_CORES) == before
