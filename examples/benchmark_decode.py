@@ -24,7 +24,9 @@ decode   ms per step: mlx-lm's eager step over a KVCache of L and of R rows; kvf
          compacted interop cache; ratios, KV bytes and the byte-count bound
          (weights + L rows) / (weights + R rows). The MLX ceiling is mlx-lm's full step over
          its step over a cache of FLOOR_ROWS rows: the most that evicting rows can give while
-         the rest of a step costs what mlx-lm's does.
+         the rest of a step costs what mlx-lm's does. "floor / mlx R" is that floor over
+         mlx-lm's step over R rows: the lowest "kvfn R / mlx R" that reading fewer rows can
+         give; "kvfn R / floor" how far kvfn's compacted step sits above it.
 """
 
 import argparse
@@ -391,6 +393,8 @@ def decode_rows(model, fm, lengths, budgets, chunk, steps, weights, rounds=3):
                 speedup_interop=("mlx_full", ("interop", R)),
                 mlx_ceiling=("mlx_full", "floor"),
                 kvfn_vs_mlx_pipelined=(("kvfn_piped", R), ("mlx_piped", R)),
+                floor_vs_mlx_R=("floor", ("mlx", R)),
+                kvfn_R_vs_floor=(("kvfn", R), "floor"),
             ))  # fmt: skip
             rows.append(dict(
                 L=L, R=R, mlx_full_ms=t["mlx_full"], mlx_R_ms=t["mlx", R],
@@ -443,13 +447,15 @@ def markdown(result: dict) -> str:
                                                      "speedup_kvfn", "speedup_interop",
                                                      "mlx_ceiling"))
                    + f" | {r['byte_bound']:.2f} |")  # fmt: skip
-    out += ["", "decode over R rows: host graph building, and steps pipelined with async_eval (ms)", "",
-            "| L -> R | mlx-lm host | kvfn host | mlx-lm pipelined | kvfn pipelined | kvfn / mlx-lm pipelined |",
-            "|---|---|---|---|---|---|"]  # fmt: skip
+    out += ["", "decode over R rows: host graph building, steps pipelined with async_eval, and "
+            f"mlx-lm's floor, its step over {FLOOR_ROWS} rows (ms)", "",
+            "| L -> R | mlx-lm host | kvfn host | mlx-lm pipelined | kvfn pipelined | kvfn / mlx-lm pipelined | mlx-lm floor | floor / mlx R | kvfn R / floor |",
+            "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in result["decode"]:
         out.append(f"| {r['L']} -> {r['R']} | {r['mlx_R_host_ms']:.2f} | {r['kvfn_R_host_ms']:.2f} | "
                    f"{r['mlx_R_pipelined_ms']:.2f} | {r['kvfn_R_pipelined_ms']:.2f} | "
-                   f"{cell(r, 'kvfn_vs_mlx_pipelined')} |")  # fmt: skip
+                   f"{cell(r, 'kvfn_vs_mlx_pipelined')} | {r['mlx_floor_ms']:.2f} | "
+                   f"{cell(r, 'floor_vs_mlx_R')} | {cell(r, 'kvfn_R_vs_floor')} |")  # fmt: skip
     return "\n".join(out)
 
 

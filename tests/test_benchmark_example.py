@@ -28,7 +28,9 @@ def test_benchmark_prints_kvfn_and_mlx_lm_side_by_side(capsys, tmp_path):
                 "speedup_kvfn": ("mlx_full", "kvfn_R"),
                 "speedup_interop": ("mlx_full", "interop_R"),
                 "mlx_ceiling": ("mlx_full", "floor"),
-                "kvfn_vs_mlx_pipelined": ("kvfn_R_piped", "mlx_R_piped")}  # fmt: skip
+                "kvfn_vs_mlx_pipelined": ("kvfn_R_piped", "mlx_R_piped"),
+                "floor_vs_mlx_R": ("floor", "mlx_R"),
+                "kvfn_R_vs_floor": ("kvfn_R", "floor")}  # fmt: skip
     for name, (a, b) in expected.items():
         ratios = sorted(x / y for x, y in zip(rounds[a], rounds[b]))  # each round's own
         assert row[name] == pytest.approx(ratios[1])
@@ -48,6 +50,7 @@ def test_benchmark_prints_kvfn_and_mlx_lm_side_by_side(capsys, tmp_path):
         and "kvfn expected" in out
         and "compiled compact_states" in out
         and "MLX ceiling" in out
+        and "floor / mlx R" in out
     )
     assert (tmp_path / "b.json").stat().st_size > 100
 
