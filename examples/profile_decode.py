@@ -260,6 +260,7 @@ def prefill_build_ms(model, chunk: int, repeat: int = 30) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    p.add_argument("--q4", action="store_true", help="4-bit weights (group size 64)")
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
@@ -280,7 +281,7 @@ def main(argv=None):
     if args.read_ncu:
         return read_ncu(args.read_ncu)
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
-    model = random_model(args.shape, False, dtype)
+    model = random_model(args.shape, args.q4, dtype)
     if args.prefill_chunk:
         ms = prefill_build_ms(model, args.prefill_chunk)
         print(f"{args.shape}: ms to build one {args.prefill_chunk}-token prefill chunk's graph: "
@@ -289,7 +290,8 @@ def main(argv=None):
     room = (3 * args.rounds + 1) * 2 * (args.steps + 8)
     if not (args.ncu or args.primitives):
         print(
-            f"{args.shape}, {dtype}, ms per step (median of {args.rounds} rounds):"
+            f"{args.shape}{' q4' if args.q4 else ''}, {dtype}, "
+            f"ms per step (median of {args.rounds} rounds):"
             "     sync   piped  piped-held"
         )
     counted = {}

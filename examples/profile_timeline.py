@@ -1,8 +1,10 @@
 """The GPU's timeline of decode loops: how long a step keeps the GPU busy, how long it leaves it
 idle, and which kernels fill it, for mlx-lm's eager step and kvfn's compiled one over the same
-rows (8B-shaped llama, random weights, bf16, K/V filled with random rows, no prefill).
+rows (8B-shaped llama, random weights, bf16 or with ``--q4`` 4-bit, K/V filled with random rows,
+no prefill).
 
     python examples/profile_timeline.py --rows 1024 4096 32768    # MLX CUDA, with PyTorch
+    python examples/profile_timeline.py --q4 --rows 16 1024 --loops mlx-lm kvfn --top 8
 
 The kernels are recorded by CUPTI through ``torch.profiler`` (Kineto), which sees every kernel of
 the process, MLX's included (the device machine has no Nsight Systems). Per step, averaged over
@@ -215,6 +217,7 @@ def sync(build):
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    p.add_argument("--q4", action="store_true", help="4-bit weights (group size 64)")
     p.add_argument("--rows", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=0, help="print each row's N costliest kernels")
@@ -241,7 +244,7 @@ def main(argv=None) -> dict:
     if not kvfn.kernels.on_cuda():
         raise SystemExit("profile_timeline reads CUDA kernels: run it with MLX's CUDA backend")
     dtype = mx.bfloat16
-    model = random_model(args.shape, False, dtype)
+    model = random_model(args.shape, args.q4, dtype)
     room = 2 * (10 * WARM + args.steps) + 2  # a row's steps: its first, then both loops
     results = {}
     for R in args.rows:

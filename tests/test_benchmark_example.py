@@ -104,6 +104,16 @@ def test_profile_decode_counts_a_steps_primitives(capsys):
     assert "kvfn packed" in capsys.readouterr().out
 
 
+def test_profile_decode_q4_quantizes_the_steps_weights():
+    from examples import profile_decode
+
+    argv = ["--shape", "tiny", "--lengths", "64", "--primitives"]
+    (q4,) = profile_decode.main(argv + ["--q4"]).values()
+    (plain,) = profile_decode.main(argv).values()
+    assert q4["kvfn packed"]["QuantizedMatmul"] == q4["mlx-lm"]["QuantizedMatmul"] > 0
+    assert plain["kvfn packed"]["QuantizedMatmul"] == plain["mlx-lm"]["QuantizedMatmul"] == 0
+
+
 def test_profile_decode_counts_duo_steps_without_position_writes(capsys):
     """A Duo step (two groups a layer, or their slots layout) writes only keys and values (a
     ring derives its positions) and takes no dependency to settle what it writes."""
