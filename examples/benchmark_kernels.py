@@ -221,7 +221,8 @@ def sweep(kk, capacities, iters, splits_list, unrolls):
 
 
 def kernel_config(text: str) -> tuple:
-    """``G,U,B[,S[,T]]`` (query heads a block at most, keys a lane step, blocks an SM: positive;
+    """``G,U,B[,S[,T]]`` (query heads a block at most, keys a lane step, blocks an SM (only
+    ``plan``'s split count uses it, where the capacity does not cap that count): positive;
     steps staged through shared memory, 0 for none: the default; T 1: the tensor-core kernel
     on every split it takes, float16 / bfloat16 and head_dim 64 or 128, which takes no U; T 0:
     the CUDA-core kernel)."""

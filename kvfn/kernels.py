@@ -16,7 +16,7 @@ import mlx.core as mx
 LOG2E = 1.0 / math.log(2.0)
 THREADS = 128  # four warps per block of the split kernel (W in the CUDA source)
 SMS = 132  # multiprocessors of an H100 / H200: the split count aims at a few waves of them
-BLOCKS_PER_SM = 3  # resident blocks of the split kernel (139 registers a thread at D=128, U=4)
+BLOCKS_PER_SM = 3  # resident blocks plan sizes the splits by (139 registers a thread, D=128, U=4)
 # a block's fixed cost is about that of 256 rows (the H200, in a decode step: at 1K rows a layer
 # 4 splits took 14 us, 19 splits 21 us; profile_timeline.py)
 MIN_KEYS_PER_SPLIT = 256
