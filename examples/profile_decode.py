@@ -14,6 +14,8 @@ piped       a greedy loop that builds step t+1 while step t runs (``mx.async_eva
             and holding only the next token, as mlx-lm's generate_step does
 piped-held  the same, but the step's state arrays are queued and stay referenced while the next
             step is queued, so no write is in place
+/ mlx-lm    a row's sync and piped times over mlx-lm's: the median of the rounds' own ratios and
+            their range (every other round runs the rows in reverse, as benchmark_decode.py)
 --phases    one step's graph building, its ``async_eval`` (MLX encodes every kernel launch on
             the calling thread) and the wait for the GPU, started with the GPU idle
 
@@ -46,7 +48,9 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from examples.benchmark_decode import (  # noqa: E402
     SHAPES,
+    in_rounds,
     median_ms,
+    paired,
     pipelined_ms,
     random_model,
 )
@@ -294,7 +298,7 @@ def main(argv=None):
             f"ms per step (median of {args.rounds} rounds):"
             "     sync   piped  piped-held"
         )
-    counted = {}
+    counted, timed = {}, {}
     for L in args.lengths:
         caches, states = filled(model, L, room, dtype)
         if args.primitives:
@@ -331,12 +335,7 @@ def main(argv=None):
                 cells = phases_ms(build, args.steps)
                 print(f"L={L:6d} {name:18s} build {cells[0]:6.2f}  encode {cells[1]:6.2f}  "
                       f"wait {cells[2]:6.2f} ms", flush=True)  # fmt: skip
-        times = {(name, m): [] for name in rows for m in MODES}
-        for _ in range(args.rounds):  # interleaved: the shared machine's drift hits all alike
-            for name, build in rows.items():
-                times[name, "sync"].append(median_ms(lambda: mx.eval(build()), args.steps))
-                times[name, "piped"].append(pipelined_ms(build, args.steps))
-                times[name, "piped-held"].append(pipelined_ms(build, args.steps, held=True))
+        times = in_rounds(timers(rows, args.steps), args.rounds)
         for name, build in rows.items():
             if getattr(build, "settings", None) and build.fm.traces != 1:
                 raise RuntimeError(f"{name!r} traced again without {build.settings}: its state "
@@ -344,10 +343,30 @@ def main(argv=None):
         for name in rows:
             cells = [statistics.median(times[name, m]) for m in MODES]
             spread = max(max(t) - min(t) for m in MODES for t in [times[name, m]])
+            ratios = {m: paired(times, (name, m), ("mlx-lm", m)) for m in MODES[:2]}
+            timed[L, name] = dict(ms=dict(zip(MODES, cells)), ratios=ratios,
+                                  rounds_ms={m: times[name, m] for m in MODES})  # fmt: skip
             print(f"L={L:6d} {name:18s} " + " ".join(f"{x:7.2f}" for x in cells)
-                  + f"   (largest spread over rounds {spread:.2f})", flush=True)  # fmt: skip
+                  + f"   (largest spread over rounds {spread:.2f})"
+                  + ("" if name == "mlx-lm" else versus(ratios)), flush=True)  # fmt: skip
         del caches, rows, mlx_build, kvfn_build
-    return counted
+    return counted if args.primitives else timed
+
+
+def versus(ratios: dict) -> str:
+    """'   / mlx-lm sync 0.97 (0.92-1.01) piped ...': ``paired``'s results by mode."""
+    return "   / mlx-lm " + " ".join(f"{m} {r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f})"
+                                     for m, r in ratios.items())  # fmt: skip
+
+
+def timers(rows: dict, steps: int) -> dict:
+    """Per (row, mode) a timer of one round; a row's modes run next to each other."""
+    out = {}
+    for name, build in rows.items():
+        out[name, "sync"] = lambda b=build: median_ms(lambda: mx.eval(b()), steps)
+        out[name, "piped"] = lambda b=build: pipelined_ms(b, steps)
+        out[name, "piped-held"] = lambda b=build: pipelined_ms(b, steps, held=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -114,6 +114,23 @@ def test_profile_decode_q4_quantizes_the_steps_weights():
     assert plain["kvfn packed"]["QuantizedMatmul"] == plain["mlx-lm"]["QuantizedMatmul"] == 0
 
 
+def test_profile_decode_pairs_each_rows_ratio_to_mlx_lm_within_a_round(capsys):
+    from examples import profile_decode
+
+    timed = profile_decode.main(["--shape", "tiny", "--lengths", "64", "--rounds", "3",
+                                 "--steps", "2"])  # fmt: skip
+    assert set(timed) == {(64, "mlx-lm"), (64, "kvfn"), (64, "kvfn masked SDPA")}
+    mlx = timed[64, "mlx-lm"]["rounds_ms"]
+    for name in ("kvfn", "kvfn masked SDPA"):
+        row = timed[64, name]
+        for mode in ("sync", "piped"):
+            ratios = sorted(a / b for a, b in zip(row["rounds_ms"][mode], mlx[mode]))
+            assert row["ratios"][mode] == pytest.approx((ratios[1], ratios[0], ratios[2]))
+        assert row["ms"]["sync"] == pytest.approx(sorted(row["rounds_ms"]["sync"])[1])
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if " kvfn    " in ln]
+    assert "/ mlx-lm sync " in line and " piped " in line
+
+
 def test_profile_decode_counts_duo_steps_without_position_writes(capsys):
     """A Duo step (two groups a layer, or their slots layout) writes only keys and values (a
     ring derives its positions) and takes no dependency to settle what it writes."""
