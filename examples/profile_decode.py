@@ -48,9 +48,10 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from examples.benchmark_decode import (  # noqa: E402
     SHAPES,
+    cell,
     in_rounds,
     median_ms,
-    paired,
+    paired_ratios,
     pipelined_ms,
     random_model,
 )
@@ -58,6 +59,7 @@ from examples.benchmark_kernels import kernel_config, kernel_settings, patched  
 from kvfn import slots  # noqa: E402
 
 MODES = ("sync", "piped", "piped-held")
+VERSUS = ("sync", "piped")  # the modes a row's ratio to mlx-lm's is printed for
 
 
 def mlx_loop(model, cache):
@@ -343,20 +345,17 @@ def main(argv=None):
         for name in rows:
             cells = [statistics.median(times[name, m]) for m in MODES]
             spread = max(max(t) - min(t) for m in MODES for t in [times[name, m]])
-            ratios = {m: paired(times, (name, m), ("mlx-lm", m)) for m in MODES[:2]}
-            timed[L, name] = dict(ms=dict(zip(MODES, cells)), ratios=ratios,
-                                  rounds_ms={m: times[name, m] for m in MODES})  # fmt: skip
+            row = timed[L, name] = dict(
+                ms=dict(zip(MODES, cells)), rounds_ms={m: times[name, m] for m in MODES},
+                **paired_ratios(times, {f"{m}_vs_mlx_lm": ((name, m), ("mlx-lm", m))
+                                        for m in VERSUS}))  # fmt: skip
             print(f"L={L:6d} {name:18s} " + " ".join(f"{x:7.2f}" for x in cells)
                   + f"   (largest spread over rounds {spread:.2f})"
-                  + ("" if name == "mlx-lm" else versus(ratios)), flush=True)  # fmt: skip
+                  + ("" if name == "mlx-lm" else "   / mlx-lm " + " ".join(
+                      f"{m} {cell(row, f'{m}_vs_mlx_lm')}" for m in VERSUS)),
+                  flush=True)  # fmt: skip
         del caches, rows, mlx_build, kvfn_build
     return counted if args.primitives else timed
-
-
-def versus(ratios: dict) -> str:
-    """'   / mlx-lm sync 0.97 (0.92-1.01) piped ...': ``paired``'s results by mode."""
-    return "   / mlx-lm " + " ".join(f"{m} {r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f})"
-                                     for m, r in ratios.items())  # fmt: skip
 
 
 def timers(rows: dict, steps: int) -> dict:
