@@ -10,6 +10,10 @@ it also times a compiled function making N such calls.
     python examples/benchmark_kernels.py [--iters 200] [--layers 32] [--sweep] [--check]
     python examples/benchmark_kernels.py --chain --capacities 1024 4096 32768  # CUPTI durations
     python examples/benchmark_kernels.py --chain --capacities 4096 --configs 4,4,3,2 4,4,3,0
+    python examples/benchmark_kernels.py --chain --capacities 2048 8192 --configs 4,4,3,2,0 \
+        4,4,3,2,1 --split-rows 256 512  # each kernel in splits of 256 and 512 rows
+    ncu --kernel-name regex:"ragged|sdpa|lean" --section WarpStateStats python \
+        examples/benchmark_kernels.py --launches --capacities 1024 4096 --split-rows 64 256
 """
 
 import argparse
@@ -213,7 +217,7 @@ def sweep(kk, capacities, iters, splits_list, unrolls):
                     if splits * 64 > capacity:
                         continue
                     fn = {"k": lambda: kk.ragged_decode_attention(q, k, v, lengths, scale=0.1)}
-                    fixed = lambda *a, s=splits: plan(*a)[:2] + (s,)  # noqa: E731
+                    fixed = lambda *a, s=splits, **kw: plan(*a, **kw)[:2] + (s,)  # noqa: E731
                     with patched(kk, UNROLL=unroll, plan=fixed):
                         us = timed(fn, max(10, iters // 10), repeat=20)["k"]
                     results.append(f"{splits}:{us:.1f}")
@@ -237,11 +241,25 @@ def kernel_config(text: str) -> tuple:
     return tuple(int(p) for p in parts)
 
 
+def split_rows(text: str) -> int:
+    """``--split-rows``: a positive row count."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of rows; got {text!r}")
+    return int(text)
+
+
+def split_settings(rows) -> dict:
+    """The ``kvfn.kernels`` settings of ``--split-rows``: ``plan`` gives either kernel's splits
+    at least ``rows`` rows (None: the module's own)."""
+    return {} if rows is None else dict(MIN_KEYS_PER_SPLIT=rows, MMA_MIN_KEYS_PER_SPLIT=rows)
+
+
 def kernel_settings(config: tuple) -> dict:
     """The ``kvfn.kernels`` settings a ``kernel_config`` tuple stands for."""
     g, u, b, st, tc = config
     return dict(MAX_HEADS_PER_BLOCK=g, UNROLL=u, BLOCKS_PER_SM=b, STAGES=st,
-                TENSOR_CORES=tc == 1, MMA_MIN_KEYS_PER_SPLIT=0, MMA_RUN_DIMS=None)  # fmt: skip
+                TENSOR_CORES=tc == 1, MMA_MIN_KEYS_PER_SPLIT=0, MMA_MIN_CAPACITY=0,
+                MMA_RUN_DIMS=None)  # fmt: skip
 
 
 def compiled_ms(kk, capacity, lengths, layers, iters, variant) -> str:
@@ -379,10 +397,30 @@ def chain_table(kk, capacities, layers=32, steps=10, settings=""):
             run(2)
             kernels = _timeline().recorded(run, steps)[0]
             cells.append(per_call(kernels))
-        splits = kk.plan(1, HEADS, KV_HEADS, capacity)[2]
-        cells[1] += f" ({splits})"
+        mma = kk._mma_applies(q, kvs[0][0])
+        splits = kk.plan(1, HEADS, KV_HEADS, capacity, mma)[2]
+        cells[1] += f" ({splits}{', tensor cores' if mma else ''})"
         print(f"| {capacity} | " + " | ".join(cells) + " |", flush=True)
         del kvs
+
+
+def launches(kk, capacities, split_rows_list, repeat=3):
+    """For Nsight Compute, untimed: each capacity's kernel ``repeat`` times in each split size
+    (None: the module's), then cuDNN's SDPA twice over the same full rows; prints each plan."""
+    scale = DIM**-0.5
+    for capacity in capacities:
+        q, k, v = operands(capacity)
+        rows = mx.array(capacity, dtype=mx.int32)
+        for split in split_rows_list:
+            with patched(kk, **split_settings(split)):
+                mma = kk._mma_applies(q, k)
+                splits = kk.plan(1, HEADS, KV_HEADS, capacity, mma)[2]
+                print(f"capacity {capacity}, split rows {split or 'default'}: {splits} splits"
+                      + (", tensor cores" if mma else ""), flush=True)  # fmt: skip
+                for _ in range(repeat):
+                    mx.eval(kk.ragged_decode_attention(q, k, v, rows, scale=scale))
+        for _ in range(2):
+            mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale))
 
 
 def per_call(kernels) -> str:
@@ -418,18 +456,31 @@ def main():
         help="split kernel settings to compare (then only that table, or with --chain one "
         "chain table each)",
     )
+    parser.add_argument(
+        "--split-rows",
+        nargs="+",
+        metavar="N",
+        type=split_rows,
+        help="with --chain or --launches: each in plan's splits of at least N rows",
+    )
+    parser.add_argument("--launches", action="store_true",
+                        help="only launch the kernels, untimed (for ncu; --split-rows)")  # fmt: skip
     args = parser.parse_args()
     kk = load_kernels()
     print("device", mx.default_device(), "cuda", mx.cuda.is_available(), "mlx", mx.__version__)
     if args.check:
         check(kk)
+    if args.launches:
+        return launches(kk, args.capacities, args.split_rows or [None])
     if args.chain:
         if not kk.on_cuda():
             raise SystemExit("--chain reads CUDA kernels: run it with MLX's CUDA backend")
         for config in args.configs or [None]:
-            with patched(kk, **(kernel_settings(config) if config else {})):
-                chain_table(kk, args.capacities, args.layers or 32,
-                            settings=",".join(map(str, config or ())))  # fmt: skip
+            for rows in args.split_rows or [None]:
+                settings = {**(kernel_settings(config) if config else {}), **split_settings(rows)}
+                name = ",".join(map(str, config or ())) + (f" rows {rows}" if rows else "")
+                with patched(kk, **settings):
+                    chain_table(kk, args.capacities, args.layers or 32, settings=name.strip())
         return
     if args.configs:
         return configs_table(kk, args.capacities, args.iters, args.configs, args.layers)

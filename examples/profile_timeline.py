@@ -163,8 +163,8 @@ def fixed_splits(n: int):
     """``kernels.plan`` with the split count set to ``n``."""
     plan = kvfn.kernels.plan
 
-    def fixed(batch, q_heads, kv_heads, capacity):
-        return plan(batch, q_heads, kv_heads, capacity)[:2] + (n,)
+    def fixed(batch, q_heads, kv_heads, capacity, mma=False):
+        return plan(batch, q_heads, kv_heads, capacity, mma)[:2] + (n,)
 
     return fixed
 

@@ -31,12 +31,13 @@ ENABLED = os.environ.get("KVFN_DECODE_KERNEL", "1") != "0"
 TWO_GROUP_ENABLED = ENABLED and os.environ.get("KVFN_TWO_GROUP_KERNEL", "1") != "0"
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # The split kernel's tensor-core version (MMA_SPLIT_SOURCE) takes float16 / bfloat16 and head_dim
-# 64 or 128 (MMA_DIMS). It runs on head_dim MMA_RUN_DIMS where a split reads at least
-# MMA_MIN_KEYS_PER_SPLIT rows of the capacity: on the H200 (profile section 16) its 32-layer
-# attention at head_dim 128 took 0.88-0.98x the CUDA-core kernel's at 32K-128K rows (splits of
-# 668-2674; 0.96x at 16K, splits of 334, in one call) but 1.13-1.45x at 8K (splits of 256), a
-# fixed cost a block; head_dim 64 is not timed. KVFN_TENSOR_CORES=0 turns it off, =1 runs it on
-# every split and head_dim it takes
+# 64 or 128 (MMA_DIMS). It runs on head_dim MMA_RUN_DIMS from a capacity of MMA_MIN_CAPACITY rows,
+# in plan's splits of at least MMA_MIN_KEYS_PER_SPLIT rows. On the H200 its 32-layer attention at
+# head_dim 128 took 0.88-0.98x the CUDA-core kernel's at 32K-128K rows (profile section 16), and
+# 32 dependent calls 16.3-27.7 us a call at 2K-16K rows against the CUDA-core kernel's 17.7-36.8
+# in its splits of 256 (section 19; in splits of 256 it was the slower, 1.13-1.45x at 8K); at 1K
+# 14.8 against 14.3. head_dim 64 is not timed. KVFN_TENSOR_CORES=0 turns it off, =1 runs it on
+# every split and head_dim it takes (in the CUDA-core kernel's splits)
 _TC_ENV = os.environ.get("KVFN_TENSOR_CORES", "")
 if _TC_ENV not in ("", "0", "1"):
     raise ValueError(f"KVFN_TENSOR_CORES must be 0 or 1 (or unset), got {_TC_ENV!r}")
@@ -46,6 +47,7 @@ MMA_DTYPES = (mx.float16, mx.bfloat16)
 MMA_DIMS = (64, 128)
 MMA_RUN_DIMS = None if _EVERYWHERE else (128,)  # None: every head_dim it takes
 MMA_MIN_KEYS_PER_SPLIT = 0 if _EVERYWHERE else 512
+MMA_MIN_CAPACITY = 0 if _EVERYWHERE else 2048
 MMA_MAX_HEADS = 8  # query heads a block of the tensor-core kernel (its A operand's rows 0-7)
 
 HEADER = r"""
@@ -731,13 +733,15 @@ def _kernel_applies(q, k, v, rows=None) -> bool:
     return rows > 0 and lanes * 16 == q.shape[3] * k.dtype.size and lanes in (2, 4, 8, 16, 32)
 
 
-def plan(batch, q_heads, kv_heads, capacity):
-    """(query heads per block, head tiles per KV head, key splits) for the split kernel."""
+def plan(batch, q_heads, kv_heads, capacity, mma=False):
+    """(query heads per block, head tiles per KV head, key splits) for the split kernel; ``mma``:
+    for its tensor-core version, whose splits hold at least ``MMA_MIN_KEYS_PER_SPLIT`` rows."""
     group = q_heads // kv_heads
     tile = max(g for g in range(1, MAX_HEADS_PER_BLOCK + 1) if group % g == 0)
     rows = batch * kv_heads * (group // tile)
     wanted = BLOCKS_PER_SM * SMS // rows  # rounded down: one wave, no straggling partial wave
-    splits = max(1, min(wanted, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    least = max(MIN_KEYS_PER_SPLIT, MMA_MIN_KEYS_PER_SPLIT) if mma else MIN_KEYS_PER_SPLIT
+    splits = max(1, min(wanted, capacity // least, MAX_SPLITS))
     return tile, group // tile, splits
 
 
@@ -760,7 +764,7 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
     ``capacity`` rows a KV head, then the combine: (B, n_q_heads, 1, D) in q's dtype. With one
     split the split kernel writes that output itself (the combine would copy it)."""
     batch, q_heads, _, dim = q.shape
-    tile, tiles, splits = plan(batch, q_heads, kv_heads, capacity)
+    tile, tiles, splits = plan(batch, q_heads, kv_heads, capacity, mma)
     if mma:
         shared = mma_staged_bytes(dim)
         staging = [("ST", max(STAGES, 1))]
@@ -812,14 +816,16 @@ def _kernel_attention(q, k, v, lengths, scale):
 def _mma_applies(q, k) -> bool:
     """The tensor-core split kernel's conditions, beyond the split kernel's (``TENSOR_CORES``):
     a dtype it takes, a head_dim it takes and runs on (``MMA_RUN_DIMS``), at most 8 query heads
-    a block (its A operand's rows), and splits of at least ``MMA_MIN_KEYS_PER_SPLIT`` rows of
-    the capacity (static, as shapes are)."""
+    a block (its A operand's rows), a capacity of at least ``MMA_MIN_CAPACITY`` rows and splits
+    of at least ``MMA_MIN_KEYS_PER_SPLIT`` rows of it (static, as shapes are)."""
     dim = q.shape[3]
     runs = dim in MMA_DIMS and (MMA_RUN_DIMS is None or dim in MMA_RUN_DIMS)
     if not (TENSOR_CORES and k.dtype in MMA_DTYPES and runs):
         return False
-    tile, _, splits = plan(q.shape[0], q.shape[1], k.shape[1], k.shape[2])
-    return tile <= MMA_MAX_HEADS and k.shape[2] // splits >= MMA_MIN_KEYS_PER_SPLIT
+    capacity = k.shape[2]
+    tile, _, splits = plan(q.shape[0], q.shape[1], k.shape[1], capacity, mma=True)
+    return (tile <= MMA_MAX_HEADS and capacity >= MMA_MIN_CAPACITY
+            and capacity // splits >= MMA_MIN_KEYS_PER_SPLIT)  # fmt: skip
 
 
 def two_group_decode_attention(q, k0, v0, lengths, k1, v1, length1: int, head_map, *, scale):

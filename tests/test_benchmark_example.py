@@ -431,6 +431,47 @@ def test_kernel_settings_parse_and_name_the_bad_one():
             kernel_config(bad)
 
 
+def test_split_rows_set_both_kernels_splits(monkeypatch):
+    """``--split-rows N``: plan gives either kernel (CUDA cores, or tensor cores on every split
+    they take) splits of at least N rows; a bad N is named."""
+    import argparse
+
+    from examples.benchmark_kernels import (
+        kernel_config,
+        kernel_settings,
+        patched,
+        split_rows,
+        split_settings,
+    )
+
+    kk = kvfn.kernels
+    q = mx.zeros((1, 32, 1, 128), mx.bfloat16)
+    k = mx.zeros((1, 8, 4096, 128), mx.bfloat16)
+    for tc, rows, splits in ((0, 256, 16), (0, 1024, 4), (1, 512, 8), (1, 1024, 4)):
+        settings = {**kernel_settings(kernel_config(f"4,4,3,2,{tc}")), **split_settings(rows)}
+        with patched(kk, **settings):
+            mma = kk._mma_applies(q, k)
+            assert mma == bool(tc) and kk.plan(1, 32, 8, 4096, mma)[2] == splits
+    assert split_settings(None) == {} and split_rows("512") == 512
+    for bad in ("0", "-4", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
+            split_rows(bad)
+
+
+def test_launches_run_each_split_size_and_restore_the_plan(capsys):
+    """``--launches`` (for ncu): each capacity's attention in each split size, its plan printed,
+    the module's settings back afterwards."""
+    from examples.benchmark_kernels import launches
+
+    kk = kvfn.kernels
+    before = kk.MIN_KEYS_PER_SPLIT, kk.MMA_MIN_KEYS_PER_SPLIT
+    launches(kk, [512], [64, None], repeat=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["capacity 512, split rows 64: 8 splits",  # under 2048 rows: CUDA cores
+                     "capacity 512, split rows default: 2 splits"]  # fmt: skip
+    assert (kk.MIN_KEYS_PER_SPLIT, kk.MMA_MIN_KEYS_PER_SPLIT) == before
+
+
 def test_patched_settings_are_restored_even_when_the_block_fails():
     """benchmark_kernels.patched: kernel settings inside the block, the old ones after it."""
     import kvfn.kernels as kernels

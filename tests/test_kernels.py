@@ -96,6 +96,7 @@ def mma_tolerance(dtype):
 def test_tensor_core_kernel_matches_reference(monkeypatch, lengths, group, dim, dtype):
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
+    monkeypatch.setattr(kernels, "MMA_MIN_CAPACITY", 0)
     monkeypatch.setattr(kernels, "MMA_RUN_DIMS", None)
     q, k, v = make(KV * group, dim, dtype)
     assert kernels._mma_applies(q, k)
@@ -123,6 +124,7 @@ def test_tensor_core_kernel_across_splits_matches_reference(monkeypatch, group, 
     plain = ragged_decode_attention(q, k, v, lengths, scale=0.088)
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
+    monkeypatch.setattr(kernels, "MMA_MIN_CAPACITY", 0)
     monkeypatch.setattr(kernels, "MMA_RUN_DIMS", None)
     assert kernels._mma_applies(q, k)
     out = ragged_decode_attention(q, k, v, lengths, scale=0.088)
@@ -140,6 +142,7 @@ def test_tensor_core_kernel_compiles_into_a_decode_step(monkeypatch):
     """Traced inside mx.compile with a traced length, as a decode step runs it."""
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
+    monkeypatch.setattr(kernels, "MMA_MIN_CAPACITY", 0)
     monkeypatch.setattr(kernels, "MMA_RUN_DIMS", None)
     q, k, v = make(8, 128, mx.bfloat16, seed=3)
     assert kernels._mma_applies(q, k)
@@ -150,7 +153,9 @@ def test_tensor_core_kernel_compiles_into_a_decode_step(monkeypatch):
 
 
 # the module's tensor-core settings with KVFN_TENSOR_CORES unset
-DEFAULTS = dict(TENSOR_CORES=True, MMA_RUN_DIMS=(128,), MMA_MIN_KEYS_PER_SPLIT=512)
+DEFAULTS = dict(
+    TENSOR_CORES=True, MMA_RUN_DIMS=(128,), MMA_MIN_KEYS_PER_SPLIT=512, MMA_MIN_CAPACITY=2048
+)
 
 
 @needs_cuda
@@ -179,7 +184,7 @@ def test_tensor_core_kernel_runs_by_default_on_long_splits(monkeypatch, dtype):
         (None, DEFAULTS),
         ("", DEFAULTS),
         ("0", dict(DEFAULTS, TENSOR_CORES=False)),
-        ("1", dict(DEFAULTS, MMA_RUN_DIMS=None, MMA_MIN_KEYS_PER_SPLIT=0)),
+        ("1", dict(DEFAULTS, MMA_RUN_DIMS=None, MMA_MIN_KEYS_PER_SPLIT=0, MMA_MIN_CAPACITY=0)),
     ],
 )
 def test_tensor_core_settings_follow_the_environment(monkeypatch, env, settings):
@@ -214,6 +219,7 @@ def test_one_split_writes_the_output_itself(monkeypatch, dtype, tensor_cores):
     writes q's dtype) matches the float64 reference, as the many splits plan() picks do."""
     monkeypatch.setattr(kernels, "TENSOR_CORES", tensor_cores)
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
+    monkeypatch.setattr(kernels, "MMA_MIN_CAPACITY", 0)
     capacity = 9 * MIN_KEYS_PER_SPLIT + 5
     mx.random.seed(6)
     q = mx.random.normal((B, KV * 4, 1, 128)).astype(dtype)
@@ -222,7 +228,7 @@ def test_one_split_writes_the_output_itself(monkeypatch, dtype, tensor_cores):
     lengths = mx.array([[0, 65], [capacity - 1, capacity]], dtype=mx.int32)
     want = reference(q, k, v, lengths, 0.088)
     many = ragged_decode_attention(q, k, v, lengths, scale=0.088)
-    monkeypatch.setattr(kernels, "plan", lambda *a: plan(*a)[:2] + (1,))
+    monkeypatch.setattr(kernels, "plan", lambda *a, **kw: plan(*a, **kw)[:2] + (1,))
     one = ragged_decode_attention(q, k, v, lengths, scale=0.088)
     assert one.dtype == dtype and one.shape == q.shape
     atol = mma_tolerance(dtype) if tensor_cores else tolerance(dtype)
@@ -232,18 +238,25 @@ def test_one_split_writes_the_output_itself(monkeypatch, dtype, tensor_cores):
 
 def test_tensor_core_kernel_applies_to_the_shapes_it_takes(monkeypatch):
     """Checked before any launch, on any backend: float16 / bfloat16, head_dim 64 or 128 (by
-    default 128 only), at most 8 query heads a block, splits of at least
-    MMA_MIN_KEYS_PER_SPLIT rows of the capacity; elsewhere the CUDA-core kernel runs."""
+    default 128 only), at most 8 query heads a block, a capacity of at least MMA_MIN_CAPACITY
+    rows, planned in splits of at least MMA_MIN_KEYS_PER_SPLIT rows; elsewhere the CUDA-core
+    kernel runs."""
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 512)
+    monkeypatch.setattr(kernels, "MMA_MIN_CAPACITY", 2048)
     q, k, _ = make(8 * 4, 128, mx.bfloat16)  # 8 KV heads: 49 splits of plan's one wave
     long = mx.zeros((1, 8, 49 * 512, 128), mx.bfloat16)
     assert kernels._mma_applies(q[:1], long)
-    assert not kernels._mma_applies(q[:1], long[:, :, : 49 * 512 - 1])
+    for capacity, splits in ((49 * 512 - 1, 48), (4096, 8), (2048, 4)):
+        assert kernels._mma_applies(q[:1], long[:, :, :capacity])
+        assert plan(1, 32, 8, capacity, mma=True)[2] == splits  # the CUDA-core plan's 16 at 4096
+    assert plan(1, 32, 8, 4096)[2] == 16
+    assert not kernels._mma_applies(q[:1], long[:, :, :2047])
     assert not kernels._mma_applies(q, k)  # 16 rows: one split of 16
     monkeypatch.setattr(kernels, "MMA_RUN_DIMS", (128,))
     assert not kernels._mma_applies(q[:1, :, :, :64], long[..., :64])  # takes, does not run
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
+    monkeypatch.setattr(kernels, "MMA_MIN_CAPACITY", 0)
     monkeypatch.setattr(kernels, "MMA_RUN_DIMS", None)
     assert kernels._mma_applies(q[:1, :, :, :64], long[..., :64])
     q, k, _ = make(KV * 4, 128, mx.bfloat16)
