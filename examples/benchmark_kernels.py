@@ -225,18 +225,18 @@ def sweep(kk, capacities, iters, splits_list, unrolls):
 
 
 def kernel_config(text: str) -> tuple:
-    """``G,U,B[,S[,T]]`` (query heads a block at most, keys a lane step, blocks an SM (only
+    """``G,U,B[,S[,T[,W]]]`` (query heads a block at most, keys a lane step, blocks an SM (only
     ``plan``'s split count uses it, where the capacity does not cap that count): positive;
     steps staged through shared memory, 0 for none: the default; T 1: the tensor-core kernel
     on every split it takes, float16 / bfloat16 and head_dim 64 or 128, which takes no U; T 0:
-    the CUDA-core kernel)."""
+    the CUDA-core kernel; W: warps a block, 1, 2, 4 (the default) or 8)."""
     parts = text.split(",")
-    parts += ["0", "0"][: max(0, 5 - len(parts))]
-    valid = len(parts) == 5 and all(p.isdigit() for p in parts) and parts[4] in ("0", "1")
-    if not valid or "0" in parts[:3]:
+    parts += ["0", "0", "4"][max(0, len(parts) - 3) :]
+    valid = len(parts) == 6 and all(p.isdigit() for p in parts) and parts[4] in ("0", "1")
+    if not valid or "0" in parts[:3] or parts[5] not in ("1", "2", "4", "8"):
         raise argparse.ArgumentTypeError(
-            f"must be G,U,B[,S[,T]]: three positive integers, stages >= 0 and T 0 or 1; "
-            f"got {text!r}"
+            f"must be G,U,B[,S[,T[,W]]]: three positive integers, stages >= 0, T 0 or 1 and "
+            f"W 1, 2, 4 or 8; got {text!r}"
         )
     return tuple(int(p) for p in parts)
 
@@ -256,10 +256,10 @@ def split_settings(rows) -> dict:
 
 def kernel_settings(config: tuple) -> dict:
     """The ``kvfn.kernels`` settings a ``kernel_config`` tuple stands for."""
-    g, u, b, st, tc = config
+    g, u, b, st, tc, w = config
     return dict(MAX_HEADS_PER_BLOCK=g, UNROLL=u, BLOCKS_PER_SM=b, STAGES=st,
                 TENSOR_CORES=tc == 1, MMA_MIN_KEYS_PER_SPLIT=0, MMA_MIN_CAPACITY=0,
-                MMA_RUN_DIMS=None)  # fmt: skip
+                MMA_RUN_DIMS=None, THREADS=32 * w)  # fmt: skip
 
 
 def compiled_ms(kk, capacity, lengths, layers, iters, variant) -> str:
@@ -294,7 +294,7 @@ def configs_table(kk, capacities, iters, configs, layers):
         t_ideal = timed(ideal, max(10, iters // 10), repeat=20)
         c_ideal = compiled_ms(kk, capacity, full, layers, iters, "ideal")
         for config in configs:
-            g, u, b, st, tc = config
+            g, u, b, st, tc, w = config
             fns = {name: (lambda n=n: kk.ragged_decode_attention(q, k, v, n, scale=DIM**-0.5))
                    for name, n in (("full", full), ("half", half))}  # fmt: skip
             with patched(kk, **kernel_settings(config)):
@@ -303,7 +303,7 @@ def configs_table(kk, capacities, iters, configs, layers):
                                  exact(n)) for n in (full, ragged)]  # fmt: skip
                 t = timed(fns, max(10, iters // 10), repeat=20)
                 c = compiled_ms(kk, capacity, full, layers, iters, "kernel")
-            setting = f"{g},{u},{b},{max(st, 1) if tc else st},{tc}"
+            setting = f"{g},{u},{b},{max(st, 1) if tc else st},{tc},{w}"
             print(row([capacity, setting, f"{err[0]:.1e}", f"{err[1]:.1e}",
                        f"{t['full']:.1f}", f"{t['half']:.1f}", f"{t_ideal['full']:.1f}",
                        f"{t_ideal['half']:.1f}", c, c_ideal]), flush=True)  # fmt: skip
@@ -451,7 +451,7 @@ def main():
     parser.add_argument(
         "--configs",
         nargs="+",
-        metavar="G,U,B[,S[,T]]",
+        metavar="G,U,B[,S[,T[,W]]]",
         type=kernel_config,
         help="split kernel settings to compare (then only that table, or with --chain one "
         "chain table each)",

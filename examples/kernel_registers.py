@@ -6,6 +6,7 @@ holds (65536 / (128 threads x registers)), which ``kernels.BLOCKS_PER_SM`` assum
     python examples/kernel_registers.py --unrolls 1 2 4     # D=128, 4 query heads a block
     python examples/kernel_registers.py --stages 0 2 3      # rows in registers or staged
     python examples/kernel_registers.py --kernels MMA_SPLIT_SOURCE --dims 64 128   # tensor cores
+    python examples/kernel_registers.py --warps 4 8         # blocks of 128 or 256 threads
 """
 
 import argparse
@@ -41,14 +42,14 @@ def resident_blocks(registers: int, threads: int = 128) -> int:
 
 
 def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0,
-            dtype: str = "__nv_bfloat16", one_split: bool = False) -> str:  # fmt: skip
-    """The kernel ``name`` as MLX wraps it, instantiated for ``dtype`` (the tensor-core kernel
-    stages at least one step and takes no ``unroll``; ``one_split``: one split, whose output
-    is the attention's, in ``dtype``)."""
+            dtype: str = "__nv_bfloat16", one_split: bool = False, threads: int = 128) -> str:  # fmt: skip
+    """The kernel ``name`` as MLX wraps it, instantiated for ``dtype`` and blocks of ``threads``
+    (the tensor-core kernel stages at least one step and takes no ``unroll``; ``one_split``: one
+    split, whose output is the attention's, in ``dtype``)."""
     source = getattr(kk, name)
     header = kk.MMA_HEADER if name in MMA else kk.HEADER
     inputs, own = KERNELS[name]
-    params = dict(D=dim, **{k: TEMPLATE[k] for k in SHARED + own})
+    params = dict(W=threads // 32, D=dim, **{k: TEMPLATE[k] for k in SHARED + own})
     if one_split:
         params["NS"] = 1
     if name in MMA:
@@ -86,10 +87,10 @@ def compiled(cu: str, arch: str = "sm_90") -> dict:
                 spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)))  # fmt: skip
 
 
-def report(cu: str, arch: str) -> str:
+def report(cu: str, arch: str, threads: int = 128) -> str:
     r = compiled(cu, arch)
-    return (f"{r['registers']} registers ({resident_blocks(r['registers'])} blocks of 128 "
-            f"threads an SM), {r['smem']} bytes smem, spills {r['spill_stores']} / "
+    return (f"{r['registers']} registers ({resident_blocks(r['registers'], threads)} blocks of "
+            f"{threads} threads an SM), {r['smem']} bytes smem, spills {r['spill_stores']} / "
             f"{r['spill_loads']} bytes")  # fmt: skip
 
 
@@ -100,6 +101,8 @@ def main(argv=None):
     p.add_argument("--unrolls", type=int, nargs="+", default=[2, 4])
     p.add_argument("--stages", type=int, nargs="+", default=None,
                    help="steps staged through shared memory (default: kernels.STAGES)")  # fmt: skip
+    p.add_argument("--warps", type=int, nargs="+", default=None,
+                   help="warps a block (default: kernels.THREADS / 32)")  # fmt: skip
     p.add_argument("--arch", default="sm_90")
     args = p.parse_args(argv)
     if shutil.which("nvcc") is None:
@@ -110,9 +113,11 @@ def main(argv=None):
         for dim in args.dims:
             for unroll in [None] if mma else args.unrolls:
                 for st in args.stages or [kk.STAGES]:
-                    cu = wrapped(kk, name, dim, unroll, st)
-                    shape = f"ST={max(st, 1)}" if mma else f"U={unroll} ST={st}"
-                    print(f"{name} D={dim} {shape}: {report(cu, args.arch)}")
+                    for warps in args.warps or [kk.THREADS // 32]:
+                        cu = wrapped(kk, name, dim, unroll, st, threads=32 * warps)
+                        shape = f"ST={max(st, 1)}" if mma else f"U={unroll} ST={st}"
+                        print(f"{name} D={dim} {shape} W={warps}: "
+                              f"{report(cu, args.arch, 32 * warps)}")  # fmt: skip
 
 
 if __name__ == "__main__":

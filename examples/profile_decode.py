@@ -21,8 +21,8 @@ piped-held  the same, but the step's state arrays are queued and stay referenced
 
 Rows: mlx-lm's eager step over its KVCache; kvfn's compiled ``decode`` over the same rows
 (the ragged split kernel on CUDA); kvfn with the kernel off (SDPA with a mask array); on CUDA
-also the split kernel in each ``--configs`` setting (G,U,B,S,T as in benchmark_kernels.py). With
-``--duo RATIO``, DuoAttention's states of the same rows (a random head pattern at that retrieval
+also the split kernel in each ``--configs`` setting (G,U,B,S,T,W as in benchmark_kernels.py).
+With ``--duo RATIO``, DuoAttention's states of the same rows (a random head pattern at that retrieval
 ratio, 64 sinks + 256 recent rows) and the same in the slots layout:
 
     python examples/profile_decode.py --lengths 8192 32768 --duo 0.25 --phases   # host or GPU?
@@ -270,7 +270,8 @@ def main(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--configs", nargs="*", type=kernel_config, default=[], metavar="G,U,B[,S[,T]]",
+    p.add_argument("--configs", nargs="*", type=kernel_config, default=[],
+                   metavar="G,U,B[,S[,T[,W]]]",
                    help="split kernel settings to add as rows (CUDA; default none)")  # fmt: skip
     p.add_argument("--phases", action="store_true", help="also time build / encode / wait")
     p.add_argument("--ncu", action="store_true", help="one step of each, between markers")

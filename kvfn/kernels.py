@@ -14,7 +14,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 LOG2E = 1.0 / math.log(2.0)
-THREADS = 128  # four warps per block of the split kernel (W in the CUDA source)
+THREADS = 128  # a block of the split kernels: THREADS / 32 warps (W in the CUDA sources)
 SMS = 132  # multiprocessors of an H100 / H200: the split count aims at a few waves of them
 BLOCKS_PER_SM = 3  # resident blocks plan sizes the splits by (139 registers a thread, D=128, U=4)
 # a block's fixed cost is about that of 256 rows (the H200, in a decode step: at 1K rows a layer
@@ -157,15 +157,14 @@ __device__ __forceinline__ void merge(
 }
 """
 
-# One block per (key split, batch x KV head x head tile). Template constants: T (dtype), D
-# (head_dim), G (query heads per block), GT (query heads per KV head), NT = GT / G, NS (splits),
+# One block per (key split, batch x KV head x head tile). Template constants: T (dtype), W
+# (warps a block, THREADS / 32), D (head_dim), G (query heads per block), GT (query heads per KV head), NT = GT / G, NS (splits),
 # C (capacity), HKV (KV heads), LSB / LSH (lengths' batch / head strides, 0 where broadcast),
 # U (consecutive keys a lane group loads per step), ST (steps of rows in flight, copied to
 # shared memory by cp.async; 0: registers), P (with ST = 0, load the next step's rows before
 # this step's math). Each lane holds 16 bytes of a row; LPK lanes hold one row; a warp step
 # covers KPW groups x U consecutive keys. Scores are in base 2 (q is scaled by scale * log2(e)).
 SPLIT_SOURCE = r"""
-  constexpr int W = 4;
   constexpr int EPT = 16 / sizeof(T);
   constexpr int LPK = D / EPT;
   constexpr int KPW = 32 / LPK;
@@ -445,7 +444,6 @@ __device__ __forceinline__ void stage_whole_rows(
 """
 
 MMA_SPLIT_SOURCE = r"""
-  constexpr int W = 4;
   constexpr int KC = D / 16;
   constexpr int NTL = D / 8;
   constexpr int CH = D / 8;  // 16-byte chunks a row
@@ -776,6 +774,7 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
         inputs=[*inputs, mx.array([scale * LOG2E], dtype=mx.float32)],
         template=[
             ("T", dtype),
+            ("W", THREADS // 32),
             ("D", dim),
             ("G", tile),
             ("GT", q_heads // kv_heads),

@@ -413,20 +413,24 @@ def test_benchmark_kernels_chain_reads_each_kernels_mean_and_needs_cuda(monkeypa
 
 
 def test_kernel_settings_parse_and_name_the_bad_one():
-    """``--configs`` of benchmark_kernels / profile_decode: G,U,B[,S[,T]], T 0 (CUDA cores) or
-    1 (tensor cores on every split they take)."""
+    """``--configs`` of benchmark_kernels / profile_decode: G,U,B[,S[,T[,W]]], T 0 (CUDA cores)
+    or 1 (tensor cores on every split they take), W warps a block (4 unless given)."""
     import argparse
 
     from examples.benchmark_kernels import kernel_config, kernel_settings
 
-    assert kernel_config("4,4,3") == (4, 4, 3, 0, 0)
-    assert kernel_config("4,4,3,2") == (4, 4, 3, 2, 0)
-    assert kernel_config("4,4,3,2,1") == (4, 4, 3, 2, 1)
+    assert kernel_config("4,4,3") == (4, 4, 3, 0, 0, 4)
+    assert kernel_config("4,4,3,2") == (4, 4, 3, 2, 0, 4)
+    assert kernel_config("4,4,3,2,1") == (4, 4, 3, 2, 1, 4)
+    assert kernel_config("4,4,1,2,0,8") == (4, 4, 1, 2, 0, 8)
     assert kernel_settings(kernel_config("4,4,3,2"))["TENSOR_CORES"] is False
+    assert kernel_settings(kernel_config("4,4,3,2"))["THREADS"] == 128
+    assert kernel_settings(kernel_config("4,4,1,2,0,8"))["THREADS"] == 256
     on = kernel_settings(kernel_config("4,4,3,2,1"))
     assert on["TENSOR_CORES"] is True and on["MMA_MIN_KEYS_PER_SPLIT"] == 0
     assert on["MMA_RUN_DIMS"] is None  # every head_dim the kernel takes
-    for bad in ("4,4", "4,4,3,2,2", "0,4,3", "4,4,3,2,1,1", "4,x,3"):
+    bad_ones = ("4,4", "4,4,3,2,2", "0,4,3", "4,4,3,2,1,3", "4,4,3,2,1,16", "4,4,3,2,1,4,1")
+    for bad in bad_ones + ("4,x,3",):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
             kernel_config(bad)
 

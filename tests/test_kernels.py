@@ -159,6 +159,28 @@ DEFAULTS = dict(
 
 
 @needs_cuda
+@pytest.mark.parametrize("threads", [64, 256])
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda_cores", "tensor_cores"])
+def test_blocks_of_other_warp_counts_match_reference(monkeypatch, threads, tensor_cores):
+    """The split kernels take their warps a block from THREADS (W = THREADS / 32): blocks of 2
+    or 8 warps give the float64 reference's attention across splits, as blocks of 4 do."""
+    monkeypatch.setattr(kernels, "THREADS", threads)
+    monkeypatch.setattr(kernels, "TENSOR_CORES", tensor_cores)
+    monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
+    monkeypatch.setattr(kernels, "MMA_MIN_CAPACITY", 0)
+    capacity = 9 * MIN_KEYS_PER_SPLIT + 5
+    mx.random.seed(7)
+    q = mx.random.normal((B, KV * 4, 1, 128)).astype(mx.bfloat16)
+    k, v = (mx.random.normal((B, KV, capacity, 128)).astype(mx.bfloat16) for _ in range(2))
+    assert kernels._mma_applies(q, k) == tensor_cores and plan(B, KV * 4, KV, capacity)[2] > 1
+    lengths = mx.array([[1, 17], [2 * MIN_KEYS_PER_SPLIT + 63, capacity]], dtype=mx.int32)
+    out = ragged_decode_attention(q, k, v, lengths, scale=0.088)
+    want = reference(q, k, v, lengths, 0.088)
+    atol = mma_tolerance(mx.bfloat16) if tensor_cores else tolerance(mx.bfloat16)
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), want, atol=atol)
+
+
+@needs_cuda
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
 def test_tensor_core_kernel_runs_by_default_on_long_splits(monkeypatch, dtype):
     """With the module's default settings, a capacity whose splits read MMA_MIN_KEYS_PER_SPLIT
@@ -416,10 +438,14 @@ def test_slots_validation(change, message):
 @pytest.mark.parametrize("lengths", [mx.array(11, mx.int32), mx.array([0, 24], mx.int32)])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
-def test_two_groups_in_head_order_match_each_group_alone(lengths, dim, dtype):
-    """The fused two-group kernel (CUDA) equals each group's attention put back in head order."""
+@pytest.mark.parametrize("threads", [128, 256])
+def test_two_groups_in_head_order_match_each_group_alone(monkeypatch, lengths, dim, dtype, threads):
+    """The fused two-group kernel (CUDA) equals each group's attention put back in head order,
+    in blocks of 4 warps or 8 (``THREADS``)."""
     from kvfn.kernels import two_group_decode_attention, two_group_fused
     from kvfn.partitioned import _head_map
+
+    monkeypatch.setattr(kernels, "THREADS", threads)
 
     heads, group = ((1, 3, 4), (0, 2)), 4
     mx.random.seed(1)
@@ -454,7 +480,8 @@ def test_split_kernels_compile_to_the_blocks_plan_assumes(name, dtype, one_split
     from examples.kernel_registers import compiled, load_kernels, resident_blocks, wrapped
 
     unroll = kernels.UNROLL or 4
-    r = compiled(wrapped(load_kernels(), name, 128, unroll, kernels.STAGES, dtype, one_split))
+    kk = load_kernels()
+    r = compiled(wrapped(kk, name, 128, unroll, kernels.STAGES, dtype, one_split, kk.THREADS))
     assert r["spill_stores"] == r["spill_loads"] == 0
     assert resident_blocks(r["registers"], kernels.THREADS) >= kernels.BLOCKS_PER_SM, r
     staged = (
@@ -464,3 +491,21 @@ def test_split_kernels_compile_to_the_blocks_plan_assumes(name, dtype, one_split
     )
     per_block = r["smem"] + staged + 1024  # 1 KB the driver reserves
     assert per_block * kernels.BLOCKS_PER_SM <= 228 * 1024, (per_block, r)  # Hopper, an SM
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc compiles the kernels offline")
+@pytest.mark.parametrize("name", ["SPLIT_SOURCE", "MMA_SPLIT_SOURCE"])
+def test_split_kernels_compile_in_blocks_of_8_warps(monkeypatch, name):
+    """With THREADS = 256 (``--configs ...,8``) the kernels compile with the same registers a
+    thread, no spills, and one block of 256 threads fits an SM with its staged rows."""
+    from examples.kernel_registers import compiled, load_kernels, resident_blocks, wrapped
+
+    kk = load_kernels()
+    monkeypatch.setattr(kk, "THREADS", 256)
+    unroll = kk.UNROLL or 4
+    eight = compiled(wrapped(kk, name, 128, unroll, kk.STAGES, threads=256))
+    four = compiled(wrapped(kk, name, 128, unroll, kk.STAGES, threads=128))
+    assert eight["spill_stores"] == eight["spill_loads"] == 0
+    assert eight["registers"] == four["registers"] and resident_blocks(eight["registers"], 256)
+    staged = kk.mma_staged_bytes(128) if name == "MMA_SPLIT_SOURCE" else kk.staged_bytes(unroll)
+    assert eight["smem"] + staged + 1024 <= 228 * 1024
