@@ -41,15 +41,16 @@ def resident_blocks(registers: int, threads: int = 128) -> int:
     return 65536 // (threads * (-(-registers // 8) * 8))
 
 
-def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0,
-            dtype: str = "__nv_bfloat16", one_split: bool = False, threads: int = 128) -> str:  # fmt: skip
-    """The kernel ``name`` as MLX wraps it, instantiated for ``dtype`` and blocks of ``threads``
-    (the tensor-core kernel stages at least one step and takes no ``unroll``; ``one_split``: one
-    split, whose output is the attention's, in ``dtype``)."""
+def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0, dtype: str = "__nv_bfloat16",
+            one_split: bool = False, threads: int = 128, heads: int = 4) -> str:  # fmt: skip
+    """The kernel ``name`` as MLX wraps it, instantiated for ``dtype``, blocks of ``threads`` and
+    ``heads`` query heads a block (the tensor-core kernel stages at least one step and takes no
+    ``unroll``; ``one_split``: one split, whose output is the attention's, in ``dtype``)."""
     source = getattr(kk, name)
     header = kk.MMA_HEADER if name in MMA else kk.HEADER
     inputs, own = KERNELS[name]
     params = dict(W=threads // 32, D=dim, **{k: TEMPLATE[k] for k in SHARED + own})
+    params.update(G=heads, GT=heads, NT=1)  # a KV head's query heads in one block
     if one_split:
         params["NS"] = 1
     if name in MMA:

@@ -22,8 +22,8 @@ piped-held  the same, but the step's state arrays are queued and stay referenced
 Rows: mlx-lm's eager step over its KVCache; kvfn's compiled ``decode`` over the same rows
 (the ragged split kernel on CUDA); kvfn with the kernel off (SDPA with a mask array); on CUDA
 also the split kernel in each ``--configs`` setting (G,U,B,S,T,W as in benchmark_kernels.py).
-With ``--duo RATIO``, DuoAttention's states of the same rows (a random head pattern at that retrieval
-ratio, 64 sinks + 256 recent rows) and the same in the slots layout:
+With ``--duo RATIO``, DuoAttention's states of the same rows (a random head pattern at that
+retrieval ratio, 64 sinks + 256 recent rows) and the same in the slots layout:
 
     python examples/profile_decode.py --lengths 8192 32768 --duo 0.25 --phases   # host or GPU?
 """

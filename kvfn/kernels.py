@@ -22,6 +22,7 @@ BLOCKS_PER_SM = 3  # resident blocks plan sizes the splits by (139 registers a t
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 256
 MAX_HEADS_PER_BLOCK = 8
+SHARED_LIMIT = 48 * 1024  # a block's shared memory without the opt-in (and its static limit)
 PREFETCH = True
 UNROLL = None  # keys a lane group loads per step (U); None: 4 for up to 4 heads a block, else 2
 STAGES = 2  # steps of rows in flight through shared memory (cp.async); 0: register prefetch
@@ -31,13 +32,15 @@ ENABLED = os.environ.get("KVFN_DECODE_KERNEL", "1") != "0"
 TWO_GROUP_ENABLED = ENABLED and os.environ.get("KVFN_TWO_GROUP_KERNEL", "1") != "0"
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # The split kernel's tensor-core version (MMA_SPLIT_SOURCE) takes float16 / bfloat16 and head_dim
-# 64 or 128 (MMA_DIMS). It runs on head_dim MMA_RUN_DIMS from a capacity of MMA_MIN_CAPACITY rows,
-# in plan's splits of at least MMA_MIN_KEYS_PER_SPLIT rows. On the H200 its 32-layer attention at
-# head_dim 128 took 0.88-0.98x the CUDA-core kernel's at 32K-128K rows (profile section 16), and
-# 32 dependent calls 16.3-27.7 us a call at 2K-16K rows against the CUDA-core kernel's 17.7-36.8
-# in its splits of 256 (section 19; in splits of 256 it was the slower, 1.13-1.45x at 8K); at 1K
-# 14.8 against 14.3. head_dim 64 is not timed. KVFN_TENSOR_CORES=0 turns it off, =1 runs it on
-# every split and head_dim it takes (in the CUDA-core kernel's splits)
+# 64 or 128 (MMA_DIMS). It runs on head_dim MMA_RUN_DIMS from a capacity of MMA_MIN_CAPACITY
+# rows, in plan's splits of at least MMA_MIN_KEYS_PER_SPLIT rows (below it only where the
+# CUDA-core plan's splits hold that many already: many sequences, one split). On the H200 its
+# 32-layer attention at head_dim 128 took 0.88-0.98x the CUDA-core kernel's at 32K-128K rows
+# (profile section 16), and 32 dependent calls 16.3-27.7 us a call at 2K-16K rows against the
+# CUDA-core kernel's 17.7-36.8 in its splits of 256 (section 19; in splits of 256 it was the
+# slower, 1.13-1.45x at 8K); at 1K 14.8 against 14.3. head_dim 64 is not timed.
+# KVFN_TENSOR_CORES=0 turns it off, =1 runs it on every split and head_dim it takes (in the
+# CUDA-core kernel's splits)
 _TC_ENV = os.environ.get("KVFN_TENSOR_CORES", "")
 if _TC_ENV not in ("", "0", "1"):
     raise ValueError(f"KVFN_TENSOR_CORES must be 0 or 1 (or unset), got {_TC_ENV!r}")
@@ -158,12 +161,13 @@ __device__ __forceinline__ void merge(
 """
 
 # One block per (key split, batch x KV head x head tile). Template constants: T (dtype), W
-# (warps a block, THREADS / 32), D (head_dim), G (query heads per block), GT (query heads per KV head), NT = GT / G, NS (splits),
-# C (capacity), HKV (KV heads), LSB / LSH (lengths' batch / head strides, 0 where broadcast),
-# U (consecutive keys a lane group loads per step), ST (steps of rows in flight, copied to
-# shared memory by cp.async; 0: registers), P (with ST = 0, load the next step's rows before
-# this step's math). Each lane holds 16 bytes of a row; LPK lanes hold one row; a warp step
-# covers KPW groups x U consecutive keys. Scores are in base 2 (q is scaled by scale * log2(e)).
+# (warps a block, THREADS / 32), D (head_dim), G (query heads per block), GT (query heads per
+# KV head), NT = GT / G, NS (splits), C (capacity), HKV (KV heads), LSB / LSH (lengths' batch /
+# head strides, 0 where broadcast), U (consecutive keys a lane group loads per step), ST (steps
+# of rows in flight, copied to shared memory by cp.async; 0: registers), P (with ST = 0, load
+# the next step's rows before this step's math). Each lane holds 16 bytes of a row; LPK lanes
+# hold one row; a warp step covers KPW groups x U consecutive keys. Scores are in base 2 (q is
+# scaled by scale * log2(e)).
 SPLIT_SOURCE = r"""
   constexpr int EPT = 16 / sizeof(T);
   constexpr int LPK = D / EPT;
@@ -749,6 +753,24 @@ def staged_bytes(unroll: int) -> int:
     return STAGES * 2 * unroll * THREADS * 16
 
 
+def split_shared_bytes(tile: int, dim: int, unroll: int) -> tuple:
+    """(static, dynamic) shared memory a block of the CUDA-core split kernels takes: its warps'
+    online-softmax states (W x G x (D + 2) floats) and its staged rows. A block may hold more
+    than 48 KB in all only where MLX opts the kernel in, which it does for over 48000 dynamic
+    bytes, so past 48 KB the dynamic part is raised to 48 KB (head_dim 256 needs it)."""
+    static = THREADS // 32 * tile * (dim + 2) * 4
+    dynamic = staged_bytes(unroll)
+    if static > SHARED_LIMIT:
+        raise ValueError(
+            f"the split kernel's {THREADS // 32} warps x {tile} query heads x head_dim {dim} "
+            f"need {static} bytes of static shared memory, more than {SHARED_LIMIT}: fewer "
+            f"THREADS or MAX_HEADS_PER_BLOCK"
+        )
+    if static + dynamic > SHARED_LIMIT:
+        dynamic = max(dynamic, SHARED_LIMIT)
+    return static, dynamic
+
+
 def mma_staged_bytes(dim: int) -> int:
     """Shared memory a block of the tensor-core split kernel stages its rows in: ``STAGES``
     (at least one) steps of each warp's 16 K and 16 V rows of ``dim`` 2-byte elements."""
@@ -761,6 +783,8 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
     ``template`` entries after the shared ones; ``mma``: the tensor-core kernel's staging) over
     ``capacity`` rows a KV head, then the combine: (B, n_q_heads, 1, D) in q's dtype. With one
     split the split kernel writes that output itself (the combine would copy it)."""
+    if THREADS % 32 or not 32 <= THREADS <= 256:
+        raise ValueError(f"kvfn.kernels.THREADS must be 32, 64, ... or 256; got {THREADS}")
     batch, q_heads, _, dim = q.shape
     tile, tiles, splits = plan(batch, q_heads, kv_heads, capacity, mma)
     if mma:
@@ -768,7 +792,7 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
         staging = [("ST", max(STAGES, 1))]
     else:
         unroll = UNROLL or (4 if tile <= 4 else 2)
-        shared = staged_bytes(unroll)
+        shared = split_shared_bytes(tile, dim, unroll)[1]
         staging = [("U", unroll), ("ST", STAGES), ("P", PREFETCH)]
     o_part, lse = split_kernel(shared)(
         inputs=[*inputs, mx.array([scale * LOG2E], dtype=mx.float32)],
@@ -815,16 +839,18 @@ def _kernel_attention(q, k, v, lengths, scale):
 def _mma_applies(q, k) -> bool:
     """The tensor-core split kernel's conditions, beyond the split kernel's (``TENSOR_CORES``):
     a dtype it takes, a head_dim it takes and runs on (``MMA_RUN_DIMS``), at most 8 query heads
-    a block (its A operand's rows), a capacity of at least ``MMA_MIN_CAPACITY`` rows and splits
-    of at least ``MMA_MIN_KEYS_PER_SPLIT`` rows of it (static, as shapes are)."""
+    a block (its A operand's rows), and splits of at least ``MMA_MIN_KEYS_PER_SPLIT`` rows of
+    the capacity (static, as shapes are), planned for it from ``MMA_MIN_CAPACITY`` rows."""
     dim = q.shape[3]
     runs = dim in MMA_DIMS and (MMA_RUN_DIMS is None or dim in MMA_RUN_DIMS)
     if not (TENSOR_CORES and k.dtype in MMA_DTYPES and runs):
         return False
-    capacity = k.shape[2]
-    tile, _, splits = plan(q.shape[0], q.shape[1], k.shape[1], capacity, mma=True)
-    return (tile <= MMA_MAX_HEADS and capacity >= MMA_MIN_CAPACITY
-            and capacity // splits >= MMA_MIN_KEYS_PER_SPLIT)  # fmt: skip
+    shape = (q.shape[0], q.shape[1], k.shape[1], k.shape[2])
+    tile, _, splits = plan(*shape, mma=True)
+    # below MMA_MIN_CAPACITY only where the CUDA-core plan's splits already hold that many rows
+    # (many sequences: one split), in the same split count
+    planned = shape[3] >= MMA_MIN_CAPACITY or splits == plan(*shape)[2]
+    return tile <= MMA_MAX_HEADS and planned and shape[3] // splits >= MMA_MIN_KEYS_PER_SPLIT
 
 
 def two_group_decode_attention(q, k0, v0, lengths, k1, v1, length1: int, head_map, *, scale):

@@ -456,6 +456,8 @@ def test_split_rows_set_both_kernels_splits(monkeypatch):
         with patched(kk, **settings):
             mma = kk._mma_applies(q, k)
             assert mma == bool(tc) and kk.plan(1, 32, 8, 4096, mma)[2] == splits
+    with patched(kk, TENSOR_CORES=True, **split_settings(256)):  # the module's plan otherwise
+        assert kk._mma_applies(q, k) and kk.plan(1, 32, 8, 4096, True)[2] == 16  # default 8
     assert split_settings(None) == {} and split_rows("512") == 512
     for bad in ("0", "-4", "x"):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
@@ -465,14 +467,17 @@ def test_split_rows_set_both_kernels_splits(monkeypatch):
 def test_launches_run_each_split_size_and_restore_the_plan(capsys):
     """``--launches`` (for ncu): each capacity's attention in each split size, its plan printed,
     the module's settings back afterwards."""
-    from examples.benchmark_kernels import launches
+    from examples.benchmark_kernels import launches, patched
 
     kk = kvfn.kernels
     before = kk.MIN_KEYS_PER_SPLIT, kk.MMA_MIN_KEYS_PER_SPLIT
-    launches(kk, [512], [64, None], repeat=1)
+    with patched(kk, TENSOR_CORES=True):
+        launches(kk, [512, 2048], [64, None], repeat=1)
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["capacity 512, split rows 64: 8 splits",  # under 2048 rows: CUDA cores
-                     "capacity 512, split rows default: 2 splits"]  # fmt: skip
+    assert lines == ["capacity 512, split rows 64: 8 splits, tensor cores",  # either plan: 8
+                     "capacity 512, split rows default: 2 splits",  # of 256 rows: CUDA cores
+                     "capacity 2048, split rows 64: 32 splits, tensor cores",
+                     "capacity 2048, split rows default: 4 splits, tensor cores"]  # fmt: skip
     assert (kk.MIN_KEYS_PER_SPLIT, kk.MMA_MIN_KEYS_PER_SPLIT) == before
 
 

@@ -159,6 +159,25 @@ DEFAULTS = dict(
 
 
 @needs_cuda
+@pytest.mark.parametrize("group", [4, 8])
+def test_head_dim_256_gets_the_shared_memory_it_needs(group):
+    """At head_dim 256 (Gemma's) a CUDA-core block holds more than 48 KB of shared memory, which
+    the kernel asks MLX for (over 48000 dynamic bytes); it matches the float64 reference."""
+    unroll = kernels.UNROLL or (4 if group <= 4 else 2)
+    static, dynamic = kernels.split_shared_bytes(group, 256, unroll)
+    assert static + dynamic > 48 * 1024 and dynamic > 48000
+    capacity = 3 * MIN_KEYS_PER_SPLIT + 7
+    mx.random.seed(8)
+    q = mx.random.normal((B, KV * group, 1, 256)).astype(mx.bfloat16)
+    k, v = (mx.random.normal((B, KV, capacity, 256)).astype(mx.bfloat16) for _ in range(2))
+    assert not kernels._mma_applies(q, k)
+    lengths = mx.array([[5, capacity], [MIN_KEYS_PER_SPLIT + 1, 0]], dtype=mx.int32)
+    out = ragged_decode_attention(q, k, v, lengths, scale=0.0625)
+    want = reference(q, k, v, lengths, 0.0625)
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), want, atol=tolerance(mx.bfloat16))
+
+
+@needs_cuda
 @pytest.mark.parametrize("threads", [64, 256])
 @pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda_cores", "tensor_cores"])
 def test_blocks_of_other_warp_counts_match_reference(monkeypatch, threads, tensor_cores):
@@ -274,6 +293,9 @@ def test_tensor_core_kernel_applies_to_the_shapes_it_takes(monkeypatch):
         assert plan(1, 32, 8, capacity, mma=True)[2] == splits  # the CUDA-core plan's 16 at 4096
     assert plan(1, 32, 8, 4096)[2] == 16
     assert not kernels._mma_applies(q[:1], long[:, :, :2047])
+    many = mx.broadcast_to(mx.zeros((1, 1, 1, 1), mx.bfloat16), (32, 8, 1024, 128))
+    qs = mx.broadcast_to(mx.zeros((1, 1, 1, 1), mx.bfloat16), (32, 32, 1, 128))
+    assert plan(32, 32, 8, 1024)[2] == 1 and kernels._mma_applies(qs, many)  # one split of 1024
     assert not kernels._mma_applies(q, k)  # 16 rows: one split of 16
     monkeypatch.setattr(kernels, "MMA_RUN_DIMS", (128,))
     assert not kernels._mma_applies(q[:1, :, :, :64], long[..., :64])  # takes, does not run
@@ -296,12 +318,35 @@ def test_tensor_core_kernel_applies_to_the_shapes_it_takes(monkeypatch):
 
 @pytest.mark.parametrize("stages", [0, 1, 2, 3])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_tensor_core_staging_holds_the_warp_merge(monkeypatch, stages, dim):
-    """The kernel merges its 4 warps' partial results (m, l and D floats a query head, up to
-    8 heads) in the memory it staged rows in."""
+@pytest.mark.parametrize("threads", [32, 64, 128, 256])
+def test_tensor_core_staging_holds_the_warp_merge(monkeypatch, stages, dim, threads):
+    """The kernel merges its W warps' partial results (m, l and D floats a query head, up to
+    8 heads) in the memory it staged rows in, for every W a block."""
     monkeypatch.setattr(kernels, "STAGES", stages)
-    warps = kernels.THREADS // 32
+    monkeypatch.setattr(kernels, "THREADS", threads)
+    warps = threads // 32
     assert kernels.mma_staged_bytes(dim) >= 4 * warps * kernels.MMA_MAX_HEADS * (dim + 2)
+
+
+@pytest.mark.parametrize("threads", [64, 128, 256])
+@pytest.mark.parametrize("tile, unroll", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_split_kernels_shared_memory_fits_a_block(monkeypatch, threads, tile, unroll, dim):
+    """A CUDA-core block's static merge arrays and staged rows: past 48 KB in all the dynamic
+    part exceeds 48000 bytes, where MLX opts the kernel in to more (head_dim 256 needs it);
+    static arrays past 48 KB, which no kernel can declare, are named before any launch."""
+    monkeypatch.setattr(kernels, "THREADS", threads)
+    static = threads // 32 * tile * (dim + 2) * 4
+    if static > 48 * 1024:
+        with pytest.raises(ValueError, match=f"head_dim {dim} need {static} bytes"):
+            kernels.split_shared_bytes(tile, dim, unroll)
+        return
+    got_static, dynamic = kernels.split_shared_bytes(tile, dim, unroll)
+    assert got_static == static and dynamic >= kernels.staged_bytes(unroll)
+    assert static + dynamic <= 48 * 1024 or dynamic > 48000
+    assert static + dynamic <= 227 * 1024  # Hopper's most a block can opt in to
+    if static + kernels.staged_bytes(unroll) <= 48 * 1024:
+        assert dynamic == kernels.staged_bytes(unroll)  # nothing raised that fits already
 
 
 def test_zero_length_gives_zeros_not_nan():
@@ -440,8 +485,8 @@ def test_slots_validation(change, message):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("threads", [128, 256])
 def test_two_groups_in_head_order_match_each_group_alone(monkeypatch, lengths, dim, dtype, threads):
-    """The fused two-group kernel (CUDA) equals each group's attention put back in head order,
-    in blocks of 4 warps or 8 (``THREADS``)."""
+    """The fused two-group kernel (CUDA) equals each group's float64 attention put back in head
+    order, in blocks of 4 warps or 8 (``THREADS``)."""
     from kvfn.kernels import two_group_decode_attention, two_group_fused
     from kvfn.partitioned import _head_map
 
@@ -459,8 +504,7 @@ def test_two_groups_in_head_order_match_each_group_alone(monkeypatch, lengths, d
     expected = np.zeros(q.shape)
     for (k, v, n), hs in zip(((k0, v0, lengths), (k1, v1, mx.array(9, mx.int32))), heads):
         qi = mx.array([h * group + r for h in hs for r in range(group)], mx.int32)
-        part = ragged_decode_attention(mx.take(q, qi, axis=1), k, v, n, scale=dim**-0.5)
-        expected[:, np.array(qi)] = np.array(part.astype(mx.float32))
+        expected[:, np.array(qi)] = reference(mx.take(q, qi, axis=1), k, v, n, dim**-0.5)
     np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, atol=tolerance(dtype))
 
 
@@ -494,18 +538,18 @@ def test_split_kernels_compile_to_the_blocks_plan_assumes(name, dtype, one_split
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc compiles the kernels offline")
-@pytest.mark.parametrize("name", ["SPLIT_SOURCE", "MMA_SPLIT_SOURCE"])
-def test_split_kernels_compile_in_blocks_of_8_warps(monkeypatch, name):
-    """With THREADS = 256 (``--configs ...,8``) the kernels compile with the same registers a
-    thread, no spills, and one block of 256 threads fits an SM with its staged rows."""
+@pytest.mark.parametrize("heads, unroll", [(4, 4), (8, 2)])
+def test_split_kernel_compiles_in_blocks_of_8_warps(monkeypatch, heads, unroll):
+    """With THREADS = 256 (``--configs ...,8``) the CUDA-core kernel compiles without spills
+    to a block an SM holds, its static shared memory is what ``split_shared_bytes`` plans
+    for, and the tensor-core kernel compiles too."""
     from examples.kernel_registers import compiled, load_kernels, resident_blocks, wrapped
 
     kk = load_kernels()
     monkeypatch.setattr(kk, "THREADS", 256)
-    unroll = kk.UNROLL or 4
-    eight = compiled(wrapped(kk, name, 128, unroll, kk.STAGES, threads=256))
-    four = compiled(wrapped(kk, name, 128, unroll, kk.STAGES, threads=128))
-    assert eight["spill_stores"] == eight["spill_loads"] == 0
-    assert eight["registers"] == four["registers"] and resident_blocks(eight["registers"], 256)
-    staged = kk.mma_staged_bytes(128) if name == "MMA_SPLIT_SOURCE" else kk.staged_bytes(unroll)
-    assert eight["smem"] + staged + 1024 <= 228 * 1024
+    r = compiled(wrapped(kk, "SPLIT_SOURCE", 128, unroll, kk.STAGES, threads=256, heads=heads))
+    assert r["spill_stores"] == r["spill_loads"] == 0 and resident_blocks(r["registers"], 256)
+    static, dynamic = kk.split_shared_bytes(heads, 128, unroll)
+    assert r["smem"] == static and static + dynamic <= 227 * 1024
+    mma = compiled(wrapped(kk, "MMA_SPLIT_SOURCE", 128, None, kk.STAGES, threads=256, heads=heads))
+    assert mma["spill_stores"] == mma["spill_loads"] == 0 and resident_blocks(mma["registers"], 256)
