@@ -553,3 +553,13 @@ def test_split_kernel_compiles_in_blocks_of_8_warps(monkeypatch, heads, unroll):
     assert r["smem"] == static and static + dynamic <= 227 * 1024
     mma = compiled(wrapped(kk, "MMA_SPLIT_SOURCE", 128, None, kk.STAGES, threads=256, heads=heads))
     assert mma["spill_stores"] == mma["spill_loads"] == 0 and resident_blocks(mma["registers"], 256)
+
+
+@pytest.mark.parametrize("threads", [48, 0, 512])
+def test_a_bad_block_size_is_named_before_any_launch(monkeypatch, threads):
+    """``THREADS`` (a benchmark setting) must be whole warps, at most 8: checked on the host
+    before the split kernel is built or launched, on any backend."""
+    monkeypatch.setattr(kernels, "THREADS", threads)
+    q, k, v = make(KV * 4, 128, mx.bfloat16)
+    with pytest.raises(ValueError, match=f"THREADS must be .*; got {threads}"):
+        kernels._split_and_combine(None, [q, k, v], q, KV, C, k.dtype, 0.1, [])
