@@ -397,11 +397,17 @@ def chain_table(kk, capacities, layers=32, steps=10, settings=""):
             run(2)
             kernels = _timeline().recorded(run, steps)[0]
             cells.append(per_call(kernels))
-        mma = kk._mma_applies(q, kvs[0][0])
-        splits = kk.plan(1, HEADS, KV_HEADS, capacity, mma)[2]
-        cells[1] += f" ({splits}{', tensor cores' if mma else ''})"
+        cells[1] += f" ({planned(kk, q, kvs[0][0])})"
         print(f"| {capacity} | " + " | ".join(cells) + " |", flush=True)
         del kvs
+
+
+def planned(kk, q, k) -> str:
+    """The split count the kernel launches over ``k``'s capacity with, and whether it runs on
+    tensor cores ("16 splits", "8 splits, tensor cores")."""
+    mma = kk._mma_applies(q, k)
+    splits = kk.plan(*q.shape[:2], k.shape[1], k.shape[2], mma)[2]
+    return f"{splits} splits{', tensor cores' if mma else ''}"
 
 
 def launches(kk, capacities, split_rows_list, repeat=3):
@@ -413,10 +419,8 @@ def launches(kk, capacities, split_rows_list, repeat=3):
         rows = mx.array(capacity, dtype=mx.int32)
         for split in split_rows_list:
             with patched(kk, **split_settings(split)):
-                mma = kk._mma_applies(q, k)
-                splits = kk.plan(1, HEADS, KV_HEADS, capacity, mma)[2]
-                print(f"capacity {capacity}, split rows {split or 'default'}: {splits} splits"
-                      + (", tensor cores" if mma else ""), flush=True)  # fmt: skip
+                print(f"capacity {capacity}, split rows {split or 'default'}: "
+                      f"{planned(kk, q, k)}", flush=True)  # fmt: skip
                 for _ in range(repeat):
                     mx.eval(kk.ragged_decode_attention(q, k, v, rows, scale=scale))
         for _ in range(2):

@@ -29,9 +29,8 @@ KERNELS = {  # source name: (the kernel's inputs after q, its own template entri
     "MMA_SPLIT_SOURCE": (["k", "v", "lengths"], ["C", "HKV", "LSB", "LSH"]),
 }  # fmt: skip
 MMA = ("MMA_SPLIT_SOURCE",)  # on MMA_HEADER (the others on HEADER), a template without U and P
-SHARED = ["G", "GT", "NT", "NS"]
 INT_INPUTS = ("lengths", "hmap")
-TEMPLATE = dict(G=4, GT=4, NT=1, NS=49, C=8528, HKV=8, LSB=0, LSH=0, C0=8528, C1=320, H0=4,
+TEMPLATE = dict(C=8528, HKV=8, LSB=0, LSH=0, C0=8528, C1=320, H0=4,
                 H1=4, L1=320, S=36000)  # fmt: skip
 
 
@@ -49,10 +48,9 @@ def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0, dtype: str = 
     source = getattr(kk, name)
     header = kk.MMA_HEADER if name in MMA else kk.HEADER
     inputs, own = KERNELS[name]
-    params = dict(W=threads // 32, D=dim, **{k: TEMPLATE[k] for k in SHARED + own})
-    params.update(G=heads, GT=heads, NT=1)  # a KV head's query heads in one block
-    if one_split:
-        params["NS"] = 1
+    # a KV head's query heads in one block; 49 splits (plan's one wave at 8 KV heads) or one
+    params = dict(W=threads // 32, D=dim, G=heads, GT=heads, NT=1, NS=1 if one_split else 49,
+                  **{k: TEMPLATE[k] for k in own})  # fmt: skip
     if name in MMA:
         params.update(ST=max(stages, 1))
     else:
