@@ -257,9 +257,9 @@ def split_settings(rows) -> dict:
 def kernel_settings(config: tuple) -> dict:
     """The ``kvfn.kernels`` settings a ``kernel_config`` tuple stands for."""
     g, u, b, st, tc, w = config
-    return dict(MAX_HEADS_PER_BLOCK=g, UNROLL=u, BLOCKS_PER_SM=b, STAGES=st,
-                TENSOR_CORES=tc == 1, MMA_MIN_KEYS_PER_SPLIT=0, MMA_MIN_CAPACITY=0,
-                MMA_RUN_DIMS=None, THREADS=32 * w)  # fmt: skip
+    return dict(MAX_HEADS_PER_BLOCK=g, UNROLL=u, BLOCKS_PER_SM=b, MMA_BLOCKS_PER_SM=b,
+                STAGES=st, TENSOR_CORES=tc == 1, MMA_MIN_KEYS_PER_SPLIT=0, MMA_RUN_DIMS=None,
+                THREADS=32 * w, MMA_THREADS=32 * w)  # fmt: skip
 
 
 def compiled_ms(kk, capacity, lengths, layers, iters, variant) -> str:

@@ -14,7 +14,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 LOG2E = 1.0 / math.log(2.0)
-THREADS = 128  # a block of the split kernels: THREADS / 32 warps (W in the CUDA sources)
+THREADS = 128  # a block of the CUDA-core split kernels: THREADS / 32 warps (W in the sources)
 SMS = 132  # multiprocessors of an H100 / H200: the split count aims at a few waves of them
 BLOCKS_PER_SM = 3  # resident blocks plan sizes the splits by (139 registers a thread, D=128, U=4)
 # a block's fixed cost is about that of 256 rows (the H200, in a decode step: at 1K rows a layer
@@ -32,15 +32,15 @@ ENABLED = os.environ.get("KVFN_DECODE_KERNEL", "1") != "0"
 TWO_GROUP_ENABLED = ENABLED and os.environ.get("KVFN_TWO_GROUP_KERNEL", "1") != "0"
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # The split kernel's tensor-core version (MMA_SPLIT_SOURCE) takes float16 / bfloat16 and head_dim
-# 64 or 128 (MMA_DIMS). It runs on head_dim MMA_RUN_DIMS from a capacity of MMA_MIN_CAPACITY
-# rows, in plan's splits of at least MMA_MIN_KEYS_PER_SPLIT rows (below it only where the
-# CUDA-core plan's splits hold that many already: many sequences, one split). On the H200 its
-# 32-layer attention at head_dim 128 took 0.88-0.98x the CUDA-core kernel's at 32K-128K rows
-# (profile section 16), and 32 dependent calls 16.3-27.7 us a call at 2K-16K rows against the
-# CUDA-core kernel's 17.7-36.8 in its splits of 256 (section 19; in splits of 256 it was the
-# slower, 1.13-1.45x at 8K); at 1K 14.8 against 14.3. head_dim 64 is not timed.
-# KVFN_TENSOR_CORES=0 turns it off, =1 runs it on every split and head_dim it takes (in the
-# CUDA-core kernel's splits)
+# 64 or 128 (MMA_DIMS). It runs on head_dim MMA_RUN_DIMS wherever plan's splits for it hold at
+# least MMA_MIN_KEYS_PER_SPLIT rows, in blocks of MMA_THREADS (8 warps: at 141 registers a
+# thread one block an SM, MMA_BLOCKS_PER_SM). On the H200, in 32 dependent calls at head_dim 128
+# (profile section 20), it took 7.7-9.3 us a call at 1K rows against the CUDA-core kernel's
+# 12.0-13.2, and 9.0-10.1 / 12.2-14.4 / 16.4-17.6 / 25.9-27.8 at 2K / 4K / 8K / 16K against its
+# own 13.9-14.2 / 14.5-15.0 / 21.1-22.4 / 27.7-28.2 in blocks of 4 warps and splits of 512 rows
+# (cuDNN's flash: 8.4-11.8 at 1K, 24-27 at 16K). Past 16K rows, below 1K and at head_dim 64 these
+# blocks are not timed.
+# KVFN_TENSOR_CORES=0 turns it off, =1 runs it on every split and head_dim it takes
 _TC_ENV = os.environ.get("KVFN_TENSOR_CORES", "")
 if _TC_ENV not in ("", "0", "1"):
     raise ValueError(f"KVFN_TENSOR_CORES must be 0 or 1 (or unset), got {_TC_ENV!r}")
@@ -49,8 +49,9 @@ _EVERYWHERE = _TC_ENV == "1"
 MMA_DTYPES = (mx.float16, mx.bfloat16)
 MMA_DIMS = (64, 128)
 MMA_RUN_DIMS = None if _EVERYWHERE else (128,)  # None: every head_dim it takes
-MMA_MIN_KEYS_PER_SPLIT = 0 if _EVERYWHERE else 512
-MMA_MIN_CAPACITY = 0 if _EVERYWHERE else 2048
+MMA_MIN_KEYS_PER_SPLIT = 0 if _EVERYWHERE else 256
+MMA_THREADS = 256
+MMA_BLOCKS_PER_SM = 1
 MMA_MAX_HEADS = 8  # query heads a block of the tensor-core kernel (its A operand's rows 0-7)
 
 HEADER = r"""
@@ -737,11 +738,13 @@ def _kernel_applies(q, k, v, rows=None) -> bool:
 
 def plan(batch, q_heads, kv_heads, capacity, mma=False):
     """(query heads per block, head tiles per KV head, key splits) for the split kernel; ``mma``:
-    for its tensor-core version, whose splits hold at least ``MMA_MIN_KEYS_PER_SPLIT`` rows."""
+    for its tensor-core version, ``MMA_BLOCKS_PER_SM`` blocks an SM, whose splits hold at least
+    ``MMA_MIN_KEYS_PER_SPLIT`` rows."""
     group = q_heads // kv_heads
     tile = max(g for g in range(1, MAX_HEADS_PER_BLOCK + 1) if group % g == 0)
     rows = batch * kv_heads * (group // tile)
-    wanted = BLOCKS_PER_SM * SMS // rows  # rounded down: one wave, no straggling partial wave
+    resident = MMA_BLOCKS_PER_SM if mma else BLOCKS_PER_SM
+    wanted = resident * SMS // rows  # rounded down: one wave, no straggling partial wave
     least = max(MIN_KEYS_PER_SPLIT, MMA_MIN_KEYS_PER_SPLIT) if mma else MIN_KEYS_PER_SPLIT
     splits = max(1, min(wanted, capacity // least, MAX_SPLITS))
     return tile, group // tile, splits
@@ -773,8 +776,9 @@ def split_shared_bytes(tile: int, dim: int, unroll: int) -> tuple:
 
 def mma_staged_bytes(dim: int) -> int:
     """Shared memory a block of the tensor-core split kernel stages its rows in: ``STAGES``
-    (at least one) steps of each warp's 16 K and 16 V rows of ``dim`` 2-byte elements."""
-    return max(STAGES, 1) * (THREADS // 32) * 32 * dim * 2
+    (at least one) steps of each of its ``MMA_THREADS / 32`` warps' 16 K and 16 V rows of ``dim``
+    2-byte elements."""
+    return max(STAGES, 1) * (MMA_THREADS // 32) * 32 * dim * 2
 
 
 def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale, template,
@@ -783,8 +787,9 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
     ``template`` entries after the shared ones; ``mma``: the tensor-core kernel's staging) over
     ``capacity`` rows a KV head, then the combine: (B, n_q_heads, 1, D) in q's dtype. With one
     split the split kernel writes that output itself (the combine would copy it)."""
-    if THREADS % 32 or not 32 <= THREADS <= 256:
-        raise ValueError(f"kvfn.kernels.THREADS must be 32, 64, ... or 256; got {THREADS}")
+    name, threads = ("MMA_THREADS", MMA_THREADS) if mma else ("THREADS", THREADS)
+    if threads % 32 or not 32 <= threads <= 256:
+        raise ValueError(f"kvfn.kernels.{name} must be 32, 64, ... or 256; got {threads}")
     batch, q_heads, _, dim = q.shape
     tile, tiles, splits = plan(batch, q_heads, kv_heads, capacity, mma)
     if mma:
@@ -798,7 +803,7 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
         inputs=[*inputs, mx.array([scale * LOG2E], dtype=mx.float32)],
         template=[
             ("T", dtype),
-            ("W", THREADS // 32),
+            ("W", threads // 32),
             ("D", dim),
             ("G", tile),
             ("GT", q_heads // kv_heads),
@@ -807,8 +812,8 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
             *template,
             *staging,
         ],
-        grid=(splits * THREADS, batch * kv_heads * tiles, 1),
-        threadgroup=(THREADS, 1, 1),
+        grid=(splits * threads, batch * kv_heads * tiles, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(batch * q_heads * splits * dim,), (batch * q_heads * splits,)],
         output_dtypes=[q.dtype if splits == 1 else mx.float32, mx.float32],
     )
@@ -839,18 +844,14 @@ def _kernel_attention(q, k, v, lengths, scale):
 def _mma_applies(q, k) -> bool:
     """The tensor-core split kernel's conditions, beyond the split kernel's (``TENSOR_CORES``):
     a dtype it takes, a head_dim it takes and runs on (``MMA_RUN_DIMS``), at most 8 query heads
-    a block (its A operand's rows), and splits of at least ``MMA_MIN_KEYS_PER_SPLIT`` rows of
-    the capacity (static, as shapes are), planned for it from ``MMA_MIN_CAPACITY`` rows."""
+    a block (its A operand's rows), and plan's splits for it of at least
+    ``MMA_MIN_KEYS_PER_SPLIT`` rows of the capacity (static, as shapes are)."""
     dim = q.shape[3]
     runs = dim in MMA_DIMS and (MMA_RUN_DIMS is None or dim in MMA_RUN_DIMS)
     if not (TENSOR_CORES and k.dtype in MMA_DTYPES and runs):
         return False
-    shape = (q.shape[0], q.shape[1], k.shape[1], k.shape[2])
-    tile, _, splits = plan(*shape, mma=True)
-    # below MMA_MIN_CAPACITY only where the CUDA-core plan's splits already hold that many rows
-    # (many sequences: one split), in the same split count
-    planned = shape[3] >= MMA_MIN_CAPACITY or splits == plan(*shape)[2]
-    return tile <= MMA_MAX_HEADS and planned and shape[3] // splits >= MMA_MIN_KEYS_PER_SPLIT
+    tile, _, splits = plan(q.shape[0], q.shape[1], k.shape[1], k.shape[2], mma=True)
+    return tile <= MMA_MAX_HEADS and k.shape[2] // splits >= MMA_MIN_KEYS_PER_SPLIT
 
 
 def two_group_decode_attention(q, k0, v0, lengths, k1, v1, length1: int, head_map, *, scale):

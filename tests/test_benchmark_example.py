@@ -425,7 +425,9 @@ def test_kernel_settings_parse_and_name_the_bad_one():
     assert kernel_config("4,4,1,2,0,8") == (4, 4, 1, 2, 0, 8)
     assert kernel_settings(kernel_config("4,4,3,2"))["TENSOR_CORES"] is False
     assert kernel_settings(kernel_config("4,4,3,2"))["THREADS"] == 128
-    assert kernel_settings(kernel_config("4,4,1,2,0,8"))["THREADS"] == 256
+    eight = kernel_settings(kernel_config("4,4,1,2,0,8"))
+    assert eight["THREADS"] == eight["MMA_THREADS"] == 256  # either kernel's blocks
+    assert eight["BLOCKS_PER_SM"] == eight["MMA_BLOCKS_PER_SM"] == 1
     on = kernel_settings(kernel_config("4,4,3,2,1"))
     assert on["TENSOR_CORES"] is True and on["MMA_MIN_KEYS_PER_SPLIT"] == 0
     assert on["MMA_RUN_DIMS"] is None  # every head_dim the kernel takes
@@ -456,8 +458,8 @@ def test_split_rows_set_both_kernels_splits(monkeypatch):
         with patched(kk, **settings):
             mma = kk._mma_applies(q, k)
             assert mma == bool(tc) and kk.plan(1, 32, 8, 4096, mma)[2] == splits
-    with patched(kk, TENSOR_CORES=True, **split_settings(256)):  # the module's plan otherwise
-        assert kk._mma_applies(q, k) and kk.plan(1, 32, 8, 4096, True)[2] == 16  # default 8
+    with patched(kk, TENSOR_CORES=True, **split_settings(1024)):  # the module's plan otherwise
+        assert kk._mma_applies(q, k) and kk.plan(1, 32, 8, 4096, True)[2] == 4  # default 16
     assert split_settings(None) == {} and split_rows("512") == 512
     for bad in ("0", "-4", "x"):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
@@ -474,10 +476,10 @@ def test_launches_run_each_split_size_and_restore_the_plan(capsys):
     with patched(kk, TENSOR_CORES=True):
         launches(kk, [512, 2048], [64, None], repeat=1)
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["capacity 512, split rows 64: 8 splits, tensor cores",  # either plan: 8
-                     "capacity 512, split rows default: 2 splits",  # of 256 rows: CUDA cores
-                     "capacity 2048, split rows 64: 32 splits, tensor cores",
-                     "capacity 2048, split rows default: 4 splits, tensor cores"]  # fmt: skip
+    assert lines == ["capacity 512, split rows 64: 8 splits, tensor cores",
+                     "capacity 512, split rows default: 2 splits, tensor cores",  # of 256 rows
+                     "capacity 2048, split rows 64: 16 splits, tensor cores",  # one block an SM
+                     "capacity 2048, split rows default: 8 splits, tensor cores"]  # fmt: skip
     assert (kk.MIN_KEYS_PER_SPLIT, kk.MMA_MIN_KEYS_PER_SPLIT) == before
 
 

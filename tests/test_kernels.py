@@ -96,7 +96,6 @@ def mma_tolerance(dtype):
 def test_tensor_core_kernel_matches_reference(monkeypatch, lengths, group, dim, dtype):
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
-    monkeypatch.setattr(kernels, "MMA_MIN_CAPACITY", 0)
     monkeypatch.setattr(kernels, "MMA_RUN_DIMS", None)
     q, k, v = make(KV * group, dim, dtype)
     assert kernels._mma_applies(q, k)
@@ -124,7 +123,6 @@ def test_tensor_core_kernel_across_splits_matches_reference(monkeypatch, group, 
     plain = ragged_decode_attention(q, k, v, lengths, scale=0.088)
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
-    monkeypatch.setattr(kernels, "MMA_MIN_CAPACITY", 0)
     monkeypatch.setattr(kernels, "MMA_RUN_DIMS", None)
     assert kernels._mma_applies(q, k)
     out = ragged_decode_attention(q, k, v, lengths, scale=0.088)
@@ -142,7 +140,6 @@ def test_tensor_core_kernel_compiles_into_a_decode_step(monkeypatch):
     """Traced inside mx.compile with a traced length, as a decode step runs it."""
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
-    monkeypatch.setattr(kernels, "MMA_MIN_CAPACITY", 0)
     monkeypatch.setattr(kernels, "MMA_RUN_DIMS", None)
     q, k, v = make(8, 128, mx.bfloat16, seed=3)
     assert kernels._mma_applies(q, k)
@@ -153,9 +150,8 @@ def test_tensor_core_kernel_compiles_into_a_decode_step(monkeypatch):
 
 
 # the module's tensor-core settings with KVFN_TENSOR_CORES unset
-DEFAULTS = dict(
-    TENSOR_CORES=True, MMA_RUN_DIMS=(128,), MMA_MIN_KEYS_PER_SPLIT=512, MMA_MIN_CAPACITY=2048
-)
+DEFAULTS = dict(TENSOR_CORES=True, MMA_RUN_DIMS=(128,), MMA_MIN_KEYS_PER_SPLIT=256,
+                MMA_THREADS=256, MMA_BLOCKS_PER_SM=1)  # fmt: skip
 
 
 @needs_cuda
@@ -178,15 +174,15 @@ def test_head_dim_256_gets_the_shared_memory_it_needs(group):
 
 
 @needs_cuda
-@pytest.mark.parametrize("threads", [64, 256])
+@pytest.mark.parametrize("threads", [64, 128, 256])
 @pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda_cores", "tensor_cores"])
 def test_blocks_of_other_warp_counts_match_reference(monkeypatch, threads, tensor_cores):
-    """The split kernels take their warps a block from THREADS (W = THREADS / 32): blocks of 2
-    or 8 warps give the float64 reference's attention across splits, as blocks of 4 do."""
-    monkeypatch.setattr(kernels, "THREADS", threads)
+    """The split kernels take their warps a block from THREADS, the tensor-core one from
+    MMA_THREADS (W = threads / 32): blocks of 2, 4 or 8 warps give the float64 reference's
+    attention across splits."""
+    monkeypatch.setattr(kernels, "MMA_THREADS" if tensor_cores else "THREADS", threads)
     monkeypatch.setattr(kernels, "TENSOR_CORES", tensor_cores)
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
-    monkeypatch.setattr(kernels, "MMA_MIN_CAPACITY", 0)
     capacity = 9 * MIN_KEYS_PER_SPLIT + 5
     mx.random.seed(7)
     q = mx.random.normal((B, KV * 4, 1, 128)).astype(mx.bfloat16)
@@ -202,13 +198,14 @@ def test_blocks_of_other_warp_counts_match_reference(monkeypatch, threads, tenso
 @needs_cuda
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
 def test_tensor_core_kernel_runs_by_default_on_long_splits(monkeypatch, dtype):
-    """With the module's default settings, a capacity whose splits read MMA_MIN_KEYS_PER_SPLIT
-    rows takes the tensor-core kernel, over ragged lengths, against the float64 reference."""
+    """With the module's default settings (blocks of 8 warps) a long capacity takes the
+    tensor-core kernel in plan's splits for it, over ragged lengths, against the float64
+    reference."""
     for name, value in DEFAULTS.items():  # whatever KVFN_TENSOR_CORES this process has
         monkeypatch.setattr(kernels, name, value)
-    batch, kv_heads, group = 1, 8, 4  # one wave of plan's splits: 132 * 3 // 8 = 49
-    splits = plan(batch, kv_heads * group, kv_heads, 1 << 20)[2]
-    capacity = splits * kernels.MMA_MIN_KEYS_PER_SPLIT
+    batch, kv_heads, group = 1, 8, 4  # one wave of plan's splits, one block an SM: 132 // 8
+    capacity = 16384 + 5
+    assert plan(batch, kv_heads * group, kv_heads, capacity, mma=True)[2] == 16
     mx.random.seed(5)
     q = mx.random.normal((batch, kv_heads * group, 1, 128)).astype(dtype)
     k, v = (mx.random.normal((batch, kv_heads, capacity, 128)).astype(dtype) for _ in range(2))
@@ -225,11 +222,11 @@ def test_tensor_core_kernel_runs_by_default_on_long_splits(monkeypatch, dtype):
         (None, DEFAULTS),
         ("", DEFAULTS),
         ("0", dict(DEFAULTS, TENSOR_CORES=False)),
-        ("1", dict(DEFAULTS, MMA_RUN_DIMS=None, MMA_MIN_KEYS_PER_SPLIT=0, MMA_MIN_CAPACITY=0)),
+        ("1", dict(DEFAULTS, MMA_RUN_DIMS=None, MMA_MIN_KEYS_PER_SPLIT=0)),
     ],
 )
 def test_tensor_core_settings_follow_the_environment(monkeypatch, env, settings):
-    """KVFN_TENSOR_CORES unset: tensor cores at head_dim 128 on splits of 512 rows; 0: off;
+    """KVFN_TENSOR_CORES unset: tensor cores at head_dim 128 on splits of 256 rows; 0: off;
     1: every split and head_dim the kernel takes (the module read fresh from its file)."""
     from examples.benchmark_kernels import load_kernels
 
@@ -260,7 +257,6 @@ def test_one_split_writes_the_output_itself(monkeypatch, dtype, tensor_cores):
     writes q's dtype) matches the float64 reference, as the many splits plan() picks do."""
     monkeypatch.setattr(kernels, "TENSOR_CORES", tensor_cores)
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
-    monkeypatch.setattr(kernels, "MMA_MIN_CAPACITY", 0)
     capacity = 9 * MIN_KEYS_PER_SPLIT + 5
     mx.random.seed(6)
     q = mx.random.normal((B, KV * 4, 1, 128)).astype(dtype)
@@ -279,28 +275,25 @@ def test_one_split_writes_the_output_itself(monkeypatch, dtype, tensor_cores):
 
 def test_tensor_core_kernel_applies_to_the_shapes_it_takes(monkeypatch):
     """Checked before any launch, on any backend: float16 / bfloat16, head_dim 64 or 128 (by
-    default 128 only), at most 8 query heads a block, a capacity of at least MMA_MIN_CAPACITY
-    rows, planned in splits of at least MMA_MIN_KEYS_PER_SPLIT rows; elsewhere the CUDA-core
+    default 128 only), at most 8 query heads a block, plan's splits for it (one block of
+    MMA_THREADS an SM) of at least MMA_MIN_KEYS_PER_SPLIT rows; elsewhere the CUDA-core
     kernel runs."""
     monkeypatch.setattr(kernels, "TENSOR_CORES", True)
-    monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 512)
-    monkeypatch.setattr(kernels, "MMA_MIN_CAPACITY", 2048)
-    q, k, _ = make(8 * 4, 128, mx.bfloat16)  # 8 KV heads: 49 splits of plan's one wave
-    long = mx.zeros((1, 8, 49 * 512, 128), mx.bfloat16)
-    assert kernels._mma_applies(q[:1], long)
-    for capacity, splits in ((49 * 512 - 1, 48), (4096, 8), (2048, 4)):
+    for name, value in DEFAULTS.items():
+        monkeypatch.setattr(kernels, name, value)
+    q, k, _ = make(8 * 4, 128, mx.bfloat16)  # 8 KV heads: 16 splits of plan's one wave
+    long = mx.zeros((1, 8, 1 << 16, 128), mx.bfloat16)
+    for capacity, splits in ((1 << 16, 16), (4096, 16), (1024, 4), (512, 2), (256, 1)):
         assert kernels._mma_applies(q[:1], long[:, :, :capacity])
-        assert plan(1, 32, 8, capacity, mma=True)[2] == splits  # the CUDA-core plan's 16 at 4096
-    assert plan(1, 32, 8, 4096)[2] == 16
-    assert not kernels._mma_applies(q[:1], long[:, :, :2047])
+        assert plan(1, 32, 8, capacity, mma=True)[2] == splits
+    assert plan(1, 32, 8, 1 << 16)[2] == 49  # the CUDA-core plan: three blocks an SM
+    assert not kernels._mma_applies(q[:1], long[:, :, :255])  # one split of 255 rows
     many = mx.broadcast_to(mx.zeros((1, 1, 1, 1), mx.bfloat16), (32, 8, 1024, 128))
     qs = mx.broadcast_to(mx.zeros((1, 1, 1, 1), mx.bfloat16), (32, 32, 1, 128))
-    assert plan(32, 32, 8, 1024)[2] == 1 and kernels._mma_applies(qs, many)  # one split of 1024
+    assert plan(32, 32, 8, 1024, mma=True)[2] == 1 and kernels._mma_applies(qs, many)
     assert not kernels._mma_applies(q, k)  # 16 rows: one split of 16
-    monkeypatch.setattr(kernels, "MMA_RUN_DIMS", (128,))
     assert not kernels._mma_applies(q[:1, :, :, :64], long[..., :64])  # takes, does not run
     monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 0)
-    monkeypatch.setattr(kernels, "MMA_MIN_CAPACITY", 0)
     monkeypatch.setattr(kernels, "MMA_RUN_DIMS", None)
     assert kernels._mma_applies(q[:1, :, :, :64], long[..., :64])
     q, k, _ = make(KV * 4, 128, mx.bfloat16)
@@ -323,7 +316,7 @@ def test_tensor_core_staging_holds_the_warp_merge(monkeypatch, stages, dim, thre
     """The kernel merges its W warps' partial results (m, l and D floats a query head, up to
     8 heads) in the memory it staged rows in, for every W a block."""
     monkeypatch.setattr(kernels, "STAGES", stages)
-    monkeypatch.setattr(kernels, "THREADS", threads)
+    monkeypatch.setattr(kernels, "MMA_THREADS", threads)
     warps = threads // 32
     assert kernels.mma_staged_bytes(dim) >= 4 * warps * kernels.MMA_MAX_HEADS * (dim + 2)
 
@@ -517,24 +510,24 @@ def test_two_groups_in_head_order_match_each_group_alone(monkeypatch, lengths, d
 def test_split_kernels_compile_to_the_blocks_plan_assumes(name, dtype, one_split):
     """Each split kernel's source (its partial outputs in float32, or with one split the
     output in T) compiles for Hopper as MLX wraps it, spills nothing, and
-    needs few enough registers for kernels.BLOCKS_PER_SM blocks of THREADS an SM, which
-    ``plan`` sizes its single wave of splits by (more registers: a second, straggling wave);
-    their shared memory (static, and the rows staged by cp.async) fits as many blocks."""
+    needs few enough registers for kernels.BLOCKS_PER_SM blocks of THREADS an SM
+    (MMA_BLOCKS_PER_SM of MMA_THREADS for the tensor-core kernel), which ``plan`` sizes its
+    single wave of splits by (more registers: a second, straggling wave); their shared memory
+    (static, and the rows staged by cp.async) fits as many blocks."""
     import kvfn.kernels as kernels
     from examples.kernel_registers import compiled, load_kernels, resident_blocks, wrapped
 
     unroll = kernels.UNROLL or 4
     kk = load_kernels()
-    r = compiled(wrapped(kk, name, 128, unroll, kernels.STAGES, dtype, one_split, kk.THREADS))
+    mma = name == "MMA_SPLIT_SOURCE"
+    threads = kk.MMA_THREADS if mma else kk.THREADS
+    blocks = kk.MMA_BLOCKS_PER_SM if mma else kk.BLOCKS_PER_SM
+    r = compiled(wrapped(kk, name, 128, unroll, kernels.STAGES, dtype, one_split, threads))
     assert r["spill_stores"] == r["spill_loads"] == 0
-    assert resident_blocks(r["registers"], kernels.THREADS) >= kernels.BLOCKS_PER_SM, r
-    staged = (
-        kernels.mma_staged_bytes(128)
-        if name == "MMA_SPLIT_SOURCE"
-        else kernels.staged_bytes(unroll)
-    )
+    assert resident_blocks(r["registers"], threads) >= blocks, r
+    staged = kernels.mma_staged_bytes(128) if mma else kernels.staged_bytes(unroll)
     per_block = r["smem"] + staged + 1024  # 1 KB the driver reserves
-    assert per_block * kernels.BLOCKS_PER_SM <= 228 * 1024, (per_block, r)  # Hopper, an SM
+    assert per_block * blocks <= 228 * 1024, (per_block, r)  # Hopper, an SM
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc compiles the kernels offline")
@@ -556,10 +549,11 @@ def test_split_kernel_compiles_in_blocks_of_8_warps(monkeypatch, heads, unroll):
 
 
 @pytest.mark.parametrize("threads", [48, 0, 512])
-def test_a_bad_block_size_is_named_before_any_launch(monkeypatch, threads):
-    """``THREADS`` (a benchmark setting) must be whole warps, at most 8: checked on the host
-    before the split kernel is built or launched, on any backend."""
-    monkeypatch.setattr(kernels, "THREADS", threads)
+@pytest.mark.parametrize("name, mma", [("THREADS", False), ("MMA_THREADS", True)])
+def test_a_bad_block_size_is_named_before_any_launch(monkeypatch, threads, name, mma):
+    """``THREADS`` and ``MMA_THREADS`` (benchmark settings) must be whole warps, at most 8:
+    checked on the host before the split kernel is built or launched, on any backend."""
+    monkeypatch.setattr(kernels, name, threads)
     q, k, v = make(KV * 4, 128, mx.bfloat16)
-    with pytest.raises(ValueError, match=f"THREADS must be .*; got {threads}"):
-        kernels._split_and_combine(None, [q, k, v], q, KV, C, k.dtype, 0.1, [])
+    with pytest.raises(ValueError, match=f"kernels.{name} must be .*; got {threads}"):
+        kernels._split_and_combine(None, [q, k, v], q, KV, C, k.dtype, 0.1, [], mma)
