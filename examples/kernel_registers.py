@@ -101,7 +101,8 @@ def main(argv=None):
     p.add_argument("--stages", type=int, nargs="+", default=None,
                    help="steps staged through shared memory (default: kernels.STAGES)")  # fmt: skip
     p.add_argument("--warps", type=int, nargs="+", default=None,
-                   help="warps a block (default: kernels.THREADS / 32)")  # fmt: skip
+                   help="warps a block (default: kernels.THREADS / 32, MMA_THREADS / 32 for "
+                        "the tensor-core kernel)")  # fmt: skip
     p.add_argument("--arch", default="sm_90")
     args = p.parse_args(argv)
     if shutil.which("nvcc") is None:
@@ -112,7 +113,7 @@ def main(argv=None):
         for dim in args.dims:
             for unroll in [None] if mma else args.unrolls:
                 for st in args.stages or [kk.STAGES]:
-                    for warps in args.warps or [kk.THREADS // 32]:
+                    for warps in args.warps or [(kk.MMA_THREADS if mma else kk.THREADS) // 32]:
                         cu = wrapped(kk, name, dim, unroll, st, threads=32 * warps)
                         shape = f"ST={max(st, 1)}" if mma else f"U={unroll} ST={st}"
                         print(f"{name} D={dim} {shape} W={warps}: "
