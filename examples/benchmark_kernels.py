@@ -11,7 +11,8 @@ it also times a compiled function making N such calls.
     python examples/benchmark_kernels.py --chain --capacities 1024 4096 32768  # CUPTI durations
     python examples/benchmark_kernels.py --chain --capacities 4096 --configs 4,4,3,2 4,4,3,0
     python examples/benchmark_kernels.py --chain --capacities 2048 8192 --configs 4,4,3,2,0 \
-        4,4,3,2,1 --split-rows 256 512  # each kernel in splits of 256 and 512 rows
+        4,4,1,2,1,8 --split-rows 256 512  # CUDA cores in 4 warps, tensor cores in 8 (the
+        # defaults), each in splits of 256 and 512 rows
     ncu --kernel-name regex:"ragged|sdpa|lean" --section WarpStateStats python \
         examples/benchmark_kernels.py --launches --capacities 1024 4096 --split-rows 64 256
 """
@@ -229,7 +230,8 @@ def kernel_config(text: str) -> tuple:
     ``plan``'s split count uses it, where the capacity does not cap that count): positive;
     steps staged through shared memory, 0 for none: the default; T 1: the tensor-core kernel
     on every split it takes, float16 / bfloat16 and head_dim 64 or 128, which takes no U; T 0:
-    the CUDA-core kernel; W: warps a block, 1, 2, 4 (the default) or 8)."""
+    the CUDA-core kernel; W: warps a block, 1, 2, 4 (the default here) or 8; W and B set both
+    kernels: the module's tensor-core blocks are ``...,1,2,1,8``)."""
     parts = text.split(",")
     parts += ["0", "0", "4"][max(0, len(parts) - 3) :]
     valid = len(parts) == 6 and all(p.isdigit() for p in parts) and parts[4] in ("0", "1")

@@ -1,7 +1,8 @@
 """Registers, shared memory and spills of kvfn's split decode kernels, compiled offline with
 nvcc (no GPU needed) as MLX wraps an ``mx.fast.cuda_kernel`` body: the header, then a
 ``__global__`` template over the inputs and outputs. Registers bound the resident blocks an SM
-holds (65536 / (128 threads x registers)), which ``kernels.BLOCKS_PER_SM`` assumes.
+holds (65536 / (threads x registers)), which ``kernels.BLOCKS_PER_SM`` (blocks of ``THREADS``)
+and ``kernels.MMA_BLOCKS_PER_SM`` (the tensor-core kernel's, of ``MMA_THREADS``) assume.
 
     python examples/kernel_registers.py --unrolls 1 2 4     # D=128, 4 query heads a block
     python examples/kernel_registers.py --stages 0 2 3      # rows in registers or staged
@@ -48,8 +49,9 @@ def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0, dtype: str = 
     source = getattr(kk, name)
     header = kk.MMA_HEADER if name in MMA else kk.HEADER
     inputs, own = KERNELS[name]
-    # a KV head's query heads in one block; 49 splits (plan's one wave at 8 KV heads) or one
-    params = dict(W=threads // 32, D=dim, G=heads, GT=heads, NT=1, NS=1 if one_split else 49,
+    # a KV head's query heads in one block; plan's one wave of splits at 8 KV heads, or one
+    splits = 1 if one_split else kk.plan(1, 8 * heads, 8, 1 << 20, name in MMA)[2]
+    params = dict(W=threads // 32, D=dim, G=heads, GT=heads, NT=1, NS=splits,
                   **{k: TEMPLATE[k] for k in own})  # fmt: skip
     if name in MMA:
         params.update(ST=max(stages, 1))

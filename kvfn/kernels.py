@@ -16,7 +16,7 @@ import mlx.core as mx
 LOG2E = 1.0 / math.log(2.0)
 THREADS = 128  # a block of the CUDA-core split kernels: THREADS / 32 warps (W in the sources)
 SMS = 132  # multiprocessors of an H100 / H200: the split count aims at a few waves of them
-BLOCKS_PER_SM = 3  # resident blocks plan sizes the splits by (139 registers a thread, D=128, U=4)
+BLOCKS_PER_SM = 3  # resident CUDA-core blocks plan sizes the splits by (139 registers, D=128, U=4)
 # a block's fixed cost is about that of 256 rows (the H200, in a decode step: at 1K rows a layer
 # 4 splits took 14 us, 19 splits 21 us; profile_timeline.py)
 MIN_KEYS_PER_SPLIT = 256
@@ -379,8 +379,8 @@ COMBINE_SOURCE = r"""
 """
 
 
-# The split kernel on tensor cores (bf16 / fp16, head_dim 64 or 128): the same blocks, splits,
-# outputs and combine as SPLIT_SOURCE, but a warp scores and accumulates 16 keys a step with
+# The split kernel on tensor cores (bf16 / fp16, head_dim 64 or 128): the same outputs and combine
+# as SPLIT_SOURCE (its own blocks, MMA_THREADS, and splits, plan(mma=True)), but a warp scores and accumulates 16 keys a step with
 # mma.sync (m16n8k16, float32 accumulators). The block's G query heads are the rows of a 16-row
 # A operand (rows G..15 zero); the probabilities stay in the registers the score mma wrote them
 # to (FlashAttention-2's layout) and are rounded to T. Each warp stages its 16 K and V rows

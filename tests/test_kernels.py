@@ -114,7 +114,7 @@ def test_tensor_core_kernel_across_splits_matches_reference(monkeypatch, group, 
     """Many 64-key block steps in several splits, lengths at and around the split and
     16-key warp boundaries, against the float64 reference and the CUDA-core kernel."""
     capacity = 9 * MIN_KEYS_PER_SPLIT + 5
-    assert plan(B, KV * group, KV, capacity)[2] > 1
+    assert plan(B, KV * group, KV, capacity, mma=True)[2] > 1
     mx.random.seed(2)
     q = mx.random.normal((B, KV * group, 1, 128)).astype(dtype)
     k, v = (mx.random.normal((B, KV, capacity, 128)).astype(dtype) for _ in range(2))
@@ -187,7 +187,8 @@ def test_blocks_of_other_warp_counts_match_reference(monkeypatch, threads, tenso
     mx.random.seed(7)
     q = mx.random.normal((B, KV * 4, 1, 128)).astype(mx.bfloat16)
     k, v = (mx.random.normal((B, KV, capacity, 128)).astype(mx.bfloat16) for _ in range(2))
-    assert kernels._mma_applies(q, k) == tensor_cores and plan(B, KV * 4, KV, capacity)[2] > 1
+    assert kernels._mma_applies(q, k) == tensor_cores
+    assert plan(B, KV * 4, KV, capacity, tensor_cores)[2] > 1
     lengths = mx.array([[1, 17], [2 * MIN_KEYS_PER_SPLIT + 63, capacity]], dtype=mx.int32)
     out = ragged_decode_attention(q, k, v, lengths, scale=0.088)
     want = reference(q, k, v, lengths, 0.088)
@@ -261,7 +262,8 @@ def test_one_split_writes_the_output_itself(monkeypatch, dtype, tensor_cores):
     mx.random.seed(6)
     q = mx.random.normal((B, KV * 4, 1, 128)).astype(dtype)
     k, v = (mx.random.normal((B, KV, capacity, 128)).astype(dtype) for _ in range(2))
-    assert kernels._mma_applies(q, k) == tensor_cores and plan(B, KV * 4, KV, capacity)[2] > 1
+    assert kernels._mma_applies(q, k) == tensor_cores
+    assert plan(B, KV * 4, KV, capacity, tensor_cores)[2] > 1
     lengths = mx.array([[0, 65], [capacity - 1, capacity]], dtype=mx.int32)
     want = reference(q, k, v, lengths, 0.088)
     many = ragged_decode_attention(q, k, v, lengths, scale=0.088)
@@ -546,6 +548,30 @@ def test_split_kernel_compiles_in_blocks_of_8_warps(monkeypatch, heads, unroll):
     assert r["smem"] == static and static + dynamic <= 227 * 1024
     mma = compiled(wrapped(kk, "MMA_SPLIT_SOURCE", 128, None, kk.STAGES, threads=256, heads=heads))
     assert mma["spill_stores"] == mma["spill_loads"] == 0 and resident_blocks(mma["registers"], 256)
+
+
+@pytest.mark.parametrize("mma", [False, True], ids=["cuda_cores", "tensor_cores"])
+def test_each_split_kernel_launches_in_its_own_blocks(monkeypatch, mma):
+    """The CUDA-core split kernel launches blocks of THREADS, the tensor-core one blocks of
+    MMA_THREADS, in the split count plan gives each (caught on the host: nothing launches)."""
+    launched = []
+
+    def kernel(shared):
+        def launch(**kw):
+            launched.append(kw)
+            return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+        return launch
+
+    monkeypatch.setattr(kernels, "_combine_kernel", lambda: kernel(0))
+    q, k, v = make(KV * 4, 128, mx.bfloat16)
+    kernels._split_and_combine(kernel, [q, k, v], q, KV, 4096, k.dtype, 0.1, [], mma)
+    threads = kernels.MMA_THREADS if mma else kernels.THREADS
+    splits = plan(B, KV * 4, KV, 4096, mma)[2]
+    assert kernels.MMA_THREADS != kernels.THREADS and splits > 1 and len(launched) == 2
+    split = launched[0]
+    assert split["threadgroup"] == (threads, 1, 1) and split["grid"][0] == splits * threads
+    assert dict(split["template"])["W"] == threads // 32
 
 
 @pytest.mark.parametrize("threads", [48, 0, 512])
