@@ -38,8 +38,8 @@ KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # (profile section 20), it took 7.7-9.3 us a call at 1K rows against the CUDA-core kernel's
 # 12.0-13.2, and 9.0-10.1 / 12.2-14.4 / 16.4-17.6 / 25.9-27.8 at 2K / 4K / 8K / 16K against its
 # own 13.9-14.2 / 14.5-15.0 / 21.1-22.4 / 27.7-28.2 in blocks of 4 warps and splits of 512 rows
-# (cuDNN's flash: 8.4-11.8 at 1K, 24-27 at 16K). Past 16K rows, below 1K and at head_dim 64 these
-# blocks are not timed.
+# (cuDNN's flash: 8.4-11.8 at 1K, 23.8-27.8 at 16K); at 32K and 128K the same as 4 warps. Below
+# 1K rows and at head_dim 64 these blocks are not timed.
 # KVFN_TENSOR_CORES=0 turns it off, =1 runs it on every split and head_dim it takes
 _TC_ENV = os.environ.get("KVFN_TENSOR_CORES", "")
 if _TC_ENV not in ("", "0", "1"):
@@ -379,11 +379,12 @@ COMBINE_SOURCE = r"""
 """
 
 
-# The split kernel on tensor cores (bf16 / fp16, head_dim 64 or 128): the same outputs and combine
-# as SPLIT_SOURCE (its own blocks, MMA_THREADS, and splits, plan(mma=True)), but a warp scores and accumulates 16 keys a step with
-# mma.sync (m16n8k16, float32 accumulators). The block's G query heads are the rows of a 16-row
-# A operand (rows G..15 zero); the probabilities stay in the registers the score mma wrote them
-# to (FlashAttention-2's layout) and are rounded to T. Each warp stages its 16 K and V rows
+# The split kernel on tensor cores (bf16 / fp16, head_dim 64 or 128): the same outputs and
+# combine as SPLIT_SOURCE (in its own blocks, MMA_THREADS, and splits, plan(mma=True)), but a
+# warp scores and accumulates 16 keys a step with mma.sync (m16n8k16, float32 accumulators).
+# The block's G query heads are the rows of a 16-row A operand (rows G..15 zero); the
+# probabilities stay in the registers the score mma wrote them to (FlashAttention-2's layout)
+# and are rounded to T. Each warp stages its 16 K and V rows
 # whole (cp.async) into swizzled shared memory and reads its fragments by ldmatrix. Scores are
 # in base 2 (scale holds scale * log2(e)).
 MMA_HEADER = HEADER + r"""

@@ -280,7 +280,6 @@ def test_tensor_core_kernel_applies_to_the_shapes_it_takes(monkeypatch):
     default 128 only), at most 8 query heads a block, plan's splits for it (one block of
     MMA_THREADS an SM) of at least MMA_MIN_KEYS_PER_SPLIT rows; elsewhere the CUDA-core
     kernel runs."""
-    monkeypatch.setattr(kernels, "TENSOR_CORES", True)
     for name, value in DEFAULTS.items():
         monkeypatch.setattr(kernels, name, value)
     q, k, _ = make(8 * 4, 128, mx.bfloat16)  # 8 KV heads: 16 splits of plan's one wave
