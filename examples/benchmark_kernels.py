@@ -253,7 +253,9 @@ def split_rows(text: str) -> int:
 def split_settings(rows) -> dict:
     """The ``kvfn.kernels`` settings of ``--split-rows``: ``plan`` gives either kernel's splits
     at least ``rows`` rows (None: the module's own)."""
-    return {} if rows is None else dict(MIN_KEYS_PER_SPLIT=rows, MMA_MIN_KEYS_PER_SPLIT=rows)
+    if rows is None:
+        return {}
+    return dict(MIN_KEYS_PER_SPLIT=rows, MMA_MIN_KEYS_PER_SPLIT=rows, MMA_KEYS_PER_SPLIT=rows)
 
 
 def kernel_settings(config: tuple) -> dict:
@@ -409,7 +411,7 @@ def planned(kk, q, k) -> str:
     tensor cores ("16 splits", "8 splits, tensor cores")."""
     mma = kk._mma_applies(q, k)
     splits = kk.plan(*q.shape[:2], k.shape[1], k.shape[2], mma)[2]
-    return f"{splits} splits{', tensor cores' if mma else ''}"
+    return f"{splits} split{'s' * (splits > 1)}{', tensor cores' if mma else ''}"
 
 
 def launches(kk, capacities, split_rows_list, repeat=3):

@@ -49,7 +49,7 @@ def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0, dtype: str = 
     source = getattr(kk, name)
     header = kk.MMA_HEADER if name in MMA else kk.HEADER
     inputs, own = KERNELS[name]
-    # a KV head's query heads in one block; plan's one wave of splits at 8 KV heads, or one
+    # a KV head's query heads in one block; plan's splits at 8 KV heads, or one
     splits = 1 if one_split else kk.plan(1, 8 * heads, 8, 1 << 20, name in MMA)[2]
     params = dict(W=threads // 32, D=dim, G=heads, GT=heads, NT=1, NS=splits,
                   **{k: TEMPLATE[k] for k in own})  # fmt: skip

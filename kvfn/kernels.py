@@ -34,12 +34,13 @@ KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # The split kernel's tensor-core version (MMA_SPLIT_SOURCE) takes float16 / bfloat16 and head_dim
 # 64 or 128 (MMA_DIMS). It runs on head_dim MMA_RUN_DIMS wherever plan's splits for it hold at
 # least MMA_MIN_KEYS_PER_SPLIT rows, in blocks of MMA_THREADS (8 warps: at 141 registers a
-# thread one block an SM, MMA_BLOCKS_PER_SM). On the H200, in 32 dependent calls at head_dim 128
-# (profile section 20), it took 7.7-9.3 us a call at 1K rows against the CUDA-core kernel's
-# 12.0-13.2, and 9.0-10.1 / 12.2-14.4 / 16.4-17.6 / 25.9-27.8 at 2K / 4K / 8K / 16K against its
-# own 13.9-14.2 / 14.5-15.0 / 21.1-22.4 / 27.7-28.2 in blocks of 4 warps and splits of 512 rows
-# (cuDNN's flash: 8.4-11.8 at 1K, 23.8-27.8 at 16K); at 32K and 128K the same as 4 warps. Below
-# 1K rows and at head_dim 64 these blocks are not timed.
+# thread one block an SM, MMA_BLOCKS_PER_SM). plan gives it splits of at least
+# MMA_KEYS_PER_SPLIT rows and MMA_FILL of the SMs' blocks: timed inside decode steps on the H200
+# (8B shape, 8 KV heads; profile section 21), 12 splits a layer took 28.6-29.1 / 45.2-45.6 /
+# 138.7-138.9 us at 16K / 32K / 128K rows against 31.8-33.2 / 46.8-47.2 / 138.4-139.2 for 16
+# (one block an SM), and 8 splits 17.1-17.9 us at 4K against 16's 20.9-23.8 (a step's attention:
+# 0.61-0.63 ms against 0.73-0.83; 8K: 12 splits 0.81-0.82 against 0.88-0.95). Why fewer blocks
+# win is not known; chains of calls over exact multiples of a split's rows ranked 16 first.
 # KVFN_TENSOR_CORES=0 turns it off, =1 runs it on every split and head_dim it takes
 _TC_ENV = os.environ.get("KVFN_TENSOR_CORES", "")
 if _TC_ENV not in ("", "0", "1"):
@@ -50,6 +51,8 @@ MMA_DTYPES = (mx.float16, mx.bfloat16)
 MMA_DIMS = (64, 128)
 MMA_RUN_DIMS = None if _EVERYWHERE else (128,)  # None: every head_dim it takes
 MMA_MIN_KEYS_PER_SPLIT = 0 if _EVERYWHERE else 256
+MMA_KEYS_PER_SPLIT = 512
+MMA_FILL = 0.75
 MMA_THREADS = 256
 MMA_BLOCKS_PER_SM = 1
 MMA_MAX_HEADS = 8  # query heads a block of the tensor-core kernel (its A operand's rows 0-7)
@@ -738,15 +741,20 @@ def _kernel_applies(q, k, v, rows=None) -> bool:
 
 
 def plan(batch, q_heads, kv_heads, capacity, mma=False):
-    """(query heads per block, head tiles per KV head, key splits) for the split kernel; ``mma``:
-    for its tensor-core version, ``MMA_BLOCKS_PER_SM`` blocks an SM, whose splits hold at least
-    ``MMA_MIN_KEYS_PER_SPLIT`` rows."""
+    """(query heads per block, head tiles per KV head, key splits) for the split kernel: one wave
+    of ``BLOCKS_PER_SM`` blocks an SM, splits of at least ``MIN_KEYS_PER_SPLIT`` rows; ``mma``:
+    for its tensor-core version, ``MMA_FILL`` of a wave of ``MMA_BLOCKS_PER_SM`` blocks an SM,
+    splits of at least ``MMA_KEYS_PER_SPLIT`` rows (and ``MMA_MIN_KEYS_PER_SPLIT``, the least
+    it runs on)."""
     group = q_heads // kv_heads
     tile = max(g for g in range(1, MAX_HEADS_PER_BLOCK + 1) if group % g == 0)
     rows = batch * kv_heads * (group // tile)
-    resident = MMA_BLOCKS_PER_SM if mma else BLOCKS_PER_SM
-    wanted = resident * SMS // rows  # rounded down: one wave, no straggling partial wave
-    least = max(MIN_KEYS_PER_SPLIT, MMA_MIN_KEYS_PER_SPLIT) if mma else MIN_KEYS_PER_SPLIT
+    if mma:
+        blocks = int(MMA_FILL * MMA_BLOCKS_PER_SM * SMS)
+        least = max(MMA_KEYS_PER_SPLIT, MMA_MIN_KEYS_PER_SPLIT)
+    else:
+        blocks, least = BLOCKS_PER_SM * SMS, MIN_KEYS_PER_SPLIT
+    wanted = blocks // rows  # rounded down: no straggling partial wave
     splits = max(1, min(wanted, capacity // least, MAX_SPLITS))
     return tile, group // tile, splits
 

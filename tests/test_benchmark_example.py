@@ -459,7 +459,7 @@ def test_split_rows_set_both_kernels_splits(monkeypatch):
             mma = kk._mma_applies(q, k)
             assert mma == bool(tc) and kk.plan(1, 32, 8, 4096, mma)[2] == splits
     with patched(kk, TENSOR_CORES=True, **split_settings(1024)):  # the module's plan otherwise
-        assert kk._mma_applies(q, k) and kk.plan(1, 32, 8, 4096, True)[2] == 4  # default 16
+        assert kk._mma_applies(q, k) and kk.plan(1, 32, 8, 4096, True)[2] == 4  # default 8
     assert split_settings(None) == {} and split_rows("512") == 512
     for bad in ("0", "-4", "x"):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
@@ -472,15 +472,15 @@ def test_launches_run_each_split_size_and_restore_the_plan(capsys):
     from examples.benchmark_kernels import launches, patched
 
     kk = kvfn.kernels
-    before = kk.MIN_KEYS_PER_SPLIT, kk.MMA_MIN_KEYS_PER_SPLIT
+    before = kk.MIN_KEYS_PER_SPLIT, kk.MMA_MIN_KEYS_PER_SPLIT, kk.MMA_KEYS_PER_SPLIT
     with patched(kk, TENSOR_CORES=True):
         launches(kk, [512, 2048], [64, None], repeat=1)
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["capacity 512, split rows 64: 8 splits, tensor cores",
-                     "capacity 512, split rows default: 2 splits, tensor cores",  # of 256 rows
-                     "capacity 2048, split rows 64: 16 splits, tensor cores",  # one block an SM
-                     "capacity 2048, split rows default: 8 splits, tensor cores"]  # fmt: skip
-    assert (kk.MIN_KEYS_PER_SPLIT, kk.MMA_MIN_KEYS_PER_SPLIT) == before
+                     "capacity 512, split rows default: 1 split, tensor cores",  # of 512 rows
+                     "capacity 2048, split rows 64: 12 splits, tensor cores",  # MMA_FILL
+                     "capacity 2048, split rows default: 4 splits, tensor cores"]  # fmt: skip
+    assert (kk.MIN_KEYS_PER_SPLIT, kk.MMA_MIN_KEYS_PER_SPLIT, kk.MMA_KEYS_PER_SPLIT) == before
 
 
 def test_patched_settings_are_restored_even_when_the_block_fails():

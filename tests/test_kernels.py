@@ -151,7 +151,8 @@ def test_tensor_core_kernel_compiles_into_a_decode_step(monkeypatch):
 
 # the module's tensor-core settings with KVFN_TENSOR_CORES unset
 DEFAULTS = dict(TENSOR_CORES=True, MMA_RUN_DIMS=(128,), MMA_MIN_KEYS_PER_SPLIT=256,
-                MMA_THREADS=256, MMA_BLOCKS_PER_SM=1)  # fmt: skip
+                MMA_KEYS_PER_SPLIT=512, MMA_FILL=0.75, MMA_THREADS=256,
+                MMA_BLOCKS_PER_SM=1)  # fmt: skip
 
 
 @needs_cuda
@@ -204,9 +205,9 @@ def test_tensor_core_kernel_runs_by_default_on_long_splits(monkeypatch, dtype):
     reference."""
     for name, value in DEFAULTS.items():  # whatever KVFN_TENSOR_CORES this process has
         monkeypatch.setattr(kernels, name, value)
-    batch, kv_heads, group = 1, 8, 4  # one wave of plan's splits, one block an SM: 132 // 8
+    batch, kv_heads, group = 1, 8, 4  # MMA_FILL of a wave of one block an SM: 99 // 8 splits
     capacity = 16384 + 5
-    assert plan(batch, kv_heads * group, kv_heads, capacity, mma=True)[2] == 16
+    assert plan(batch, kv_heads * group, kv_heads, capacity, mma=True)[2] == 12
     mx.random.seed(5)
     q = mx.random.normal((batch, kv_heads * group, 1, 128)).astype(dtype)
     k, v = (mx.random.normal((batch, kv_heads, capacity, 128)).astype(dtype) for _ in range(2))
@@ -277,18 +278,22 @@ def test_one_split_writes_the_output_itself(monkeypatch, dtype, tensor_cores):
 
 def test_tensor_core_kernel_applies_to_the_shapes_it_takes(monkeypatch):
     """Checked before any launch, on any backend: float16 / bfloat16, head_dim 64 or 128 (by
-    default 128 only), at most 8 query heads a block, plan's splits for it (one block of
-    MMA_THREADS an SM) of at least MMA_MIN_KEYS_PER_SPLIT rows; elsewhere the CUDA-core
-    kernel runs."""
+    default 128 only), at most 8 query heads a block, plan's splits for it (MMA_FILL of a
+    wave of one block of MMA_THREADS an SM, at least MMA_KEYS_PER_SPLIT rows where the
+    capacity has them) of at least MMA_MIN_KEYS_PER_SPLIT rows; elsewhere the CUDA-core kernel
+    runs."""
     for name, value in DEFAULTS.items():
         monkeypatch.setattr(kernels, name, value)
-    q, k, _ = make(8 * 4, 128, mx.bfloat16)  # 8 KV heads: 16 splits of plan's one wave
+    q, k, _ = make(8 * 4, 128, mx.bfloat16)  # 8 KV heads: at most 12 splits (99 blocks)
     long = mx.zeros((1, 8, 1 << 16, 128), mx.bfloat16)
-    for capacity, splits in ((1 << 16, 16), (4096, 16), (1024, 4), (512, 2), (256, 1)):
+    for capacity, splits in ((1 << 16, 12), (8192, 12), (4096, 8), (1024, 2), (1023, 1),
+                             (512, 1), (256, 1)):  # fmt: skip
         assert kernels._mma_applies(q[:1], long[:, :, :capacity])
         assert plan(1, 32, 8, capacity, mma=True)[2] == splits
     assert plan(1, 32, 8, 1 << 16)[2] == 49  # the CUDA-core plan: three blocks an SM
     assert not kernels._mma_applies(q[:1], long[:, :, :255])  # one split of 255 rows
+    assert [plan(b, 32, 8, 1 << 16, mma=True)[2] for b in (6, 7)] == [2, 1]  # 99 // (8 b)
+    assert plan(1, 64, 4, 1 << 16, mma=True) == (8, 2, 12)  # 2 head tiles a KV head: 8 rows
     many = mx.broadcast_to(mx.zeros((1, 1, 1, 1), mx.bfloat16), (32, 8, 1024, 128))
     qs = mx.broadcast_to(mx.zeros((1, 1, 1, 1), mx.bfloat16), (32, 32, 1, 128))
     assert plan(32, 32, 8, 1024, mma=True)[2] == 1 and kernels._mma_applies(qs, many)
@@ -308,6 +313,27 @@ def test_tensor_core_kernel_applies_to_the_shapes_it_takes(monkeypatch):
     assert plan(B, KV * 16, KV, C)[0] == 16 and not kernels._mma_applies(q16, k16)
     monkeypatch.setattr(kernels, "TENSOR_CORES", False)
     assert not kernels._mma_applies(q, k)
+
+
+def test_tensor_core_plan_keeps_the_rows_it_runs_on(monkeypatch):
+    """Whatever the batch and head layout, a capacity takes the tensor-core kernel exactly from
+    MMA_MIN_KEYS_PER_SPLIT rows: plan's splits for it (MMA_FILL of a wave, at least
+    MMA_KEYS_PER_SPLIT rows) never drop under that least, even where it exceeds the split size."""
+    for name, value in DEFAULTS.items():
+        monkeypatch.setattr(kernels, name, value)
+    layouts = [(1, 32, 8), (3, 32, 8), (7, 32, 8), (1, 64, 4), (2, 14, 2), (32, 32, 8)]
+    for batch, q_heads, kv_heads in layouts:
+        q = mx.zeros((batch, q_heads, 1, 128), mx.bfloat16)
+        for capacity in (255, 256, 511, 1023, 1024, 5000, 1 << 16):
+            k = mx.broadcast_to(
+                mx.zeros((1, 1, 1, 1), mx.bfloat16), (batch, kv_heads, capacity, 128)
+            )
+            assert kernels._mma_applies(q, k) == (capacity >= 256), (batch, q_heads, capacity)
+    monkeypatch.setattr(kernels, "MMA_MIN_KEYS_PER_SPLIT", 2048)  # above MMA_KEYS_PER_SPLIT
+    q = mx.zeros((1, 32, 1, 128), mx.bfloat16)
+    assert plan(1, 32, 8, 8192, mma=True)[2] == 4
+    assert kernels._mma_applies(q, mx.zeros((1, 8, 8192, 128), mx.bfloat16))
+    assert not kernels._mma_applies(q, mx.zeros((1, 8, 2047, 128), mx.bfloat16))
 
 
 @pytest.mark.parametrize("stages", [0, 1, 2, 3])
