@@ -13,6 +13,8 @@ it also times a compiled function making N such calls.
     python examples/benchmark_kernels.py --chain --capacities 2048 8192 --configs 4,4,3,2,0 \
         4,4,1,2,1,8 --split-rows 256 512  # CUDA cores in 4 warps, tensor cores in 8 (the
         # defaults), each in splits of 256 and 512 rows
+    python examples/benchmark_kernels.py --chain --capacities 4096 16384 --decoded 20  # rows
+        # as a step's lie 20 tokens into decoding (whether chains then rank as steps: unmeasured)
     ncu --kernel-name regex:"ragged|sdpa|lean" --section WarpStateStats python \
         examples/benchmark_kernels.py --launches --capacities 1024 4096 --split-rows 64 256
 """
@@ -250,6 +252,13 @@ def split_rows(text: str) -> int:
     return int(text)
 
 
+def decoded_rows(text: str) -> int:
+    """``--decoded``: a row count, 0 or more."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive number of rows; got {text!r}")
+    return int(text)
+
+
 def split_settings(rows) -> dict:
     """The ``kvfn.kernels`` settings of ``--split-rows``: ``plan`` gives either kernel's splits
     at least ``rows`` rows (None: the module's own)."""
@@ -365,26 +374,34 @@ def check_one(kk, q, k, v, lengths):
     return max_error(got, want)
 
 
-def chain_table(kk, capacities, layers=32, steps=10, settings=""):
+def chain_table(kk, capacities, layers=32, steps=10, settings="", decoded=0):
     """Each kernel's duration (CUPTI, through PyTorch's profiler) inside ``layers`` dependent
     calls, each call's output the next call's query as in a decode step: cuDNN's fused SDPA
     over all rows, the split kernel as planned over the same rows, and the split kernel at
     lengths 0 and 64 of that capacity (its fixed cost). us a call, per kernel: the mean;
-    ``settings`` names the kernel settings in the title."""
+    ``settings`` names the kernel settings in the title. ``decoded`` T > 0 times a state T
+    steps into decoding, as a step sees it: capacity + T valid rows in capacity + 2T slots
+    (cuDNN over the capacity + T rows alone). At T = 0 the valid rows fill the slots, a whole
+    number of every split's rows, which ranked split counts differently from steps (profile
+    section 21)."""
     print(f"\nkernels inside {layers} dependent calls (us a call, each kernel's mean)"
-          + (f", settings {settings}" if settings else ""))  # fmt: skip
+          + (f", settings {settings}" if settings else "")
+          + (f", {decoded} rows decoded: capacity + {decoded} valid of capacity + {2 * decoded}"
+             if decoded else ""))  # fmt: skip
     print("| capacity | cuDNN | kvfn (splits) | kvfn, length 0 | kvfn, length 64 |")
     print("|---|---|---|---|---|")
     scale = DIM**-0.5
     for capacity in capacities:
+        valid = capacity + decoded
         q = operands(1)[0]
-        kvs = [operands(capacity)[1:] for _ in range(layers)]
+        kvs = [operands(valid + decoded)[1:] for _ in range(layers)]
+        dense = [operands(valid)[1:] for _ in range(layers)] if decoded else kvs
 
-        def chain(attend):
+        def chain(attend, layers_kv=kvs):
             def run(n):
                 for _ in range(n):
                     x = q
-                    for k, v in kvs:
+                    for k, v in layers_kv:
                         x = attend(x, k, v)
                     mx.eval(x)
 
@@ -394,8 +411,9 @@ def chain_table(kk, capacities, layers=32, steps=10, settings=""):
             rows = mx.array(n, dtype=mx.int32)
             return chain(lambda x, k, v: kk.ragged_decode_attention(x, k, v, rows, scale=scale))
 
-        runs = [chain(lambda x, k, v: mx.fast.scaled_dot_product_attention(x, k, v, scale=scale)),
-                split(capacity), split(0), split(64)]  # fmt: skip
+        sdpa = mx.fast.scaled_dot_product_attention
+        runs = [chain(lambda x, k, v: sdpa(x, k, v, scale=scale), dense),
+                split(valid), split(0), split(64)]  # fmt: skip
         cells = []
         for run in runs:
             run(2)
@@ -403,7 +421,7 @@ def chain_table(kk, capacities, layers=32, steps=10, settings=""):
             cells.append(per_call(kernels))
         cells[1] += f" ({planned(kk, q, kvs[0][0])})"
         print(f"| {capacity} | " + " | ".join(cells) + " |", flush=True)
-        del kvs
+        del kvs, dense
 
 
 def planned(kk, q, k) -> str:
@@ -471,6 +489,9 @@ def main():
         type=split_rows,
         help="with --chain or --launches: each in plan's splits of at least N rows",
     )
+    parser.add_argument("--decoded", type=decoded_rows, default=0, metavar="T",
+                        help="with --chain: capacity + T valid rows of capacity + 2T, as a "
+                        "state T steps into decoding")  # fmt: skip
     parser.add_argument("--launches", action="store_true",
                         help="only launch the kernels, untimed (for ncu; --split-rows)")  # fmt: skip
     args = parser.parse_args()
@@ -488,7 +509,13 @@ def main():
                 settings = {**(kernel_settings(config) if config else {}), **split_settings(rows)}
                 name = ",".join(map(str, config or ())) + (f" rows {rows}" if rows else "")
                 with patched(kk, **settings):
-                    chain_table(kk, args.capacities, args.layers or 32, settings=name.strip())
+                    chain_table(
+                        kk,
+                        args.capacities,
+                        args.layers or 32,
+                        settings=name.strip(),
+                        decoded=args.decoded,
+                    )
         return
     if args.configs:
         return configs_table(kk, args.capacities, args.iters, args.configs, args.layers)

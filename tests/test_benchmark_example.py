@@ -1,3 +1,4 @@
+import argparse
 import functools
 import re
 
@@ -405,6 +406,27 @@ def test_benchmark_kernels_chain_reads_each_kernels_mean_and_needs_cuda(monkeypa
     out = capsys.readouterr().out
     assert "| 512 | 7.0 | 7.0 (" in out and out.rstrip().endswith("| 7.0 | 7.0 |")
 
+    # --decoded T: the split kernel plans over capacity + 2T slots, cuDNN reads capacity + T rows
+    kk = bk.load_kernels()  # a fresh module: nothing to restore
+    kk.TENSOR_CORES, kk.MMA_RUN_DIMS = True, (128,)
+    sdpa, seen = mx.fast.scaled_dot_product_attention, set()
+
+    def recording_sdpa(q, k, v, **kw):
+        if kw.get("mask") is None:  # cuDNN's column (the kernel's CPU fallback passes a mask)
+            seen.add(k.shape[2])
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recording_sdpa)
+    bk.chain_table(kk, [512], layers=2, steps=1, decoded=300)
+    out = capsys.readouterr().out
+    assert "300 rows decoded: capacity + 300 valid of capacity + 600" in out
+    assert "| 512 | 7.0 | 7.0 (2 splits, tensor cores) |" in out  # 1112 slots, 512-row splits
+    assert seen == {812}
+    assert bk.decoded_rows("0") == 0 and bk.decoded_rows("20") == 20
+    for bad in ("-1", "x", "2.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
+            bk.decoded_rows(bad)
+
     if kvfn.kernels.on_cuda():
         pytest.skip("on MLX's CUDA backend it would run")
     monkeypatch.setattr("sys.argv", ["benchmark_kernels.py", "--chain", "--capacities", "64"])
@@ -415,7 +437,6 @@ def test_benchmark_kernels_chain_reads_each_kernels_mean_and_needs_cuda(monkeypa
 def test_kernel_settings_parse_and_name_the_bad_one():
     """``--configs`` of benchmark_kernels / profile_decode: G,U,B[,S[,T[,W]]], T 0 (CUDA cores)
     or 1 (tensor cores on every split they take), W warps a block (4 unless given)."""
-    import argparse
 
     from examples.benchmark_kernels import kernel_config, kernel_settings
 
@@ -440,7 +461,6 @@ def test_kernel_settings_parse_and_name_the_bad_one():
 def test_split_rows_set_both_kernels_splits(monkeypatch):
     """``--split-rows N``: plan gives either kernel (CUDA cores, or tensor cores on every split
     they take) splits of at least N rows; a bad N is named."""
-    import argparse
 
     from examples.benchmark_kernels import (
         kernel_config,
