@@ -245,18 +245,21 @@ def kernel_config(text: str) -> tuple:
     return tuple(int(p) for p in parts)
 
 
-def split_rows(text: str) -> int:
-    """``--split-rows``: a positive row count."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive number of rows; got {text!r}")
-    return int(text)
+def rows_at_least(least: int):
+    """An argparse type: a whole number of rows, at least ``least``."""
+
+    def rows(text: str) -> int:
+        if not text.isdigit() or int(text) < least:
+            raise argparse.ArgumentTypeError(
+                f"must be a row count of at least {least}; got {text!r}"
+            )
+        return int(text)
+
+    return rows
 
 
-def decoded_rows(text: str) -> int:
-    """``--decoded``: a row count, 0 or more."""
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be 0 or a positive number of rows; got {text!r}")
-    return int(text)
+split_rows = rows_at_least(1)  # --split-rows
+decoded_rows = rows_at_least(0)  # --decoded
 
 
 def split_settings(rows) -> dict:

@@ -228,7 +228,7 @@ def test_tensor_core_kernel_runs_by_default_on_long_splits(monkeypatch, dtype):
     ],
 )
 def test_tensor_core_settings_follow_the_environment(monkeypatch, env, settings):
-    """KVFN_TENSOR_CORES unset: tensor cores at head_dim 128 on splits of 256 rows; 0: off;
+    """KVFN_TENSOR_CORES unset: tensor cores at head_dim 128 from 256 rows; 0: off;
     1: every split and head_dim the kernel takes (the module read fresh from its file)."""
     from examples.benchmark_kernels import load_kernels
 
