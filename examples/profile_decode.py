@@ -62,8 +62,8 @@ MODES = ("sync", "piped", "piped-held")
 VERSUS = ("sync", "piped")  # the modes a row's ratio to mlx-lm's is printed for
 
 
-def mlx_loop(model, cache):
-    box = [mx.array([[1]])]
+def mlx_loop(model, cache, batch: int = 1):
+    box = [mx.ones((batch, 1), mx.int32)]
 
     def build():
         logits = model(box[0], cache=cache)
@@ -73,8 +73,8 @@ def mlx_loop(model, cache):
     return build
 
 
-def kvfn_loop(fm, states):
-    box = [mx.array([[1]]), tuple(states)]
+def kvfn_loop(fm, states, batch: int = 1):
+    box = [mx.ones((batch, 1), mx.int32), tuple(states)]
 
     def build():
         logits, box[1] = fm.decode(box[0], box[1])
@@ -85,20 +85,21 @@ def kvfn_loop(fm, states):
     return build
 
 
-def variant_loop(model, states, **settings):
+def variant_loop(model, states, batch: int = 1, **settings):
     """``kvfn_loop`` of a new FunctionalModel whose step traces with these ``kvfn.kernels``
     settings (read when a step traces; restored after its first step)."""
     with patched(kvfn.kernels, **settings):
-        build = kvfn_loop(kvfn.FunctionalModel(model), states)
+        build = kvfn_loop(kvfn.FunctionalModel(model), states, batch)
         mx.eval(build())
     build.settings = settings
     return build
 
 
-def filled(model, L: int, room: int, dtype):
-    """(mlx-lm caches, kvfn states) holding the same L random rows a layer."""
+def filled(model, L: int, room: int, dtype, batch: int = 1):
+    """(mlx-lm caches, kvfn states) holding the same L random rows a layer, for each of
+    ``batch`` sequences."""
     args = model.args
-    shape = (1, args.num_key_value_heads, L, args.head_dim)
+    shape = (batch, args.num_key_value_heads, L, args.head_dim)
     caches, states = make_prompt_cache(model), []
     for c in caches:
         k = mx.random.normal(shape).astype(dtype)

@@ -25,7 +25,9 @@ kvfn with its CUDA decode kernel off (SDPA with a mask array); with ``--splits``
 the split kernel's key splits fixed. With ``--duo RATIO``, R is a prompt's length and three more
 rows follow: kvfn over the whole prompt (a dense state), DuoAttention's state of it (a random
 head pattern at that retrieval ratio; streaming heads keep 64 sinks + 256 recent rows) and the
-same rows in the slots layout; ``--splits`` then fixes their splits too.
+same rows in the slots layout; ``--splits`` then fixes their splits too. ``--batch B`` decodes B
+sequences at once, each over its own random rows (``kernels.plan`` then spreads B times as many
+blocks over the SMs, so fewer key splits).
 """
 
 import argparse
@@ -45,9 +47,11 @@ import mlx.core as mx  # noqa: E402
 from examples.benchmark_decode import (  # noqa: E402
     SHAPES,
     check_at_least,
+    cleared,
     median_ms,
     pipelined_ms,
     random_model,
+    weights_bytes,
 )
 from examples.profile_decode import (  # noqa: E402
     check_duo,
@@ -169,6 +173,31 @@ def fixed_splits(n: int):
     return fixed
 
 
+HELD = 3  # copies of a row count's K/V alive at once: mlx-lm's cache twice while its first
+# append regrows it, kvfn's states; the packed copy comes once mlx-lm's has grown
+
+
+def kv_bytes(model, rows: int, batch: int, dtype) -> int:
+    """K and V bytes of ``rows`` rows of every layer, for ``batch`` sequences."""
+    a = model.args
+    return 2 * batch * rows * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * dtype.size
+
+
+def device_bytes():
+    """The GPU's memory in bytes, where MLX reports it (None elsewhere)."""
+    info = mx.device_info()
+    return info.get("total_memory") or info.get("memory_size")
+
+
+def check_memory(p, model, rows: list, room: int, batch: int, dtype, memory) -> None:
+    for R in rows:
+        need = weights_bytes(model) + HELD * kv_bytes(model, R + room, batch, dtype)
+        if memory and need > memory:
+            p.error(f"argument --rows: {R} rows of --batch {batch} need about {need / 1e9:.1f} GB "
+                    f"(the weights and {HELD} copies of the rows), more than the device's "
+                    f"{memory / 1e9:.1f} GB")  # fmt: skip
+
+
 def row_names(splits: list, duo: bool) -> list:
     """The rows a run times, in order."""
     names = ["mlx-lm", "kvfn", "kvfn masked SDPA", *(f"kvfn {n} splits" for n in splits)]
@@ -184,11 +213,12 @@ def row_builders(model, caches, states, R: int, room: int, args) -> dict:
     built; the Duo states once, for the rows that need them)."""
     compacted = lru_cache(maxsize=1)(lambda: packed(states, R, room))
     duo = lru_cache(maxsize=1)(lambda: duo_states(states, args.duo, room))
+    b = args.batch
     rows = {
-        "mlx-lm": lambda: mlx_loop(model, caches),
-        "kvfn": lambda: kvfn_loop(kvfn.FunctionalModel(model), compacted()),
-        "kvfn masked SDPA": lambda: variant_loop(model, compacted(), ENABLED=False),
-        "kvfn full": lambda: kvfn_loop(kvfn.FunctionalModel(model), states),
+        "mlx-lm": lambda: mlx_loop(model, caches, b),
+        "kvfn": lambda: kvfn_loop(kvfn.FunctionalModel(model), compacted(), b),
+        "kvfn masked SDPA": lambda: variant_loop(model, compacted(), b, ENABLED=False),
+        "kvfn full": lambda: kvfn_loop(kvfn.FunctionalModel(model), states, b),
         "duo": lambda: kvfn_loop(kvfn.FunctionalModel(model), duo()),
         "duo slots": lambda: kvfn_loop(kvfn.FunctionalModel(model), slots.pack_layers(duo())),
     }
@@ -196,7 +226,7 @@ def row_builders(model, caches, states, R: int, room: int, args) -> dict:
         for name, state in (("kvfn", compacted), ("duo", duo),
                             ("duo slots", lambda: slots.pack_layers(duo()))):  # fmt: skip
             rows[f"{name} {n} splits"] = lambda state=state, n=n: variant_loop(
-                model, state(), plan=fixed_splits(n)
+                model, state(), b, plan=fixed_splits(n)
             )
     return rows
 
@@ -219,6 +249,9 @@ def main(argv=None) -> dict:
     p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     p.add_argument("--q4", action="store_true", help="4-bit weights (group size 64)")
     p.add_argument("--rows", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument(
+        "--batch", type=int, default=1, help="sequences decoded at once (not with --duo)"
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=0, help="print each row's N costliest kernels")
     p.add_argument("--splits", type=int, nargs="*", default=[],
@@ -234,6 +267,9 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     check_at_least(p, "rows", args.rows)
     check_at_least(p, "steps", [args.steps])
+    check_at_least(p, "batch", [args.batch])
+    if args.batch > 1 and args.duo is not None:
+        p.error(f"argument --batch: --duo rows run one sequence, got --batch {args.batch}")
     check_at_least(p, "splits", args.splits)
     check_at_least(p, "top", [args.top], low=0)
     check_duo(p, args.duo, args.rows, "--rows")
@@ -246,9 +282,12 @@ def main(argv=None) -> dict:
     dtype = mx.bfloat16
     model = random_model(args.shape, args.q4, dtype)
     room = 2 * (10 * WARM + args.steps) + 2  # a row's steps: its first, then both loops
+    check_memory(p, model, args.rows, room, args.batch, dtype, device_bytes())
     results = {}
     for R in args.rows:
-        caches, states = filled(model, R, room, dtype)
+        caches, states = filled(model, R, room, dtype, args.batch)
+        cleared()  # filling's float32 draws stay in MLX's buffer cache otherwise (batch 8 at 32K
+        # ran out of memory at mlx-lm's first step)
         builders = row_builders(model, caches, states, R, room, args)
         for name in names:
             if args.loops and name not in args.loops:
@@ -274,6 +313,7 @@ def main(argv=None) -> dict:
                     print_top(s["api"], args.top)
             del build
         del caches, states, builders
+        cleared()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return results

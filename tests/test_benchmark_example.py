@@ -387,6 +387,51 @@ def test_pipelined_loop_writes_the_state_in_place():
     assert 1e6 * benchmark_decode.step_mb(kvfn_loop(fm, state)) < layer_kv / 4
 
 
+def test_profile_timeline_rows_decode_a_batch_as_mlx_lm_does():
+    """--batch B: each sequence holds its own rows, and every row's loop (mlx-lm's, kvfn's over
+    the packed rows, its masked SDPA, a fixed split count) decodes the same B tokens a step."""
+    import argparse
+
+    from examples import profile_timeline
+    from examples.profile_decode import filled
+
+    model = benchmark_decode.random_model("tiny", False, mx.float32)
+    caches, states = filled(model, 96, 8, mx.float32, batch=3)
+    assert caches[0].keys.shape[0] == 3 and not mx.array_equal(caches[0].keys[0], caches[0].keys[1])
+    args = argparse.Namespace(batch=3, splits=[2], duo=None)
+    builders = profile_timeline.row_builders(model, caches, states, 96, 8, args)
+    tokens = {}
+    for name in ("mlx-lm", "kvfn", "kvfn masked SDPA", "kvfn 2 splits"):
+        build = builders[name]()  # each loop appends to its own rows: mlx-lm's cache, a state
+        taken = hasattr(build, "settings")  # a variant's builder ran its first step to trace it
+        tokens[name] = mx.concatenate([build()[0] for _ in range(3 if taken else 4)], axis=1)
+        tokens[name] = tokens[name][:, -3:]
+    assert tokens["mlx-lm"].shape == (3, 3)
+    for name, toks in tokens.items():
+        assert mx.array_equal(toks, tokens["mlx-lm"]), (name, toks, tokens["mlx-lm"])
+
+
+def test_profile_timeline_names_a_bad_batch(capsys):
+    from examples import profile_timeline
+
+    for argv, said in ((["--batch", "0"], "--batch: values must be >= 1, got [0]"),
+                       (["--batch", "2", "--duo", "0.25", "--rows", "4096"],
+                        "--duo rows run one sequence, got --batch 2")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            profile_timeline.main(argv)
+        assert said in capsys.readouterr().err
+    # rows that cannot fit are named before any is filled: the weights and three copies of them
+    model = benchmark_decode.random_model("tiny", False, mx.float32)
+    parser = argparse.ArgumentParser()
+    need = benchmark_decode.weights_bytes(model) + 3 * profile_timeline.kv_bytes(
+        model, 4096 + 10, 2, mx.float32
+    )
+    profile_timeline.check_memory(parser, model, [1024, 4096], 10, 2, mx.float32, need)
+    with pytest.raises(SystemExit):
+        profile_timeline.check_memory(parser, model, [1024, 4096], 10, 2, mx.float32, need - 1)
+    assert "--rows: 4096 rows of --batch 2 need about" in capsys.readouterr().err
+
+
 def test_benchmark_kernels_chain_reads_each_kernels_mean_and_needs_cuda(monkeypatch, capsys):
     from examples import benchmark_kernels as bk
 
