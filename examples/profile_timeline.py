@@ -174,7 +174,8 @@ def fixed_splits(n: int):
 
 
 HELD = 3  # copies of a row count's K/V alive at once: mlx-lm's cache twice while its first
-# append regrows it, kvfn's states; the packed copy comes once mlx-lm's has grown
+# append regrows it and kvfn's states, then mlx-lm's grown cache, kvfn's states and their
+# packed copy
 
 
 def kv_bytes(model, rows: int, batch: int, dtype) -> int:
@@ -287,7 +288,7 @@ def main(argv=None) -> dict:
     for R in args.rows:
         caches, states = filled(model, R, room, dtype, args.batch)
         cleared()  # filling's float32 draws stay in MLX's buffer cache otherwise (batch 8 at 32K
-        # ran out of memory at mlx-lm's first step)
+        # ran out of memory at kvfn's first step)
         builders = row_builders(model, caches, states, R, room, args)
         for name in names:
             if args.loops and name not in args.loops:
