@@ -14,7 +14,7 @@ it also times a compiled function making N such calls.
         4,4,1,2,1,8 --split-rows 256 512  # CUDA cores in 4 warps, tensor cores in 8 (the
         # defaults), each in splits of 256 and 512 rows
     python examples/benchmark_kernels.py --chain --capacities 4096 16384 --decoded 20  # rows
-        # as a step's lie 20 tokens into decoding (whether chains then rank as steps: unmeasured)
+        # as a step's lie 20 tokens into decoding (profile section 22: still no proxy for steps)
     ncu --kernel-name regex:"ragged|sdpa|lean" --section WarpStateStats python \
         examples/benchmark_kernels.py --launches --capacities 1024 4096 --split-rows 64 256
 """

@@ -191,8 +191,9 @@ def device_bytes():
 
 
 def check_memory(p, model, rows: list, room: int, batch: int, dtype, memory) -> None:
+    weights = weights_bytes(model)
     for R in rows:
-        need = weights_bytes(model) + HELD * kv_bytes(model, R + room, batch, dtype)
+        need = weights + HELD * kv_bytes(model, R + room, batch, dtype)
         if memory and need > memory:
             p.error(f"argument --rows: {R} rows of --batch {batch} need about {need / 1e9:.1f} GB "
                     f"(the weights and {HELD} copies of the rows), more than the device's "

@@ -390,8 +390,6 @@ def test_pipelined_loop_writes_the_state_in_place():
 def test_profile_timeline_rows_decode_a_batch_as_mlx_lm_does():
     """--batch B: each sequence holds its own rows, and every row's loop (mlx-lm's, kvfn's over
     the packed rows, its masked SDPA, a fixed split count) decodes the same B tokens a step."""
-    import argparse
-
     from examples import profile_timeline
     from examples.profile_decode import filled
 
