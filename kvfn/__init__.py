@@ -10,7 +10,7 @@ from .blas import use_openblas
 
 use_openblas()  # before mlx.core is imported anywhere below
 
-from . import cache, distributed, partitioned, ring, slots, tree  # noqa: E402
+from . import cache, distributed, partitioned, ragged, ring, slots, tree  # noqa: E402
 from .adakv import AdaKV  # noqa: E402
 from .baselines import ChunkKV, RandomRows, StreamingLLM  # noqa: E402
 from .cache import (  # noqa: E402
@@ -52,6 +52,7 @@ from .interop import (  # noqa: E402
 from .kvzip import AdaKVzip, KVzip, reconstruction_scores, repeat_prompt  # noqa: E402
 from .partitioned import HeadPartitionedKVCache  # noqa: E402
 from .policy import Policy, parse_policy, register_policy  # noqa: E402
+from .ragged import RaggedKVCache  # noqa: E402
 from .ring import StreamingRing  # noqa: E402
 from .scores import query_statistics, window_attention_scores  # noqa: E402
 from .slots import HeadSlotsKVCache  # noqa: E402
@@ -79,7 +80,9 @@ __all__ = [
     "HeadPartitionedKVCache",
     "StreamingRing",
     "HeadSlotsKVCache",
+    "RaggedKVCache",
     "partitioned",
+    "ragged",
     "ring",
     "slots",
     "tree",

@@ -4,8 +4,9 @@ SnapKV gives every head the same number of rows. Ada-KV ranks all (head, row) pa
 together and keeps the best ``budget x n_kv_heads``, so a head whose attention is spread over
 many rows keeps more of them and a focused head fewer; each head first keeps its own best
 ``floor`` percent of an even share (the paper's safeguard). Heads keep different numbers of
-rows, stored for real (``HeadPartitionedKVCache``: heads keeping as many rows share a group),
-not as a mask over the union.
+rows, stored for real in one buffer (``kvfn.ragged.RaggedKVCache``: each head its own range of
+slots), not as a mask over the union. The allocation is traced: a layer's total is static, the
+per-head counts are arrays, so a batch of prompts compacts in one compiled call.
 """
 
 import math
@@ -15,10 +16,18 @@ from typing import ClassVar
 import mlx.core as mx
 import numpy as np
 
-from . import cache as kv
-from . import partitioned as part
+from . import ragged
 from .policy import register_policy
 from .snapkv import SnapKV
+
+
+def top_mask(priority: mx.array, k: int) -> mx.array:
+    """A boolean mask of the ``k`` largest entries along the last axis (ties: any of them)."""
+    n = priority.shape[-1]
+    if k >= n:
+        return mx.ones(priority.shape, mx.bool_)
+    top = mx.argpartition(-priority, kth=k - 1, axis=-1)[..., :k]
+    return mx.put_along_axis(mx.zeros(priority.shape, mx.bool_), top, mx.array(True), axis=-1)
 
 
 @register_policy
@@ -30,8 +39,6 @@ class AdaKV(SnapKV):
 
     name: ClassVar[str] = "adakv"
     numbers: ClassVar[dict] = {**SnapKV.numbers, "f": "floor"}
-    # the allocation decides the groups' shapes: compaction reads it on the host
-    traceable: ClassVar[bool] = False
 
     def validate(self) -> None:
         super().validate()
@@ -40,24 +47,44 @@ class AdaKV(SnapKV):
         if self.floor > 100:
             raise ValueError(f"adakv floor is a percent of a head's share, <= 100; got {self.floor}")
 
+    @property
+    def guard(self) -> int:
+        """Rows each head keeps of its own best before the layer's pairs are ranked (the floor),
+        besides sinks and window."""
+        return min(math.ceil(self.floor / 100 * self.budget),
+                   self.budget - self.sink_tokens - self.window)  # fmt: skip
+
+    def _priority(self, scores, *, prompt_length: int, n_kv_heads: int, batch: int,
+                  layer: int) -> mx.array:  # fmt: skip
+        """(B, H, P) float32: a pair's rank among the layer's, +inf for what every head keeps
+        (sinks, window, its best ``guard`` rows), -inf for NaN."""
+        P, H = prompt_length, n_kv_heads
+        s = self.row_scores(scores, prompt_length=P, n_kv_heads=H, batch=batch, layer=layer)
+        s = mx.broadcast_to(s.astype(mx.float32), (batch, H, P))
+        s = mx.where(mx.isnan(s), -mx.inf, s)
+        pos = mx.arange(P)
+        forced = (pos < self.sink_tokens) | (pos >= P - self.window)
+        if self.guard > 0:
+            forced = forced | top_mask(mx.where(forced, -mx.inf, s), self.guard)
+        return mx.where(forced, mx.inf, s)
+
+    def keep_mask(self, scores, *, prompt_length: int, n_kv_heads: int, batch: int = 1,
+                  layer: int = 0) -> mx.array:  # fmt: skip
+        """(B, n_kv_heads, P) bool: the rows each head keeps, ``budget x n_kv_heads`` a
+        sequence in all. Traceable."""
+        P, H = prompt_length, n_kv_heads
+        if self.keeps_whole(P):
+            return mx.ones((batch, H, P), mx.bool_)
+        s = self._priority(scores, prompt_length=P, n_kv_heads=H, batch=batch, layer=layer)
+        return top_mask(s.reshape(batch, H * P), self.budget * H).reshape(batch, H, P)
+
     def allocation(self, scores: mx.array, *, prompt_length: int, n_kv_heads: int,
                    layer: int = 0) -> list[np.ndarray]:  # fmt: skip
         """Per KV head, its sorted kept rows of a prompt of one sequence (scores (1, n_heads,
         P)); together ``budget x n_kv_heads`` rows."""
-        P, H = prompt_length, n_kv_heads
-        s = self.row_scores(scores, prompt_length=P, n_kv_heads=H, batch=1, layer=layer)
-        s = np.array(s.astype(mx.float32))[0]
-        s = np.where(np.isnan(s), -np.inf, s)
-        pos = np.arange(P)
-        forced = (pos < self.sink_tokens) | (pos >= P - self.window)
-        guard = min(math.ceil(self.floor / 100 * self.budget),
-                    self.budget - self.sink_tokens - self.window)  # fmt: skip
-        rank = np.argsort(np.argsort(-np.where(forced, -np.inf, s), axis=-1, kind="stable"),
-                          axis=-1)  # fmt: skip
-        priority = np.where(forced[None] | (rank < guard), np.inf, s)
-        flat = np.argsort(-priority.ravel(), kind="stable")[: self.budget * H]
-        heads, rows = np.divmod(flat, P)
-        return [np.sort(rows[heads == h]).astype(np.int32) for h in range(H)]
+        keep = np.array(self.keep_mask(scores, prompt_length=prompt_length, n_kv_heads=n_kv_heads,
+                                       layer=layer))[0]  # fmt: skip
+        return [np.flatnonzero(k).astype(np.int32) for k in keep]
 
     def head_groups(self, layer: int, n_kv_heads: int) -> tuple:
         return tuple((h,) for h in range(n_kv_heads))  # which heads share a row count varies
@@ -72,14 +99,6 @@ class AdaKV(SnapKV):
         if self.keeps_whole(P):
             return super().compact_layer(state, scores, prompt_length=P, layer=layer,
                                          reserve=reserve)  # fmt: skip
-        if B != 1:
-            raise ValueError(f"adakv allocates rows per sequence: compact one prompt at a time, "
-                             f"got batch {B}")  # fmt: skip
-        keep = self.allocation(scores, prompt_length=P, n_kv_heads=H, layer=layer)
-        counts = {len(k) for k in keep}
-        if len(counts) == 1:  # an even allocation: a plain state
-            state = kv.gather(state, mx.array(np.stack(keep))[None], packed=state.packed)
-            return kv.reserve(state, max(state.capacity, state.max_rows + reserve))
-        p = part.from_keep_sets(state.replace(max_rows=P), [mx.array(k) for k in keep])
-        groups = tuple(kv.reserve(g, max(g.capacity, g.max_rows + reserve)) for g in p.groups)
-        return p.replace(groups=groups)
+        keep = self.keep_mask(scores, prompt_length=P, n_kv_heads=H, batch=B, layer=layer)
+        total = self.budget * H
+        return ragged.pack(state, keep, capacity=total, room=reserve, kept=total)

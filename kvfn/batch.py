@@ -18,6 +18,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from . import cache as kv
 from . import partitioned as part
+from . import ragged
 from .interop import CompactedKVCache, to_mlx_cache
 from .ring import StreamingRing
 
@@ -111,6 +112,15 @@ def _ring_rows(ring) -> CompactedKVCache:
     return CompactedKVCache(keys, values, positions, int(ring.offset.item()))
 
 
+def _ragged_rows(state, heads) -> CompactedKVCache:
+    """The rows of ``heads`` of a ragged layer (batch 1), which must hold as many rows each."""
+    rows = [ragged.head_rows(state, 0, h) for h in heads]
+    if len({r[0].shape[0] for r in rows}) != 1:
+        raise ValueError(f"heads {list(heads)} hold different numbers of rows: group them apart")
+    keys, values, positions = (mx.stack([r[i] for r in rows])[None] for i in range(3))
+    return CompactedKVCache(keys, values, positions, int(state.offset.item()))
+
+
 class HeadGroupsKVCache:
     """One sequence's layer of a per-head state (``kvfn.HeadPartitionedKVCache``) as mlx-lm's
     ``BatchGenerator`` takes it: one ``CompactedKVCache`` per head group, ``heads[g]`` naming
@@ -137,6 +147,8 @@ class HeadGroupsKVCache:
         into them; a ``HeadPartitionedKVCache`` must hold each of them inside one of its groups.
         A streaming ring's group keeps its window."""
         heads = tuple(tuple(h) for h in heads)
+        if isinstance(state, ragged.RaggedKVCache):
+            return cls([_ragged_rows(state, hs) for hs in heads], heads, [None] * len(heads))
         if not isinstance(state, part.HeadPartitionedKVCache):
             groups = [to_mlx_cache([part.take_heads(state, hs)])[0] for hs in heads]
             return cls(groups, heads, [None] * len(heads))

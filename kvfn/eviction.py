@@ -9,6 +9,7 @@ from typeguard import typechecked
 
 from . import cache as kv
 from . import partitioned as part
+from . import ragged
 
 
 class _Bytes:
@@ -83,6 +84,10 @@ def kept(state) -> tuple[int, int]:
     """Rows a KV head stores (the mean over a partitioned layer's heads) and bytes stored."""
     if isinstance(state, kv.State):
         return state.max_rows, stored_bytes(state, state.max_rows)
+    if isinstance(state, ragged.RaggedKVCache):  # rows a head keeps, on average over the batch
+        B, H = state.starts.shape
+        total = B * state.kept if state.kept is not None else int(mx.sum(state.lengths).item())
+        return round(total / (B * H)), int(state.nbytes / state.slots * total / B)
     rows, nbytes = 0, 0
     for heads, group in zip(state.heads, state.groups):
         r = group.max_rows if isinstance(group, kv.State) else group.capacity

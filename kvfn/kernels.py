@@ -658,6 +658,85 @@ def _slots_source() -> str:
 SLOTS_SOURCE = _slots_source()
 
 
+# The split kernels (CUDA cores and tensor cores) over one layer in the ragged layout
+# (kvfn.ragged): k, v (B, S, D), KV head h of sequence b holds the slots [starts, starts +
+# lengths) (int32 (B, HKV), flat index b * HKV + h).
+def _ranges_source(source: str) -> str:
+    C_LINE = "  const int len = min(max(lengths[(bh / HKV) * LSB + (bh % HKV) * LSH], 0), C);\n"
+    edits = (
+        (C_LINE, "  const int first = starts[bh];\n"
+                 "  const int len = min(max(lengths[bh], 0), max(S - first, 0));\n"),
+    )
+    for old, replacement in edits:
+        if source.count(old) != 1:
+            raise RuntimeError("kvfn.kernels: the split kernel's source changed; update the edit")
+        source = source.replace(old, replacement)
+    for old in ("  const size_t base = (size_t)bh * C * D + part * EPT;\n",
+                "  const size_t base = (size_t)bh * C * D;\n"):  # fmt: skip
+        if old in source:
+            return source.replace(
+                old, old.replace("(size_t)bh * C * D", "((size_t)(bh / HKV) * S + first) * D")
+            )
+    raise RuntimeError("kvfn.kernels: the split kernel's source changed; update the edit")
+
+
+RANGES_SOURCE = _ranges_source(SPLIT_SOURCE)
+MMA_RANGES_SOURCE = _ranges_source(MMA_SPLIT_SOURCE)
+
+
+def ranges_decode_attention(q, k, v, starts, lengths, *, scale):
+    """Decode attention of one query token over a layer in the ragged layout (``kvfn.ragged``),
+    in one launch (plus the split combine): q (B, n_q_heads, 1, D); k, v (B, S, D); KV head h
+    of sequence b reads the slots [starts[b, h], starts[b, h] + lengths[b, h]) (int32 (B,
+    n_kv_heads)). Returns (B, n_q_heads, 1, D) in q's dtype and query-head order; no valid
+    slot gives zeros. Only where ``ranges_fused`` says so (``kvfn.ragged.attend`` falls back to
+    the masked SDPA elsewhere)."""
+    batch, q_heads, _, dim = q.shape
+    kv_heads = starts.shape[1] if starts.ndim == 2 else 0
+    if (
+        q.shape[2] != 1
+        or k.ndim != 3
+        or k.shape[0] != batch
+        or k.shape[2] != dim
+        or k.shape != v.shape
+        or not kv_heads
+        or q_heads % kv_heads
+    ):
+        raise ValueError(f"q {q.shape} does not fit ragged slots {k.shape} / {v.shape} of "
+                         f"{starts.shape} heads")  # fmt: skip
+    for name, x in (("starts", starts), ("lengths", lengths)):
+        if x.dtype != mx.int32 or x.shape != (batch, kv_heads):
+            raise ValueError(f"{name} must be int32 ({batch}, {kv_heads}), got {x.dtype} "
+                             f"{x.shape}")  # fmt: skip
+    capacity = max(1, k.shape[1] // kv_heads)  # a head's slots on average: sizes the splits
+    mma = _mma_applies(q, k, kv_heads, capacity)
+    template = [("S", k.shape[1]), ("HKV", kv_heads)]
+    kernel = _mma_ranges_kernel if mma else _ranges_kernel
+    return _split_and_combine(kernel, [q, k, v, starts.reshape(-1), lengths.reshape(-1)], q,
+                              kv_heads, capacity, k.dtype, scale, template, mma)  # fmt: skip
+
+
+def ranges_fused(q, k, v, kv_heads: int) -> bool:
+    """Whether ``ranges_decode_attention`` runs for one query token over these (B, S, D) slots
+    of ``kv_heads`` KV heads (the split kernel's conditions)."""
+    if k.ndim != 3 or k.shape != v.shape or not kv_heads or k.shape[1] < kv_heads:
+        return False
+    return _kernel_applies(q, k, v, rows=k.shape[1])
+
+
+@lru_cache(maxsize=None)
+def _ranges_kernel(shared_memory: int):
+    return cuda_kernel("kvfn_ranges_decode_split", ["q", "k", "v", "starts", "lengths", "scale"],
+                       ["o_part", "lse"], RANGES_SOURCE, shared_memory=shared_memory)  # fmt: skip
+
+
+@lru_cache(maxsize=None)
+def _mma_ranges_kernel(shared_memory: int):
+    return cuda_kernel("kvfn_ranges_decode_mma", ["q", "k", "v", "starts", "lengths", "scale"],
+                       ["o_part", "lse"], MMA_RANGES_SOURCE, header=MMA_HEADER,
+                       shared_memory=shared_memory)  # fmt: skip
+
+
 def ragged_decode_attention(q, k, v, lengths, *, scale):
     """Attention of one query token to the first ``lengths`` slots of each (batch, KV head).
 
@@ -850,17 +929,20 @@ def _kernel_attention(q, k, v, lengths, scale):
                               scale, template, mma)  # fmt: skip
 
 
-def _mma_applies(q, k) -> bool:
+def _mma_applies(q, k, kv_heads=None, capacity=None) -> bool:
     """The tensor-core split kernel's conditions, beyond the split kernel's (``TENSOR_CORES``):
     a dtype it takes, a head_dim it takes and runs on (``MMA_RUN_DIMS``), at most 8 query heads
     a block (its A operand's rows), and plan's splits for it of at least
-    ``MMA_MIN_KEYS_PER_SPLIT`` rows of the capacity (static, as shapes are)."""
+    ``MMA_MIN_KEYS_PER_SPLIT`` rows of the capacity (static, as shapes are). ``kv_heads`` and
+    ``capacity`` default to k's (B, H, C, D) shape."""
     dim = q.shape[3]
     runs = dim in MMA_DIMS and (MMA_RUN_DIMS is None or dim in MMA_RUN_DIMS)
     if not (TENSOR_CORES and k.dtype in MMA_DTYPES and runs):
         return False
-    tile, _, splits = plan(q.shape[0], q.shape[1], k.shape[1], k.shape[2], mma=True)
-    return tile <= MMA_MAX_HEADS and k.shape[2] // splits >= MMA_MIN_KEYS_PER_SPLIT
+    kv_heads = k.shape[1] if kv_heads is None else kv_heads
+    capacity = k.shape[2] if capacity is None else capacity
+    tile, _, splits = plan(q.shape[0], q.shape[1], kv_heads, capacity, mma=True)
+    return tile <= MMA_MAX_HEADS and capacity // splits >= MMA_MIN_KEYS_PER_SPLIT
 
 
 def two_group_decode_attention(q, k0, v0, lengths, k1, v1, length1: int, head_map, *, scale):

@@ -109,6 +109,15 @@ class Policy:
         gathered query moments; None (the default): the gathered attention is the scores."""
         return None
 
+    def score_steps(self, fmodel, tokens: mx.array, states: tuple,
+                    gathered: Optional[tuple] = None):  # fmt: skip
+        """``score_prompt`` as a generator: it yields ``(done, total)`` after each step of a
+        pass of its own (KVzip's chunks), so a caller can interleave other work (the server's
+        decode steps), and returns what ``score_prompt`` returns. The default runs
+        ``score_prompt`` in one step."""
+        return self.score_prompt(fmodel, tokens, states, gathered)
+        yield  # noqa: unreachable: makes this a generator
+
     def scoring(self) -> tuple:
         """What ``score_prompt``'s result depends on besides the prompt and its states:
         policies with equal ``scoring()`` may share one scoring (the evaluator does)."""

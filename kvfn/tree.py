@@ -61,6 +61,11 @@ class _Partitioned:
 KINDS = {kv.State: _Plain, part.HeadPartitionedKVCache: _Partitioned}
 
 
+def kind_name(cls) -> str:
+    """A kind's name in saved files, where the kind gives one (``name``)."""
+    return getattr(KINDS.get(cls), "name", "")
+
+
 def kind(state):
     try:
         return KINDS[type(state)]
@@ -127,6 +132,9 @@ def _encode(static, host) -> dict:
         (window, packed), (max_rows, dense) = st, host
         return dict(kind="plain", sliding_window=window, packed=packed, max_rows=max_rows,
                     dense=dense)  # fmt: skip
+    if kind_name(cls) == "ragged":
+        room, kept = host
+        return dict(kind="ragged", room=room, kept=kept)
     heads, kinds = st
     groups = []
     for (gcls, gst), bound in zip(kinds, host):
@@ -141,6 +149,9 @@ def _decode(layout: dict) -> tuple:
     if layout["kind"] == "plain":
         static = (kv.State, (layout["sliding_window"], layout["packed"]))
         return static, (layout["max_rows"], layout["dense"])
+    if layout["kind"] == "ragged":
+        cls = next(c for c in KINDS if kind_name(c) == "ragged")
+        return (cls, ()), (layout["room"], layout["kept"])
     kinds, bounds = [], []
     for g in layout["groups"]:
         if g["kind"] == "plain":
@@ -165,6 +176,8 @@ def _unnamed(prefix: str, flat: dict, static) -> dict | list:
         return [_unnamed(f"{prefix}.{i}", flat, k) for i, k in enumerate(st[1])]
     if cls is kv.State:
         return {f: flat[f"{prefix}.{f}"] for f in kv.ARRAY_FIELDS}
+    if kind_name(cls) == "ragged":
+        return {f: flat[f"{prefix}.{f}"] for f in KINDS[cls].ARRAY_FIELDS}
     ring = {f: flat[f"{prefix}.{f}"] for f in part.rg.ARRAY_FIELDS if f"{prefix}.{f}" in flat}
     if "since" not in ring:  # written when rings stored a position per slot
         ring["since"] = part.rg.since_of(flat[f"{prefix}.positions"], ring["offset"], st[0])

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from . import cache as kv
 from . import kernels
 from . import partitioned as part
+from . import ragged as rgd
 from . import slots as sl
 from . import tree
 from .distributed import head_group
@@ -251,11 +252,28 @@ class _SlotsAdapter(_PartitionedAdapter):
         return part.attend(*self.before, queries, *self.rows, scale)
 
 
+class _RaggedAdapter(_PartitionedAdapter):
+    """mlx-lm's cache protocol over one ``RaggedKVCache`` layer: each KV head's new rows are
+    written at the end of its range (one scatter per array) and attended over its own rows (the
+    ragged kernel on CUDA for one token)."""
+
+    def update_and_fetch(self, keys, values):
+        self.state = rgd.append(self.state, keys, values)
+        return keys, values
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        if sinks is not None:
+            raise TypeError("kvfn's ragged states do not support attention sinks")
+        return rgd.attend(self.state, queries, scale)
+
+
 ADAPTERS = {
     kv.State: _LayerAdapter,
     part.HeadPartitionedKVCache: _PartitionedAdapter,
     sl.HeadSlotsKVCache: _SlotsAdapter,
+    rgd.RaggedKVCache: _RaggedAdapter,
 }
+PER_HEAD = (part.HeadPartitionedKVCache, sl.HeadSlotsKVCache, rgd.RaggedKVCache)
 
 
 def _attend(queries, keys, values, cache, scale, mask, sinks=None):
@@ -436,6 +454,11 @@ def grown(state, n: int):
         if state.max_rows is not None and state.max_rows + n <= state.capacity:
             return state
         return sl.from_partitioned(grown(sl.to_partitioned(state), n))
+    if isinstance(state, rgd.RaggedKVCache):
+        if state.room is not None and n <= state.room:
+            return state
+        room = 0 if state.room is None else state.room
+        return rgd.reserve(state, -(-max(room + n, 2 * room) // GROWTH) * GROWTH)
     if state.max_rows is None:
         state = state.replace(max_rows=int(state.rows.item()))
     need = state.max_rows + n
@@ -521,10 +544,7 @@ class FunctionalModel:
         for i, s in enumerate(states):
             if type(s) not in ADAPTERS:
                 raise TypeError(f"state {i} is a {type(s).__name__}, not a kvfn state")
-            if (
-                isinstance(s, (part.HeadPartitionedKVCache, sl.HeadSlotsKVCache))
-                and not self._hooked[i]
-            ):
+            if isinstance(s, PER_HEAD) and not self._hooked[i]:
                 raise TypeError(
                     f"layer {i} holds a head-partitioned state, but its attention module "
                     f"({type(self.model.layers[i]).__name__}) computes attention itself, not "

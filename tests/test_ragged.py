@@ -1,0 +1,263 @@
+"""RaggedKVCache: per-head row counts in one buffer (Ada-KV, AdaKVzip). The oracle: decoding
+from a ragged state equals one full-sequence pass of the unmodified model with attention masked
+per (layer, KV head) to the rows each head keeps; the traced allocation equals a numpy
+reference; a batch compacts to what each of its prompts compacts to alone, row for row."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvfn
+from kvfn import cache as kv
+from kvfn import ragged
+from tests.test_duo import TOL, greedy_logits, kept_sets_gap, reference_logits
+from tests.tiny import tiny_model
+
+CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
+cuda_only = pytest.mark.skipif(not CUDA, reason="the ragged kernel runs on MLX's CUDA backend")
+
+
+def held_positions(state, P: int, b: int = 0) -> list:
+    """Per KV head of sequence b, the prompt positions (< P) it holds."""
+    out = []
+    for h in range(state.n_kv_heads):
+        pos = np.array(ragged.head_rows(state, b, h)[2])
+        out.append(pos[pos < P])
+    return out
+
+
+def reference_allocation(policy, scores: np.ndarray, P: int, H: int) -> list:
+    """Ada-KV's allocation in numpy (scores (n_heads, P) float64, one sequence): per head the
+    rows it keeps."""
+    s = scores.reshape(H, -1, P).max(axis=1) if not policy.per_head else None
+    s = policy.row_scores(mx.array(scores[None].astype(np.float32)), prompt_length=P,
+                          n_kv_heads=H, batch=1, layer=0)  # fmt: skip
+    s = np.broadcast_to(np.array(s.astype(mx.float32))[0], (H, P)).astype(np.float64)
+    pos = np.arange(P)
+    forced = (pos < policy.sink_tokens) | (pos >= P - policy.window)
+    guard = min(math.ceil(policy.floor / 100 * policy.budget),
+                policy.budget - policy.sink_tokens - policy.window)  # fmt: skip
+    pri = np.where(forced, np.inf, s)
+    for h in range(H):
+        order = np.argsort(-np.where(forced, -np.inf, s[h]), kind="stable")[:guard]
+        pri[h, order] = np.inf
+    flat = np.argsort(-pri.ravel(), kind="stable")[: policy.budget * H]
+    heads, rows = np.divmod(flat, P)
+    return [sorted(rows[heads == h].tolist()) for h in range(H)]
+
+
+@pytest.mark.parametrize("floor", [0, 20, 100])
+def test_traced_allocation_equals_the_numpy_reference(floor):
+    rng = np.random.default_rng(floor)
+    P, H, G = 90, 3, 2
+    scores = rng.random((H * G, P)) ** 4  # distinct values: no ties
+    policy = kvfn.AdaKV(budget=24, window=5, sink_tokens=3, floor=floor, kernel_size=1)
+    keep = policy.allocation(mx.array(scores[None].astype(np.float32)), prompt_length=P,
+                             n_kv_heads=H)  # fmt: skip
+    want = reference_allocation(policy, scores, P, H)
+    assert [k.tolist() for k in keep] == want
+    assert sum(len(k) for k in keep) == 24 * H
+    if floor == 100:  # every head keeps at least its even share
+        assert all(len(k) == 24 for k in keep)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_adakv_decode_equals_per_head_masked_full_attention(family):
+    fm = kvfn.FunctionalModel(tiny_model(family))
+    ids = np.random.default_rng(7).integers(0, 97, 70).tolist()
+    policy = kvfn.AdaKV(budget=20, window=4, sink_tokens=2)
+    states, result = kvfn.compact(fm, ids, policy, max_new_tokens=5)
+    P = len(ids) - 1
+    assert all(isinstance(s, ragged.RaggedKVCache) for s in states)
+    kept = [held_positions(s, P) for s in states]
+    H = fm.n_kv_heads[0]
+    assert any(len({len(k) for k in layer}) > 1 for layer in kept)  # some layer is ragged
+    assert all(sum(len(k) for k in layer) == 20 * H for layer in kept)
+    assert all(s.nbytes < 0.5 * P * H * fm.head_dims[0] * 2 * 4 for s in states)  # no union
+    assert kept_sets_gap(fm, ids, states, kept, steps=5) < TOL
+    full = kvfn.prefill(fm, mx.array([ids[:-1]]))
+    assert kept_sets_gap(fm, ids, full, [[np.arange(P)] * H] * len(states)) < TOL
+    assert result.total_rows_after == 20 * len(states)
+
+
+def test_a_batch_compacts_row_for_row_as_each_prompt_alone():
+    """The compaction of a batch's prefilled states keeps, bit for bit, what each prompt's own
+    compaction keeps; end to end (the batch prefilled together, whose matmuls round apart from
+    one prompt's) the same rows, and the same logits within float32 rounding."""
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    rng = np.random.default_rng(3)
+    prompts = rng.integers(0, 97, (3, 64))
+    policy = kvfn.AdaKV(budget=18, window=4, sink_tokens=2)
+    P = prompts.shape[1] - 1
+    alone = [kvfn.scored_prefill(fm, mx.array(p[None, :-1]), window=4) for p in prompts]
+    stacked = tuple(kv.stack([a[0][i] for a in alone]) for i in range(len(alone[0][0])))
+    scores = [mx.concatenate([a[1][i] for a in alone]) for i in range(len(stacked))]
+    batch, _ = kvfn.compact_states(stacked, scores, policy, reserve=3)
+    for b, (states, sc) in enumerate(alone):
+        one, _ = kvfn.compact_states(states, sc, policy, reserve=3)
+        for s, o in zip(batch, one):
+            for name in ragged.ARRAY_FIELDS:
+                assert mx.array_equal(getattr(s, name)[b], getattr(o, name)[0]), name
+    lengths = np.stack([np.array(s.lengths) for s in batch])
+    assert len({tuple(x) for x in lengths.reshape(-1, lengths.shape[-1])}) > 1  # allocations differ
+
+    together, result = kvfn.compact(fm, mx.array(prompts), policy, max_new_tokens=3)
+    logits, _ = fm.decode(mx.array(prompts[:, -1:]), together)
+    for b, ids in enumerate(prompts.tolist()):
+        one, _ = kvfn.compact(fm, ids, policy, max_new_tokens=3)
+        for s, o in zip(together, one):
+            assert [x.tolist() for x in held_positions(s, P, b)] == [
+                x.tolist() for x in held_positions(o, P)
+            ]
+        want, _ = fm.decode(mx.array([[ids[-1]]]), one)
+        assert mx.abs(logits[b] - want[0]).max().item() < TOL
+    assert result.total_rows_after == 18 * len(together)
+
+
+def test_compaction_is_one_trace_for_a_batch_and_reads_no_host_value():
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    prompts = mx.array(np.random.default_rng(4).integers(0, 97, (2, 50)))
+    context = prompts[:, :-1]
+    policy = kvfn.AdaKV(budget=16, window=4, sink_tokens=2)
+    states, scores = kvfn.scored_prefill(fm, context, window=4)
+    new, _ = kvfn.compact_states(states, scores, policy, reserve=2)
+    again, _ = kvfn.compact_states(states, scores, policy, reserve=2)
+    for a, b in zip(new, again):
+        assert mx.array_equal(a.keys, b.keys) and mx.array_equal(a.lengths, b.lengths)
+    assert policy.traceable
+
+
+def test_a_chunk_and_growth_past_the_room_stay_exact():
+    fm = kvfn.FunctionalModel(tiny_model("qwen2"))
+    rng = np.random.default_rng(8)
+    ids = rng.integers(0, 97, 60).tolist()
+    policy = kvfn.AdaKV(budget=16, window=4, sink_tokens=2)
+    states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=1)  # room 2 a head
+    assert states[0].room == 2
+    P = len(ids) - 1
+    kept = [held_positions(s, P) for s in states]
+    follow = rng.integers(0, 97, 9).tolist()
+    chunk = [ids[-1]] + follow  # 10 rows: past the room, the layer grows
+    logits, after = fm.forward(mx.array([chunk]), states)
+    T = P + len(chunk)
+    q, k = np.arange(T)[:, None], np.arange(T)[None, :]
+
+    def visible(i):
+        heads = []
+        for rows in kept[i]:
+            held = np.zeros(T, bool)
+            held[rows] = True
+            heads.append(np.where(q < P, k <= q, (k <= q) & (held[None] | (k >= P))))
+        rep = fm.n_heads[i] // fm.n_kv_heads[i]
+        return mx.array(np.repeat(np.stack(heads), rep, axis=0)[None])
+
+    ref = reference_logits(fm.model, mx.array([ids[:-1] + chunk]), visible)[P:]
+    assert mx.abs(logits[0] - ref).max().item() < TOL
+    assert after[0].room >= 0 and after[0].lengths.tolist() == (states[0].lengths + 10).tolist()
+    out, _ = greedy_logits(fm, ids + follow, after, 3)  # and decoding on from there
+    assert out.shape[0] == 3
+
+
+def test_trim_and_prefix_trim_keep_exactly_the_earlier_rows():
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(5).integers(0, 97, 40).tolist()
+    policy = kvfn.AdaKV(budget=12, window=3, sink_tokens=2)
+    states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=6)
+    P = len(ids) - 1
+    s = states[0]
+    rows = mx.random.normal((1, 2, 4, 16))
+    grown = ragged.update(s, rows, rows)
+    back = ragged.trim(grown, 4)
+    assert back.lengths.tolist() == s.lengths.tolist()
+    assert mx.array_equal(back.positions, s.positions) and int(back.offset.item()) == P
+    cut = ragged.prefix_trim(s, 20)
+    for h in range(2):
+        pos = np.array(ragged.head_rows(cut, 0, h)[2])
+        assert pos.tolist() == [p for p in held_positions(s, P)[h] if p < 20]
+    again = ragged.update(cut, rows[:, :, :1], rows[:, :, :1])
+    for h in range(2):  # the next row lands at position 20, after each head's kept prefix
+        assert int(ragged.head_rows(again, 0, h)[2][-1].item()) == 20
+
+
+def test_ragged_states_save_and_load(tmp_path):
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(6).integers(0, 97, 40).tolist()
+    states, _ = kvfn.compact(fm, ids, kvfn.AdaKV(budget=12, window=3, sink_tokens=2))
+    path = tmp_path / "ragged.safetensors"
+    kvfn.tree.save(path, states)
+    loaded, _ = kvfn.tree.load(path)
+    for a, b in zip(states, loaded):
+        assert type(b) is ragged.RaggedKVCache and (a.room, a.kept) == (b.room, b.kept)
+        assert all(mx.array_equal(getattr(a, f), getattr(b, f)) for f in ragged.ARRAY_FIELDS)
+    token = mx.array([[ids[-1]]])
+    assert mx.array_equal(fm.decode(token, states)[0], fm.decode(token, loaded)[0])
+
+
+def test_bad_rows_and_a_full_room_are_named():
+    state = kv.from_full(mx.zeros((1, 2, 10, 4)), mx.zeros((1, 2, 10, 4)))
+    s = ragged.from_keep_sets(state, [mx.arange(0, 10, 2), mx.arange(3)], room=1)
+    assert s.lengths.tolist() == [[5, 3]] and s.slots == 10
+    with pytest.raises(ValueError, match="do not fit"):
+        ragged.update(s, mx.zeros((1, 3, 1, 4)), mx.zeros((1, 3, 1, 4)))
+    with pytest.raises(ValueError, match="1 free slots"):
+        ragged.update(s, mx.zeros((1, 2, 2, 4)), mx.zeros((1, 2, 2, 4)))
+    with pytest.raises(ValueError, match="keep sets"):
+        ragged.from_keep_sets(state, [mx.arange(3)])
+    with pytest.raises(ValueError, match="n >= 0"):
+        ragged.trim(s, -1)
+
+
+def test_attention_off_cuda_equals_each_heads_own_rows():
+    rng = np.random.default_rng(9)
+    B, H, G, D, P = 2, 3, 2, 8, 12
+    state = kv.from_full(mx.array(rng.normal(size=(B, H, P, D)), mx.float32),
+                         mx.array(rng.normal(size=(B, H, P, D)), mx.float32))  # fmt: skip
+    keep = mx.array(rng.random((B, H, P)) < 0.5)
+    s = ragged.pack(state, keep, capacity=int(mx.max(mx.sum(keep, axis=(1, 2))).item()), room=2)
+    q = mx.array(rng.normal(size=(B, H * G, 1, D)), mx.float32)
+    out = np.array(ragged.attend(s, q, 0.5))
+    k, v, m = np.array(state.keys), np.array(state.values), np.array(keep)
+    for b in range(B):
+        for i in range(H * G):
+            h = i // G
+            logits = 0.5 * k[b, h, m[b, h]] @ np.array(q)[b, i, 0]
+            w = np.exp(logits - logits.max())
+            want = (w / w.sum()) @ v[b, h, m[b, h]] if m[b, h].any() else np.zeros(D)
+            assert np.abs(out[b, i, 0] - want).max() < 1e-5
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("dim,heads,group,rows", [(128, 8, 4, 3000), (64, 2, 7, 700), (128, 2, 6, 40)])
+def test_ranges_kernel_equals_each_heads_masked_attention(dtype, dim, heads, group, rows):
+    rng = np.random.default_rng(dim + rows)
+    B = 2
+    counts = rng.integers(0, rows, (B, heads))
+    counts[0, 0] = 0  # a head with no rows: zeros
+    room = 3
+    size = counts + room
+    starts = np.cumsum(size, axis=1) - size
+    S = int(size.sum(axis=1).max())
+    k = mx.array(rng.normal(size=(B, S, dim)), dtype)
+    v = mx.array(rng.normal(size=(B, S, dim)), dtype)
+    q = mx.array(rng.normal(size=(B, heads * group, 1, dim)), dtype)
+    from kvfn import kernels
+
+    out = kernels.ranges_decode_attention(q, k, v, mx.array(starts, mx.int32),
+                                          mx.array(counts, mx.int32), scale=dim**-0.5)  # fmt: skip
+    kf, vf, qf = (np.array(x.astype(mx.float32)).astype(np.float64) for x in (k, v, q))
+    got = np.array(out.astype(mx.float32))
+    for b in range(B):
+        for i in range(heads * group):
+            h = i // group
+            lo, n = starts[b, h], counts[b, h]
+            if n == 0:
+                assert np.abs(got[b, i, 0]).max() == 0
+                continue
+            logits = kf[b, lo : lo + n] @ qf[b, i, 0] * dim**-0.5
+            w = np.exp(logits - logits.max())
+            want = (w / w.sum()) @ vf[b, lo : lo + n]
+            tol = 2e-2 if dtype != mx.float32 else 1e-4
+            assert np.abs(got[b, i, 0] - want).max() < tol, (b, i)
