@@ -326,3 +326,158 @@ class BatchHeadGroupsKVCache:
     def extract(self, idx: int) -> HeadGroupsKVCache:
         return HeadGroupsKVCache([g.extract(idx) for g in self.groups], self.heads,
                                  [w[idx] for w in self.windows])  # fmt: skip
+
+
+# -- ragged states (Ada-KV, AdaKVzip) ------------------------------------------------------------
+def _padded(state, slots: int):
+    """A ragged layer's buffer grown to ``slots`` (the last head's free room grows)."""
+    extra = slots - state.slots
+    if extra == 0:
+        return state
+    B = state.keys.shape[0]
+    pad = lambda x: mx.concatenate([x, mx.zeros((B, extra, *x.shape[2:]), x.dtype)], axis=1)  # noqa
+    positions = ragged._free_positions(pad(state.positions), state.starts, state.lengths,
+                                       state.offset)  # fmt: skip
+    return state.replace(keys=pad(state.keys), values=pad(state.values), positions=positions)
+
+
+def _joined(states):
+    """One batch from ragged layers of several sequences (each buffer padded to the longest)."""
+    slots = max(s.slots for s in states)
+    states = [_padded(s, slots) for s in states]
+    rooms = [s.room for s in states]
+    kept = {s.kept for s in states}
+    joined = {f: mx.concatenate([getattr(s, f) for s in states]) for f in ragged.ARRAY_FIELDS}
+    return ragged.RaggedKVCache(**joined, room=None if None in rooms else min(rooms),
+                                kept=kept.pop() if len(kept) == 1 else None)  # fmt: skip
+
+
+class RaggedLayerCache:
+    """One sequence's ragged layer (``kvfn.RaggedKVCache``, batch 1) as mlx-lm's
+    ``BatchGenerator`` takes it: it is only merged into a batch (``BatchRaggedKVCache``) or
+    extracted from one; it never runs a model itself."""
+
+    def __init__(self, state):
+        if not isinstance(state, ragged.RaggedKVCache) or state.keys.shape[0] != 1:
+            raise ValueError(f"a RaggedLayerCache holds one sequence's ragged layer, got {state!r}")
+        self.ragged = state
+
+    @classmethod
+    def from_state(cls, state, room: int = 1) -> "RaggedLayerCache":
+        """From one layer's kvfn state of one sequence: a ragged one as it is, a plain one with
+        every head keeping all its rows."""
+        if isinstance(state, ragged.RaggedKVCache):
+            return cls(state)
+        if not isinstance(state, kv.State) or state.sliding_window is not None:
+            raise TypeError(f"cannot serve a {type(state).__name__} as a ragged layer")
+        rows = int(state.rows.item())
+        keep = mx.broadcast_to(mx.arange(state.capacity) < rows, state.keys.shape[:3])
+        H = state.keys.shape[1]
+        return cls(ragged.pack(state, keep, capacity=rows * H, room=room, kept=rows * H))
+
+    @property
+    def offset(self) -> int:
+        return int(self.ragged.offset.item())
+
+    def size(self) -> int:
+        return int(mx.max(self.ragged.lengths).item())
+
+    def empty(self) -> bool:
+        return False
+
+    @property
+    def state(self):
+        return [getattr(self.ragged, f) for f in ragged.ARRAY_FIELDS]
+
+    @property
+    def nbytes(self) -> int:
+        return self.ragged.nbytes
+
+    @classmethod
+    def merge(cls, caches) -> "BatchRaggedKVCache":
+        return BatchRaggedKVCache.merge(caches)
+
+
+class BatchRaggedKVCache:
+    """A batch of ragged layers in mlx-lm's continuous batching: one ``RaggedKVCache`` of the
+    sequences (each its own per-head starts and lengths), appended to and attended through
+    ``kvfn.ragged`` (the ragged kernel on CUDA). The model must call ``attend``
+    (``kvfn.wrapper.attending_copy``). Sequences enter with their prompt already in their state
+    (the server prefills and compacts them), so prompt processing brings one token at a time."""
+
+    def __init__(self, state):
+        self.ragged = state
+
+    @classmethod
+    def merge(cls, caches) -> "BatchRaggedKVCache":
+        for i, c in enumerate(caches):
+            if not isinstance(c, RaggedLayerCache):
+                raise TypeError(f"sequence {i}: cannot batch a {type(c).__name__} with ragged "
+                                "layers")  # fmt: skip
+        heads = {c.ragged.n_kv_heads for c in caches}
+        if len(heads) != 1:
+            raise ValueError(f"cannot batch ragged layers of {sorted(heads)} KV heads")
+        return cls(_joined([c.ragged for c in caches]))
+
+    # -- mlx-lm protocol ----------------------------------------------------------------------
+    @property
+    def offset(self):
+        return self.ragged.offset
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        return None  # ``attend`` masks each head to its own rows
+
+    def update_and_fetch(self, keys, values):
+        n = keys.shape[2]
+        if self.ragged.room is None or self.ragged.room < n:
+            self.ragged = ragged.reserve(self.ragged, max(2 * n, 256))
+        self.ragged = ragged.update(self.ragged, keys, values)
+        return keys, values  # the new rows only: ``attend`` reads the state
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        if sinks is not None:
+            raise TypeError("kvfn's ragged caches do not support attention sinks")
+        return ragged.attend(self.ragged, queries, scale)
+
+    def prepare(self, *, lengths=None, right_padding=None, **kwargs):
+        if right_padding is not None and any(right_padding):
+            raise ValueError("kvfn's ragged caches take no right-padded prompt chunks")
+
+    def finalize(self):
+        pass
+
+    @property
+    def state(self):
+        return [getattr(self.ragged, f) for f in ragged.ARRAY_FIELDS]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        self.ragged = ragged.trim(self.ragged, n)
+        return n
+
+    def size(self) -> int:
+        return int(mx.max(self.ragged.lengths).item())
+
+    def empty(self) -> bool:
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        return self.ragged.nbytes
+
+    # -- batch membership ---------------------------------------------------------------------
+    def filter(self, batch_indices):
+        idx = mx.array(list(batch_indices), mx.int32)
+        arrays = {f: mx.take(getattr(self.ragged, f), idx, axis=0) for f in ragged.ARRAY_FIELDS}
+        self.ragged = self.ragged.replace(**arrays, kept=None)
+
+    def extend(self, other):
+        if not isinstance(other, BatchRaggedKVCache):
+            raise TypeError(f"cannot extend a ragged batch cache with {type(other).__name__}")
+        self.ragged = _joined([self.ragged, other.ragged])
+
+    def extract(self, idx: int) -> RaggedLayerCache:
+        arrays = {f: getattr(self.ragged, f)[idx : idx + 1] for f in ragged.ARRAY_FIELDS}
+        return RaggedLayerCache(self.ragged.replace(**arrays))

@@ -633,8 +633,7 @@ TWO_GROUP_SOURCE = _two_group_source()
 # The split kernel over one layer in the slots layout (kvfn.slots): k, v (B, S, D), KV head h
 # owns the slots from hmap[2h], in group hmap[2h + 1]: 0, C0 slots of which [0, lengths) are
 # valid, or 1, C1 slots of which the first L1.
-def _slots_source() -> str:
-    source = SPLIT_SOURCE
+def _slots_source(source: str) -> str:
     edits = (
         (
             "  const int len = min(max(lengths[(bh / HKV) * LSB + (bh % HKV) * LSH], 0), C);\n",
@@ -643,19 +642,22 @@ def _slots_source() -> str:
             "  const int C = grp == 0 ? C0 : C1;\n"
             "  const int len = min(max(grp == 0 ? lengths[(bh / HKV) * LSB] : L1, 0), C);\n",
         ),
-        (
-            "  const size_t base = (size_t)bh * C * D + part * EPT;\n",
-            "  const size_t base = ((size_t)(bh / HKV) * S + first) * D + part * EPT;\n",
-        ),
     )
     for old, replacement in edits:
         if source.count(old) != 1:
             raise RuntimeError("kvfn.kernels: the split kernel's source changed; update the edit")
         source = source.replace(old, replacement)
-    return source
+    for old in ("  const size_t base = (size_t)bh * C * D + part * EPT;\n",
+                "  const size_t base = (size_t)bh * C * D;\n"):  # fmt: skip
+        if old in source:
+            return source.replace(
+                old, old.replace("(size_t)bh * C * D", "((size_t)(bh / HKV) * S + first) * D")
+            )
+    raise RuntimeError("kvfn.kernels: the split kernel's source changed; update the edit")
 
 
-SLOTS_SOURCE = _slots_source()
+SLOTS_SOURCE = _slots_source(SPLIT_SOURCE)
+MMA_SLOTS_SOURCE = _slots_source(MMA_SPLIT_SOURCE)
 
 
 # The split kernels (CUDA cores and tensor cores) over one layer in the ragged layout
@@ -991,8 +993,11 @@ def slots_decode_attention(q, k, v, lengths, capacity: int, ring: int, head_map,
                          f"or {ring} (ring) slots")  # fmt: skip
     template = [("S", k.shape[1]), ("C0", int(capacity)), ("C1", int(ring)), ("L1", int(ring)),
                 ("HKV", kv_heads), ("LSB", 1 if lengths.size > 1 else 0)]  # fmt: skip
-    return _split_and_combine(_slots_kernel, [q, k, v, lengths.reshape(-1), head_map], q,
-                              kv_heads, max(capacity, ring), k.dtype, scale, template)  # fmt: skip
+    rows = max(capacity, ring)
+    mma = _mma_applies(q, k, kv_heads, rows)
+    return _split_and_combine(_mma_slots_kernel if mma else _slots_kernel,
+                              [q, k, v, lengths.reshape(-1), head_map], q, kv_heads, rows,
+                              k.dtype, scale, template, mma)  # fmt: skip
 
 
 def _holds_heads(slots: int, kv_heads: int, capacity: int, ring: int) -> bool:
@@ -1006,6 +1011,13 @@ def slots_fused(q, k, v) -> bool:
     if not TWO_GROUP_ENABLED or k.shape != v.shape or k.ndim != 3:
         return False
     return _kernel_applies(q, k, v, rows=k.shape[1])
+
+
+@lru_cache(maxsize=None)
+def _mma_slots_kernel(shared_memory: int):
+    return cuda_kernel("kvfn_slots_decode_mma", ["q", "k", "v", "lengths", "hmap", "scale"],
+                       ["o_part", "lse"], MMA_SLOTS_SOURCE, header=MMA_HEADER,
+                       shared_memory=shared_memory)  # fmt: skip
 
 
 @lru_cache(maxsize=None)

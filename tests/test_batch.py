@@ -237,3 +237,53 @@ def test_attending_copy_is_the_model_for_plain_caches(smol):
         type(model.layers[0].self_attn).__call__
         is not type(attending_copy(model).layers[0].self_attn).__call__
     )
+
+
+# -- ragged states (Ada-KV, AdaKVzip) in mlx-lm's batching ----------------------------------------
+def kvfn_decode(fm, ids, states, steps=STEPS):
+    tokens, token = [], ids[-1]
+    for _ in range(steps):
+        out, states = fm.decode(mx.array([[token]]), states)
+        token = int(mx.argmax(out.reshape(-1)).item())
+        tokens.append(token)
+    return tokens
+
+
+def test_ragged_batched_decode_equals_kvfn_decode(smol):
+    """Prompts compacted by AdaKV (and one kept whole) decode through mlx-lm's BatchGenerator
+    and one ``BatchRaggedKVCache`` a layer as kvfn decodes each alone; they join and leave the
+    batch at different steps (extend, filter), and a layer grows past its room."""
+    from kvfn.batch import BatchRaggedKVCache, RaggedLayerCache
+    from kvfn.wrapper import attending_copy
+
+    model, tokenizer, fm = smol
+    policy = kvfn.AdaKV(budget=40, window=8, sink_tokens=4)
+    prompts = [prompt(tokenizer, 30, "ships"), prompt(tokenizer, 12, "birds")]
+    entries, want = [], []
+    for ids in prompts:
+        states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=2)  # room 3: grows in the batch
+        assert isinstance(states[0], kvfn.RaggedKVCache)
+        want.append(kvfn_decode(fm, ids, states))
+        entries.append(([RaggedLayerCache.from_state(s) for s in states], ids[-1:]))
+    short = prompt(tokenizer, 1, "cats")
+    full = kvfn.prefill(fm, mx.array([short[:-1]]), capacity=len(short))
+    want.append(kvfn_decode(fm, short, full))
+    entries.append(([RaggedLayerCache.from_state(s) for s in full], short[-1:]))
+    gen = BatchGenerator(attending_copy(model), completion_batch_size=4, prefill_batch_size=4)
+    lengths = [STEPS, STEPS - 4, STEPS]
+    uids = gen.insert([entries[0][1]], max_tokens=[lengths[0]], caches=[entries[0][0]])
+    tokens, finals, steps = {}, {}, 0
+    while len(finals) < 3:
+        if steps == 2:  # two more join after the first has decoded two tokens
+            uids += gen.insert([e[1] for e in entries[1:]], max_tokens=lengths[1:],
+                               caches=[e[0] for e in entries[1:]])  # fmt: skip
+        for r in gen.next_generated():
+            tokens.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason is not None:
+                finals[r.uid] = r.prompt_cache
+        steps += 1
+    gen.close()
+    assert [tokens[u] for u in uids] == [w[:n] for w, n in zip(want, lengths)]
+    assert all(isinstance(c, RaggedLayerCache) for c in finals[uids[0]])
+    with pytest.raises(TypeError, match="cannot batch"):
+        BatchRaggedKVCache.merge([entries[0][0][0], compacted(fm, prompts[0])[0]])

@@ -200,16 +200,19 @@ needs_cuda = pytest.mark.skipif(
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_slots_kernel_equals_each_group_alone(dtype):
-    p = layer(B=1, C=300, prompt=200, D=64, Dv=64)
+@pytest.mark.parametrize("D,C,prompt", [(64, 300, 200), (128, 2048, 1500)])  # 128: tensor cores
+def test_slots_kernel_equals_each_group_alone(dtype, D, C, prompt):
+    p = layer(B=1, C=C, prompt=prompt, D=D, Dv=D)
     plain, ring = p.groups
     ring = ring.replace(full=True)  # one sequence, 200 rows through a ring of 7: every slot holds
     p = p.replace(groups=tuple(g.replace(keys=g.keys.astype(dtype), values=g.values.astype(dtype))
                                for g in (plain, ring)))  # fmt: skip
     s = sl.from_partitioned(p)
-    q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(0)).astype(dtype)
+    q = mx.random.normal((1, 8, 1, D), key=mx.random.key(0)).astype(dtype)
     got = sl.attend(s, q, 0.3)
     assert kernels.slots_fused(q, s.keys, s.values) and s.full
+    heads = len(s.heads[0]) + len(s.heads[1])
+    assert kernels._mma_applies(q, s.keys, heads, C) == (D == 128 and dtype == mx.bfloat16)
     want = part.attend(p, p, q, [None, None], [None, None], 0.3)  # per group
     tol = 1e-5 if dtype == mx.float32 else 2e-2
     assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < tol
