@@ -171,6 +171,8 @@ def greedy(model, prompt: list[int], caches: list, max_tokens: int, eos: set) ->
 def head_positions(state) -> list:
     """The kept positions of each KV head of the first sequence (any layer state): its stored
     rows' (a plain state's slots past ``rows`` are free)."""
+    if isinstance(state, kvfn.RaggedKVCache):
+        return [np.array(kvfn.ragged.head_rows(state, 0, h)[2]) for h in range(state.n_kv_heads)]
     out = []
     for g in getattr(state, "groups", (state,)):
         rows = int(g.rows.item()) if hasattr(g, "rows") else g.positions.shape[-1]
