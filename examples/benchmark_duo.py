@@ -4,6 +4,7 @@ streaming heads' dropped rows only masked, as the seed designed it).
 
     python examples/benchmark_duo.py --shape tiny --lengths 2048 8192 --ratios 0.25 0.5
     python examples/benchmark_duo.py --shape 8b --lengths 8192 32768 --ratios 0.25 0.5   # GPU
+    python examples/benchmark_duo.py --shape 8b --lengths 32768 --ratios --adakv 1024     # ragged
 
 Random-weight llama shapes (see benchmark_decode.py) and a random head pattern at each
 retrieval ratio; streaming heads keep --sink + --recent rows. Step times are medians of kvfn's
@@ -170,8 +171,76 @@ def run(args) -> list:
             del loops, states, masked, packed, s
             rows.append(row)
             print_row(row)
-    print_table(rows)
+        for budget in args.adakv:  # Ada-KV's ragged rows against plain SnapKV rows, as many
+            rows.append(ragged_row(fm, full, base, L, budget, args.rounds, steps, rng))
+            print_ragged(rows[-1])
+    print_table([r for r in rows if "ratio" in r])
+    print_ragged_table([r for r in rows if "budget" in r])
     return rows
+
+
+def ragged_row(fm, full, base: dict, L: int, budget: int, rounds: int, steps: int, rng) -> dict:
+    """Ada-KV's ragged states (``kvfn.RaggedKVCache``, random scores: a random allocation) and
+    SnapKV's plain ones at the same budget, timed beside the full caches."""
+    scores = [mx.array(rng.random((1, h, s.capacity)), mx.float32)
+              for h, s in zip(fm.n_heads, full)]  # fmt: skip
+    states = {}
+    for name, policy in (("ragged", kvfn.AdaKV(budget=budget)), ("plain", kvfn.SnapKV(budget))):
+        states[name] = kvfn.compact_states(full, scores, policy, reserve=ROOM)[0]
+        mx.eval(kvfn.tree.arrays(states[name]))
+    loops = dict(base)
+    for name, s in states.items():
+        loops[name] = functools.partial(step_ms, fm, s, steps)
+        loops[name + "_piped"] = functools.partial(piped_ms, fm, s, steps)
+        loops[name + "_host"] = functools.partial(host_ms, fm, s, steps)
+    times = in_rounds(loops, rounds)
+    kept = sum(kvfn.eviction.kept(s)[1] for s in states["ragged"])
+    full_bytes = sum(kvfn.eviction.kept(s.replace(max_rows=L - 1))[1] for s in full)
+    return dict(L=L, budget=budget, **{n: statistics.median(t) for n, t in times.items()},
+                **paired_ratios(times, RAGGED_RATIOS), kv_fraction=kept / full_bytes)  # fmt: skip
+
+
+RAGGED_RATIOS = {
+    "ragged_vs_kvfn_full": ("ragged", "kvfn_full"),
+    "ragged_vs_mlx_lm_full": ("ragged", "mlx_lm_full"),
+    "ragged_vs_plain": ("ragged", "plain"),
+    "ragged_vs_kvfn_full_piped": ("ragged_piped", "kvfn_full_piped"),
+    "ragged_vs_mlx_lm_full_piped": ("ragged_piped", "mlx_lm_full_piped"),
+    "ragged_vs_plain_piped": ("ragged_piped", "plain_piped"),
+}
+
+
+def print_ragged(r: dict) -> None:
+    print(
+        f"L={r['L']:6d} adakv budget={r['budget']} | KV {r['kv_fraction']:.3f}x | step ms: "
+        f"mlx-lm full {r['mlx_lm_full']:.2f}, kvfn full {r['kvfn_full']:.2f}, ragged "
+        f"{r['ragged']:.2f}, plain {r['plain']:.2f} | pipelined: mlx-lm full "
+        f"{r['mlx_lm_full_piped']:.2f}, kvfn full {r['kvfn_full_piped']:.2f}, ragged "
+        f"{r['ragged_piped']:.2f}, plain {r['plain_piped']:.2f} | host ms: ragged "
+        f"{r['ragged_host']:.2f}, plain {r['plain_host']:.2f}",
+        flush=True,
+    )
+
+
+def print_ragged_table(rows: list) -> None:
+    if not rows:
+        return
+    print("\nAda-KV (ragged rows, random allocation) and SnapKV (plain rows) at one budget, ms per "
+          "step sync / pipelined, host ms in square brackets")  # fmt: skip
+    print("| L | budget | KV | mlx-lm full | kvfn full | ragged | plain | " +
+          " | ".join(n.replace("_", " ") for n in RAGGED_RATIOS) + " |")  # fmt: skip
+    print("|" + "---|" * (7 + len(RAGGED_RATIOS)))
+    for r in rows:
+        print(
+            f"| {r['L']} | {r['budget']} | {r['kv_fraction']:.3f}x "
+            f"| {r['mlx_lm_full']:.2f} / {r['mlx_lm_full_piped']:.2f} "
+            f"| {r['kvfn_full']:.2f} / {r['kvfn_full_piped']:.2f} "
+            f"| {r['ragged']:.2f} / {r['ragged_piped']:.2f} [{r['ragged_host']:.2f}] "
+            f"| {r['plain']:.2f} / {r['plain_piped']:.2f} [{r['plain_host']:.2f}] "
+            + "".join(f"| {cell(r, name)} " for name in RAGGED_RATIOS)
+            + "|",
+            flush=True,
+        )
 
 
 RATIOS = {  # a row's ratio: (its loop, the loop it is over)
@@ -236,7 +305,10 @@ def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
-    p.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5])
+    p.add_argument("--ratios", type=float, nargs="*", default=[0.25, 0.5])
+    p.add_argument("--adakv", type=int, nargs="*", default=[], metavar="BUDGET",
+                   help="also time Ada-KV's ragged rows (and SnapKV's plain ones) at these "
+                   "budgets")  # fmt: skip
     p.add_argument("--sink", type=int, default=64)
     p.add_argument("--recent", type=int, default=256)
     p.add_argument("--chunk", type=int, default=512)
@@ -253,7 +325,10 @@ def main(argv=None) -> list:
         p.error(
             f"need --rounds >= 1 and 1 <= --steps <= {ROOM - 5}, got {args.rounds}, {args.steps}"
         )
-    if min(args.lengths) <= args.sink + args.recent:
+    for b in args.adakv:
+        if not 36 <= b < min(args.lengths):
+            p.error(f"argument --adakv: budgets must be in [36, {min(args.lengths)}), got {b}")
+    if args.ratios and min(args.lengths) <= args.sink + args.recent:
         p.error(f"argument --lengths: must exceed --sink + --recent = {args.sink + args.recent}")
     rows = run(args)
     if args.json:

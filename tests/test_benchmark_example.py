@@ -207,6 +207,22 @@ def test_benchmark_duo_times_every_loop_in_rounds(capsys, monkeypatch):
         assert message in capsys.readouterr().err
 
 
+def test_benchmark_duo_times_adakvs_ragged_rows_beside_plain_ones(capsys):
+    """benchmark_duo --adakv: a ragged row's ratios recompute from its times, its KV is its
+    budget's share of the full cache's, and a bad budget is refused by name."""
+    from examples import benchmark_duo
+
+    (row,) = benchmark_duo.main(["--shape", "tiny", "--lengths", "300", "--ratios", "--adakv",
+                                 "64", "--chunk", "128", "--steps", "2"])  # fmt: skip
+    assert row["budget"] == 64 and abs(row["kv_fraction"] - 64 / 299) < 0.01
+    for name, (a, b) in benchmark_duo.RAGGED_RATIOS.items():
+        assert row[name] == pytest.approx(row[a] / row[b])
+    assert "| 300 | 64 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        benchmark_duo.main(["--shape", "tiny", "--lengths", "300", "--adakv", "400"])
+    assert "--adakv: budgets must be in [36, 300)" in capsys.readouterr().err
+
+
 def test_profile_host_times_a_chain_of_each_kind(capsys):
     """profile_host's chains hold the primitives they claim (so the slope is per primitive), a
     scatter chain writes the row, and kinds this backend lacks or does not know are named."""
