@@ -49,7 +49,13 @@ from .interop import (  # noqa: E402
     load_prompt_cache,
     to_mlx_cache,
 )
-from .kvzip import AdaKVzip, KVzip, reconstruction_scores, repeat_prompt  # noqa: E402
+from .kvzip import (  # noqa: E402
+    AdaKVzip,
+    KVzip,
+    reconstruction_scores,
+    reconstruction_steps,
+    repeat_prompt,
+)
 from .partitioned import HeadPartitionedKVCache  # noqa: E402
 from .policy import Policy, parse_policy, register_policy  # noqa: E402
 from .ragged import RaggedKVCache  # noqa: E402
@@ -100,6 +106,7 @@ __all__ = [
     "AdaKVzip",
     "ExpectedAttention",
     "reconstruction_scores",
+    "reconstruction_steps",
     "repeat_prompt",
     "parse_policy",
     "register_policy",

@@ -1,10 +1,16 @@
 """KVzip (arXiv:2505.23416): keep the rows the model needs to repeat its context.
 
-After the context is prefilled, the model is asked to repeat it: a short instruction, then the
-context's own tokens, run in chunks over the prefilled states. A row's score is the most
-attention it gets from any of those queries (and, per KV head, from any of its query heads).
-States are immutable, so the pass's states are simply dropped: the scores need no question,
-and one compaction serves every later one. The pass costs about one more prefill.
+After the context (P prefilled rows) the model is asked to repeat it, chunk by chunk, as the
+published KVzip does: chunk i of the context, rows [start, end), is run after an instruction
+(the first: "Repeat the previous context exactly." and the chat template's assistant turn; a
+later one: "Repeat the part of the previous context exactly, starting with", the previous
+chunk's last ``overlap`` tokens, then the assistant turn) over the prefilled states, and its
+rows are dropped again: every chunk sees the P context rows, never an earlier chunk's. A row of
+[start, end) scores the most weight any query of its chunk's input gives it in a softmax over
+the first sinks, the chunk's own context rows and the input's own rows (causally): each row is
+scored by its own chunk only. States are immutable: the pass leaves them as they were, so the
+scores need no question and one compaction serves every later one. The pass costs about one
+more prefill (each query sees about P keys in the model's own attention).
 """
 
 from dataclasses import dataclass
@@ -14,27 +20,123 @@ import mlx.core as mx
 import numpy as np
 
 from . import cache as kv
-from . import tree
 from .adakv import AdaKV
-from .compact import with_room
+from .compact import chunks, with_room
 from .policy import Policy, register_policy
 from .snapkv import pool1d
 from .wrapper import FunctionalModel, QuerySlice
 
 REPEAT = "\n\nRepeat the previous context exactly."
+RESUME = "\n\nRepeat the part of the previous context exactly, starting with"
+_MARKER = "\x00KVZIP\x00"
+
+
+def assistant_suffix(tokenizer) -> str:
+    """What the chat template puts after a user turn's text to open the assistant's turn; a
+    newline without a template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "\n"
+    turn = tokenizer.apply_chat_template([{"role": "user", "content": _MARKER}],
+                                         add_generation_prompt=True, tokenize=False)  # fmt: skip
+    return turn[turn.index(_MARKER) + len(_MARKER) :]
 
 
 def repeat_prompt(tokenizer, text: str = REPEAT) -> tuple[int, ...]:
     """The reconstruction instruction as token ids: ``text``, closed by the chat template's
     assistant turn when the tokenizer has one (the paper's prompt), else by a newline."""
-    if getattr(tokenizer, "chat_template", None):
-        marker = "\x00KVZIP\x00"
-        turn = tokenizer.apply_chat_template([{"role": "user", "content": marker}],
-                                             add_generation_prompt=True, tokenize=False)  # fmt: skip
-        text += turn[turn.index(marker) + len(marker) :]
-    else:
-        text += "\n"
+    return tuple(tokenizer.encode(text + assistant_suffix(tokenizer), add_special_tokens=False))
+
+
+def resume_prompt(tokenizer, text: str = RESUME) -> tuple[int, ...]:
+    """The later chunks' instruction as token ids (the previous chunk's last tokens and
+    ``suffix_prompt`` follow it)."""
     return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+
+def suffix_prompt(tokenizer) -> tuple[int, ...]:
+    """The assistant turn's opening alone, as token ids."""
+    return tuple(tokenizer.encode(assistant_suffix(tokenizer), add_special_tokens=False))
+
+
+def _token_ids(name: str, ids) -> tuple:
+    if not isinstance(ids, (tuple, list)) or not all(type(t) is int and t >= 0 for t in ids):
+        raise ValueError(f"{name} must be a sequence of token ids (ints >= 0), got {ids!r}")
+    return tuple(ids)
+
+
+def reconstruction_steps(
+    fmodel: FunctionalModel,
+    tokens: mx.array,
+    states: Sequence,
+    *,
+    prompt: Sequence[int] = (),
+    resume: Sequence[int] = (),
+    suffix: Sequence[int] = (),
+    chunk: int = 2048,
+    overlap: int = 8,
+    sink: int = 4,
+):
+    """``reconstruction_scores`` as a generator: it yields ``(done, total)`` context rows after
+    each chunk (evaluated) and returns the scores as its StopIteration value, so a caller can
+    interleave other work between chunks. The arguments are checked when it is called."""
+    if not isinstance(tokens, mx.array) or tokens.ndim != 2 or tokens.shape[1] < 1:
+        shape = tuple(tokens.shape) if isinstance(tokens, mx.array) else type(tokens).__name__
+        raise ValueError(f"reconstruction takes tokens of shape (batch, n >= 1), got {shape}")
+    for name, value, least in (("chunk", chunk, 1), ("overlap", overlap, 0), ("sink", sink, 0)):
+        if type(value) is not int or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    heads = [_token_ids(n, v) for n, v in (("prompt", prompt), ("resume", resume),
+                                           ("suffix", suffix))]  # fmt: skip
+    B, P = tokens.shape
+    for s in states:
+        if not isinstance(s, kv.State):
+            raise TypeError(f"the reconstruction pass needs plain states, got {type(s).__name__}")
+    rows = {s.max_rows if s.max_rows is not None else int(s.rows.item()) for s in states}
+    if rows != {P}:
+        raise ValueError(f"states must hold the {P} prefilled tokens' rows, got rows {rows}")
+    if not all(s.dense for s in states):
+        raise ValueError("the reconstruction pass needs the dense states of a plain prefill")
+    return _steps(fmodel, tokens.astype(mx.int32), tuple(states), *heads, chunk, overlap, sink)
+
+
+def _steps(fmodel, tokens, states, prompt, resume, suffix, chunk, overlap, sink):
+    B, P = tokens.shape
+    parts = chunks(P, chunk)
+    done = [[] for _ in states]
+    for start, end in parts:
+        if start == 0:
+            head = _ids(prompt, B)
+        else:
+            tail = tokens[:, max(start - overlap, 0) : start]
+            head = mx.concatenate([_ids(resume, B), tail, _ids(suffix, B)], axis=1)
+        inputs = mx.concatenate([head, tokens[:, start:end]], axis=1)
+        n = inputs.shape[1]
+        query = QuerySlice(0, n, "reconstruction", (sink, start, end, P))
+        zeros = tuple(mx.zeros((B, h, end - start), mx.float32) for h in fmodel.n_heads)
+        # each chunk runs over its own copy of the states with room for its n rows, made and
+        # freed layer by layer: the caller's states stay as they were and no second copy of
+        # every layer is ever held (the states and their logits are dropped at once)
+        scores = fmodel.scored_forward(inputs, tuple(with_room(s, n) for s in states), zeros,
+                                       query)[2]  # fmt: skip
+        mx.eval(scores)
+        for kept, s in zip(done, scores):
+            kept.append(s)
+        del scores
+        yield end, P
+    return tuple(mx.concatenate(kept, axis=-1) if len(kept) > 1 else kept[0] for kept in done)
+
+
+def _ids(ids: tuple, batch: int) -> mx.array:
+    return mx.broadcast_to(mx.array(list(ids), mx.int32).reshape(1, -1), (batch, len(ids)))
+
+
+def _drained(steps):
+    """Run a generator of ``(done, total)`` steps to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
 
 
 def reconstruction_scores(
@@ -43,43 +145,24 @@ def reconstruction_scores(
     states: Sequence,
     *,
     prompt: Sequence[int] = (),
-    chunk: int = 512,
+    resume: Sequence[int] = (),
+    suffix: Sequence[int] = (),
+    chunk: int = 2048,
+    overlap: int = 8,
+    sink: int = 4,
 ) -> tuple:
-    """Per layer, the most attention (B, n_heads, P) float32 each of the P rows of ``states``
-    (freshly prefilled from ``tokens``, (B, P)) gets from any query of the reconstruction
-    (``prompt`` then ``tokens``), run over them in steps of at most ``chunk`` queries; zeros for
-    sliding-window layers. Each layer keeps a running maximum; at most (heads x 64 x rows)
-    weights of one layer exist at once (``kvfn.scores.window_attention_max``), never a
-    (heads x P x P) matrix. ``states`` are left as they were."""
-    if not isinstance(tokens, mx.array) or tokens.ndim != 2 or tokens.shape[1] < 1:
-        shape = tuple(tokens.shape) if isinstance(tokens, mx.array) else type(tokens).__name__
-        raise ValueError(f"reconstruction takes tokens of shape (batch, n >= 1), got {shape}")
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    B, P = tokens.shape
-    for s in states:
-        if not isinstance(s, kv.State):
-            raise TypeError(f"the reconstruction pass needs plain states, got {type(s).__name__}")
-    rows = {s.max_rows if s.max_rows is not None else int(s.rows.item()) for s in states}
-    if rows != {P}:
-        raise ValueError(f"states must hold the {P} prefilled tokens' rows, got rows {rows}")
-    head = mx.broadcast_to(mx.array(list(prompt), mx.int32)[None], (B, len(prompt)))
-    recon = mx.concatenate([head, tokens.astype(mx.int32)], axis=1)
-    n = recon.shape[1]
-    best = None
-    for start in range(0, n, chunk):
-        part = recon[:, start : start + chunk]
-        w = part.shape[1]
-        # exactly the room this step needs: each query's rows span only the rows so far
-        states = tuple(with_room(s, w) for s in states)
-        zeros = tuple(mx.zeros((B, h, s.capacity), mx.float32)
-                      for h, s in zip(fmodel.n_heads, states))  # fmt: skip
-        query = QuerySlice(0, w, "max_attention")
-        _, states, top = fmodel.scored_forward(part, states, zeros, query)
-        top = tuple(t[..., :P] for t in top)
-        best = top if best is None else tuple(map(mx.maximum, best, top))
-        mx.eval(best, tree.arrays(states))
-    return best
+    """KVzip's scores of the P rows of ``states`` (the dense states of a plain prefill of
+    ``tokens``, (B, P)): per layer (B, n_heads, P) float32, zeros for sliding-window layers.
+    The context is cut into chunks of ``chunk`` tokens; chunk [start, end) runs after its head
+    (``prompt`` for the first; for a later one ``resume``, the previous ``overlap`` context
+    tokens, then ``suffix``) over the prefilled states, and each of its rows scores the most
+    weight any query of that input gives it in a softmax over rows [0, min(sink, start)),
+    [start, end) and the input's own (causally; ``kvfn.scores.reconstruction_attention``).
+    Without a tokenizer's ids the head is just the overlap (nothing for the first chunk).
+    ``states`` are left as they were."""
+    steps = reconstruction_steps(fmodel, tokens, states, prompt=prompt, resume=resume,
+                                 suffix=suffix, chunk=chunk, overlap=overlap, sink=sink)  # fmt: skip
+    return _drained(steps)
 
 
 @register_policy
@@ -87,14 +170,20 @@ def reconstruction_scores(
 class KVzip(Policy):
     """KVzip's selection from reconstruction scores: a KV head keeps the rows its query heads
     attended to most while repeating the context (``per_head``; ``kvzip-layer``: one row set per
-    layer, the max over its heads), optionally max-pooled (``kvzip-k3``). ``prompt``: the
-    instruction's token ids (``repeat_prompt(tokenizer)``; empty: the context is simply run
-    again). ``chunk``: reconstruction queries per step (``kvzip-c256``)."""
+    layer, the max over its heads), optionally max-pooled (``kvzip-k3``). ``prompt``,
+    ``resume``, ``suffix``: the first chunk's instruction, a later chunk's, and the assistant
+    turn's opening, as token ids (``for_tokenizer`` sets them; empty: the context is simply run
+    again). ``chunk``: context tokens a step (``kvzip-c1024``); ``overlap``: the previous
+    chunk's tokens a later chunk's instruction quotes. ``sink_tokens`` are also the sinks every
+    reconstruction query sees."""
 
     prompt: tuple = ()
     per_head: bool = True
     kernel_size: int = 1
-    chunk: int = 512
+    chunk: int = 2048
+    resume: tuple = ()
+    suffix: tuple = ()
+    overlap: int = 8
 
     name: ClassVar[str] = "kvzip"
     needs_scores: ClassVar[bool] = True
@@ -107,10 +196,10 @@ class KVzip(Policy):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.prompt, tuple) or not all(
-            type(t) is int and t >= 0 for t in self.prompt
-        ):
-            raise ValueError(f"kvzip prompt must be a tuple of token ids, got {self.prompt!r}")
+        for name in ("prompt", "resume", "suffix"):
+            ids = getattr(self, name)
+            if not isinstance(ids, tuple) or not all(type(t) is int and t >= 0 for t in ids):
+                raise ValueError(f"kvzip {name} must be a tuple of token ids, got {ids!r}")
         if not isinstance(self.per_head, bool):
             raise ValueError(f"kvzip per_head must be a bool, got {self.per_head!r}")
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
@@ -119,19 +208,33 @@ class KVzip(Policy):
             raise ValueError(f"kvzip chunk must be >= 1, got {self.chunk}")
 
     def scoring(self) -> tuple:
-        return (KVzip.score_prompt, self.prompt, self.chunk)  # kvzip-layer, adakvzip: one pass
+        # kvzip-layer, adakvzip: one pass when these agree
+        return (KVzip.score_steps, self.prompt, self.resume, self.suffix, self.chunk,
+                self.overlap, self.sink_tokens)  # fmt: skip
 
     def for_tokenizer(self, tokenizer) -> "KVzip":
-        """With the tokenizer's repeat instruction (``repeat_prompt``) unless one is set."""
-        return self if self.prompt else self.replace(prompt=repeat_prompt(tokenizer))
+        """With the tokenizer's instructions and assistant turn (``repeat_prompt``,
+        ``resume_prompt``, ``suffix_prompt``) unless any is set."""
+        if self.prompt or self.resume or self.suffix:
+            return self
+        return self.replace(prompt=repeat_prompt(tokenizer), resume=resume_prompt(tokenizer),
+                            suffix=suffix_prompt(tokenizer))  # fmt: skip
 
     def observation_window(self, prompt_length: int) -> int:
-        return 0  # the prefill scores nothing: ``score_prompt`` does
+        return 0  # the prefill scores nothing: ``score_steps`` does
 
-    def score_prompt(self, fmodel, tokens, states, gathered=None) -> Optional[tuple]:
+    def score_steps(self, fmodel, tokens, states, gathered=None):
+        """The reconstruction pass (``reconstruction_steps``), a chunk a step; None without
+        steps when the prompt is kept whole."""
         if self.keeps_whole(tokens.shape[1]):
             return None
-        return reconstruction_scores(fmodel, tokens, states, prompt=self.prompt, chunk=self.chunk)
+        steps = reconstruction_steps(fmodel, tokens, states, prompt=self.prompt,
+                                     resume=self.resume, suffix=self.suffix, chunk=self.chunk,
+                                     overlap=self.overlap, sink=self.sink_tokens)  # fmt: skip
+        return (yield from steps)
+
+    def score_prompt(self, fmodel, tokens, states, gathered=None) -> Optional[tuple]:
+        return _drained(self.score_steps(fmodel, tokens, states, gathered))
 
     def keep_indices(self, scores, *, prompt_length, **kwargs) -> mx.array:
         if scores is None and not self.keeps_whole(prompt_length):

@@ -1,10 +1,11 @@
-"""The observation window's attention, reduced to one score per key, inside the prefill."""
+"""The observation window's attention, reduced to one score per key, inside the prefill; KVzip's
+reconstruction scores of one chunk, inside its pass."""
 
 import chex
 import mlx.core as mx
 from typeguard import typechecked
 
-from . import window_kernel
+from . import reconstruction_kernel, window_kernel
 from .cache import State
 
 
@@ -48,6 +49,62 @@ def window_attention_max(
         top = top.reshape(q.shape[0], q.shape[1], -1)
         best = top if best is None else mx.maximum(best, top)
     return best
+
+
+@typechecked
+def reconstruction_attention(
+    queries: mx.array,
+    keys: mx.array,
+    sink: int,
+    start: int,
+    end: int,
+    context: int,
+    scale: float,
+    piece: int = 64,
+) -> mx.array:
+    """KVzip's scores of the context rows [start, end) from one reconstruction input:
+    (B, n_heads, end - start) float32. ``queries`` (B, n_heads, n, D; after RoPE) are the
+    input's n rows, whose keys are ``keys[:, :, context : context + n]`` (B, n_kv, capacity, D)
+    after ``context`` prefilled rows. Each query's softmax runs over the restricted keys: rows
+    [0, min(sink, start)), [start, end) and the input's own rows up to its own (causal); a row of
+    [start, end) scores the most weight any query gives it. On CUDA the fused kernels run
+    (``kvfn.reconstruction_kernel``); elsewhere the stock ops, ``piece`` queries at a time in two
+    passes (each query's log-sum-exp, then the weights), so at most (n_heads x piece x keys)
+    float32 logits exist at once."""
+    chex.assert_rank([queries, keys], 4)
+    B, n_heads, n, D = queries.shape
+    n_kv = keys.shape[1]
+    if n_heads % n_kv or keys.shape[0] != B or keys.shape[3] != D:
+        raise ValueError(f"queries {queries.shape} do not fit keys {keys.shape}")
+    if sink < 0 or not 0 <= start < end <= context or context + n > keys.shape[2]:
+        raise ValueError(
+            f"rows [{start}, {end}) with sink {sink} and the input's {n} rows after {context} do "
+            f"not fit keys of {keys.shape[2]} rows"
+        )
+    if piece < 1:
+        raise ValueError(f"piece must be >= 1, got {piece}")
+    s0 = min(sink, start)
+    if reconstruction_kernel.applies(queries, keys):
+        return reconstruction_kernel.scores(queries, keys, s0, start, end, context, scale)
+    own = keys[:, :, context : context + n]
+    restricted = mx.concatenate([keys[:, :, :s0], keys[:, :, start:end], own], axis=2)
+    k = restricted.astype(mx.float32)[:, :, None].swapaxes(-1, -2)  # (B, n_kv, 1, D, keys)
+    q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, n_heads // n_kv, n, D)
+    fixed = s0 + end - start  # keys every query sees
+    lse = []
+    for i in range(0, n, piece):
+        logits = q[:, :, :, i : i + piece] @ k
+        rows = mx.arange(i, min(i + piece, n))[:, None]
+        seen = mx.arange(restricted.shape[2])[None] < fixed + 1 + rows  # own row j <= query i
+        lse.append(mx.logsumexp(mx.where(seen, logits, -mx.inf), axis=-1, keepdims=True))
+    lse = mx.concatenate(lse, axis=-2)
+    chunk = k[..., s0:fixed]
+    best = None
+    for i in range(0, n, piece):
+        weights = mx.exp(q[:, :, :, i : i + piece] @ chunk - lse[:, :, :, i : i + piece])
+        top = mx.max(weights, axis=-2)
+        best = top if best is None else mx.maximum(best, top)
+    return best.reshape(B, n_heads, end - start)
 
 
 def _logits(queries, query_positions, state, scale) -> mx.array:

@@ -35,7 +35,12 @@ from . import ragged as rgd
 from . import slots as sl
 from . import tree
 from .distributed import head_group
-from .scores import add_query_moments, window_attention_max, window_attention_scores
+from .scores import (
+    add_query_moments,
+    reconstruction_attention,
+    window_attention_max,
+    window_attention_scores,
+)
 
 ATTENTION_NAMES = ("self_attn", "attention", "attn")
 N_HEADS_NAMES = ("n_heads", "num_heads", "num_attention_heads")
@@ -45,7 +50,7 @@ GROWTH = 256  # capacities grow to multiples of this, at least doubling
 _current = contextvars.ContextVar("kvfn_layer_adapter", default=None)
 
 
-STATISTICS = ("attention", "max_attention", "moments")
+STATISTICS = ("attention", "max_attention", "moments", "reconstruction")
 
 
 @dataclass(frozen=True)
@@ -53,16 +58,34 @@ class QuerySlice:
     """The query rows of one call (a static slice) that a scored call reads, and what it adds
     to each layer's scores: ``"attention"``, their attention over every key, summed (the
     observation window); ``"max_attention"``, the most any of them pays each key, kept as a
-    running maximum (KVzip's reconstruction); or ``"moments"``, the sums of their queries
-    before RoPE and of their outer products (``kvfn.scores.add_query_moments``)."""
+    running maximum; ``"moments"``, the sums of their queries before RoPE and of their outer
+    products (``kvfn.scores.add_query_moments``); or ``"reconstruction"``, KVzip's scores of one
+    reconstruction input (the call, after ``context`` prefilled rows; ``rows`` = (sink, start,
+    end, context)): for each context row of [start, end), the most weight a query of the slice
+    gives it in a softmax over rows [0, min(sink, start)), [start, end) and the call's own
+    (``kvfn.scores.reconstruction_attention``), (B, n_heads, end - start) in place of the
+    layer's scores."""
 
     start: int
     stop: int
     statistic: str = "attention"
+    rows: tuple = ()
 
     def __post_init__(self):
         if self.statistic not in STATISTICS:
             raise ValueError(f"statistic must be one of {STATISTICS}, got {self.statistic!r}")
+        if self.statistic != "reconstruction":
+            if self.rows:
+                raise ValueError(f"only reconstruction takes rows, got {self.rows!r}")
+            return
+        ok = len(self.rows) == 4 and all(type(r) is int for r in self.rows)
+        if not ok or self.rows[0] < 0 or not 0 <= self.rows[1] < self.rows[2] <= self.rows[3]:
+            raise ValueError(
+                "reconstruction rows must be ints (sink >= 0, start, end, context) with 0 <= "
+                f"start < end <= context, got {self.rows!r}"
+            )
+        if self.start != 0:
+            raise ValueError(f"reconstruction reads the call's queries from its first, got {self}")
 
 
 class _Call:
@@ -175,7 +198,9 @@ class _LayerAdapter:
                 return self._fetch(r, keys.shape[2])
             q = self.queries[:, :, qs.start : qs.stop]
             qpos = before[:, None] + mx.arange(qs.start, qs.stop, dtype=mx.int32)[None]
-            if qs.statistic == "max_attention":
+            if qs.statistic == "reconstruction":
+                self.scores = reconstruction_attention(q, self.state.keys, *qs.rows, self.scale)
+            elif qs.statistic == "max_attention":
                 top = window_attention_max(q, qpos, self.state, self.scale)
                 self.scores = mx.maximum(self.scores, top)
             else:
@@ -604,7 +629,8 @@ class FunctionalModel:
             raise TypeError("a scored step needs plain states (score before partitioning)")
         old = [s.capacity for s in states] if isinstance(states, (tuple, list)) else None
         tokens, states = self._prepare(tokens, states)
-        grows = isinstance(queries, QuerySlice) and queries.statistic != "moments"
+        sums = ("attention", "max_attention")  # scores over every slot
+        grows = isinstance(queries, QuerySlice) and queries.statistic in sums
         if grows and old is not None and len(scores) == len(states):  # states grew: so do scores
             scores = tuple(
                 (
@@ -629,6 +655,8 @@ class FunctionalModel:
             want = (st.keys.shape[0], self.n_heads[i], st.capacity)
             if queries.statistic == "moments":
                 want = (*want[:2], self.head_dims[i] + 2, self.head_dims[i])
+            elif queries.statistic == "reconstruction":
+                want = (*want[:2], queries.rows[2] - queries.rows[1])
             elif (
                 s.ndim == 4 and queries.statistic == "attention"
             ):  # one row per query (kvfn.heads profiles heads with them)

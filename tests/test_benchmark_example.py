@@ -573,3 +573,38 @@ def test_patched_settings_are_restored_even_when_the_block_fails():
             assert (kernels.STAGES, kernels.TENSOR_CORES) == (before[0] + 3, not before[1])
             raise RuntimeError("inside")
     assert (kernels.STAGES, kernels.TENSOR_CORES) == before
+
+
+def test_benchmark_policies_prints_kvzip_beside_mlx_lm(capsys, tmp_path):
+    from examples import benchmark_policies
+
+    result = benchmark_policies.main(["--shape", "tiny", "--lengths", "96", "--chunk", "32",
+                                      "--pass-chunk", "40", "--json", str(tmp_path / "p.json")])  # fmt: skip
+    (row,) = result["kvzip"]
+    assert row["L"] == 96 and row["chunk"] == 32 and row["pass_chunk"] == 40
+    rounds = row["rounds_s"]
+    assert all(len(s) == 3 for s in rounds.values())  # --rounds' default
+    pairs = {"time_ratio": ("kvzip", "mlx"), "prefill_ratio": ("prefill", "mlx")}
+    for name, (a, b) in pairs.items():
+        ratios = sorted(x / y for x, y in zip(rounds[a], rounds[b]))  # each round's own
+        assert row[name] == pytest.approx(ratios[1])
+        assert row[name + "_range"] == pytest.approx([ratios[0], ratios[-1]])
+    assert row["kvzip_s"] == pytest.approx(sorted(rounds["kvzip"])[1])
+    assert row["mem_ratio"] == pytest.approx(row["kvzip_gb"] / row["mlx_gb"])
+    assert row["kvzip_gb"] == pytest.approx(sorted(row["rounds_gb"]["kvzip"])[1])
+    assert row["kvzip_s"] > row["prefill_s"] > 0  # the pass runs after the same prefill
+    out = capsys.readouterr().out.splitlines()
+    (line,) = [ln for ln in out if ln.startswith("| 96 | 32 / 40 |")]
+    assert f"| {row['time_ratio']:.2f}" in line and f"| {row['mem_ratio']:.2f} |" in line
+    assert (tmp_path / "p.json").stat().st_size > 100
+
+
+def test_benchmark_policies_rejects_bad_values(capsys):
+    from examples import benchmark_policies
+
+    with pytest.raises(SystemExit):
+        benchmark_policies.main(["--pass-chunk", "0"])
+    assert "--pass-chunk: values must be >= 1, got [0]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        benchmark_policies.main(["--tables", "duo"])
+    assert "invalid choice: 'duo'" in capsys.readouterr().err

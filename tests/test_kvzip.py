@@ -4,6 +4,7 @@ compaction on SmolLM2, the evaluator, and bad settings."""
 import mlx.core as mx
 import mlx_lm.models.llama as llama
 import mlx_lm.models.qwen2 as qwen2
+from mlx_lm.models.cache import make_prompt_cache
 import numpy as np
 import pytest
 
@@ -82,40 +83,153 @@ def test_adakvzip_global_ranks_every_layers_pairs_together():
         p.replace(layer_budgets=(12, 5))
 
 
-def brute_force(model, module, monkeypatch, sequence, P):
-    """Per layer, the max attention (n_heads, P) the prompt rows get from the queries after
-    them, from one plain mlx-lm forward over the whole sequence with a manual softmax."""
-    weights = []
+def chunk_inputs(context, chunk, prompt, resume, suffix, overlap=8):
+    """The published KVzip's inputs: (start, end, head + context[start:end]) per chunk."""
+    out = []
+    for start in range(0, len(context), chunk):
+        end = min(start + chunk, len(context))
+        tail = context[max(start - overlap, 0) : start]
+        head = list(prompt) if start == 0 else [*resume, *tail, *suffix]
+        out.append((start, end, head + context[start:end]))
+    return out
 
-    def attend(queries, keys, values, cache, scale, mask, sinks=None):
-        rep = queries.shape[1] // keys.shape[1]
-        k, v = mx.repeat(keys, rep, axis=1), mx.repeat(values, rep, axis=1)
-        logits = (queries * scale) @ k.swapaxes(-1, -2)
-        T = queries.shape[2]
-        causal = mx.arange(T)[:, None] >= mx.arange(T)[None]
-        w = mx.softmax(mx.where(causal, logits, -mx.inf), axis=-1, precise=True)
-        weights.append(w[0])
-        return w @ v
 
-    monkeypatch.setattr(module, "scaled_dot_product_attention", attend)
-    mx.eval(model(mx.array([sequence])))
-    return [np.array(mx.max(w[:, P:, :P], axis=1)) for w in weights]
+def brute_force(model, module, monkeypatch, context, chunk, prompt=(), resume=(), suffix=(),
+                sink=4):  # fmt: skip
+    """Per layer (n_heads, P) float64: each chunk's input run by mlx-lm's own model over a plain
+    KVCache holding the prefilled context, its queries and keys read at mlx-lm's attention, and
+    the restricted softmax computed by hand."""
+    P = len(context)
+    out = None
+    for start, end, ids in chunk_inputs(context, chunk, tuple(prompt), tuple(resume),
+                                        tuple(suffix)):  # fmt: skip
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([context]), cache=cache))
+        seen = []
+        original = module.scaled_dot_product_attention
+
+        def attend(queries, keys, values, cache, scale, mask, sinks=None):
+            seen.append((np.array(queries[0], np.float64), np.array(keys[0], np.float64), scale))
+            return original(queries, keys, values, cache, scale, mask, sinks)
+
+        monkeypatch.setattr(module, "scaled_dot_product_attention", attend)
+        mx.eval(model(mx.array([ids]), cache=cache))
+        monkeypatch.setattr(module, "scaled_dot_product_attention", original)
+        n = len(ids)
+        keys = list(range(min(sink, start))) + list(range(start, end)) + list(range(P, P + n))
+        fixed = len(keys) - n
+        seen_by = np.arange(len(keys))[None] < fixed + 1 + np.arange(n)[:, None]
+        if out is None:
+            out = [np.zeros((q.shape[0], P)) for q, _, _ in seen]
+        for layer, (q, k, scale) in zip(out, seen):
+            k = np.repeat(k[:, keys], q.shape[0] // k.shape[0], axis=0)
+            logits = np.where(seen_by, scale * q @ k.transpose(0, 2, 1), -np.inf)
+            w = np.exp(logits - logits.max(-1, keepdims=True))
+            w /= w.sum(-1, keepdims=True)
+            layer[:, start:end] = w[:, :, fixed - (end - start) : fixed].max(axis=1)
+    return out
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_the_pass_is_the_max_over_reconstruction_queries_of_one_full_forward(family, monkeypatch):
+@pytest.mark.parametrize("chunk", [6, 16, 37, 50])  # a last partial chunk, one chunk, > P
+@pytest.mark.parametrize("instructed", [False, True], ids=["bare", "instructed"])
+def test_each_chunk_scores_its_rows_as_mlx_lm_attends_in_its_own_pass(family, chunk, instructed,
+                                                                      monkeypatch):  # fmt: skip
     model = tiny_model(family)
     fm = kvfn.FunctionalModel(model)
-    rng = np.random.default_rng(3)
-    context, prompt = rng.integers(0, 97, 37).tolist(), (5, 11, 2)
+    context = np.random.default_rng(3).integers(0, 97, 37).tolist()
+    heads = dict(prompt=(5, 11, 2), resume=(7, 8), suffix=(9, 4, 1)) if instructed else {}
     states = kvfn.prefill(fm, mx.array([context]), prefill_step_size=16)
-    got = reconstruction_scores(fm, mx.array([context]), states, prompt=prompt, chunk=6)
-    want = brute_force(model, MODULES[family], monkeypatch, context + list(prompt) + context, 37)
+    got = reconstruction_scores(fm, mx.array([context]), states, chunk=chunk, **heads)
+    want = brute_force(model, MODULES[family], monkeypatch, context, chunk, **heads)
     assert len(got) == len(want)
     for g, w in zip(got, want):
-        assert g.shape == (1, 4, 37)
-        np.testing.assert_allclose(np.array(g[0]), w, atol=2e-5)
-    assert int(states[0].rows.item()) == 37  # the prefilled states are untouched
+        assert g.shape == (1, 4, 37) and g.dtype == mx.float32
+        np.testing.assert_allclose(np.array(g[0]), w, rtol=1e-4, atol=1e-6)
+
+
+def test_a_row_is_scored_by_its_own_chunk_only():
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    context = np.random.default_rng(5).integers(0, 97, 30).tolist()
+    states = kvfn.prefill(fm, mx.array([context]))
+    whole = reconstruction_scores(fm, mx.array([context]), states, chunk=10)
+    edited = context[:12] + [(t + 1) % 97 for t in context[12:18]] + context[18:]
+    again = reconstruction_scores(fm, mx.array([edited]), kvfn.prefill(fm, mx.array([edited])),
+                                  chunk=10)  # fmt: skip
+    # the edit is in chunk 1's rows (and chunk 2's overlap). In the first layer a query reads
+    # nothing but its input's tokens and the keys of its restricted rows, so chunk 0's scores
+    # cannot see it (deeper layers read every context row through the model's own attention)
+    a, b = whole[0], again[0]
+    assert mx.array_equal(a[..., :10], b[..., :10]).item()
+    assert not mx.allclose(a[..., 10:20], b[..., 10:20]).item()
+    assert not mx.allclose(a[..., 20:], b[..., 20:]).item()
+
+
+def test_the_pass_leaves_the_states_and_holds_no_second_copy_of_them():
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=12,
+                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=97, rope_theta=10000.0)  # fmt: skip
+    mx.random.seed(0)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    fm = kvfn.FunctionalModel(model)
+    context = mx.array([np.random.default_rng(6).integers(0, 97, 1024).tolist()])
+    states = kvfn.prefill(fm, context, prefill_step_size=256)
+    mx.eval(kvfn.tree.arrays(states))
+    before = [np.array(a) for a in kvfn.tree.arrays(states)]
+    held = sum(s.nbytes for s in states)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    live = mx.get_active_memory()
+    steps = kvfn.reconstruction_steps(fm, context, states, chunk=8, resume=(1, 2), suffix=(3,))
+    done = []
+    while True:
+        try:
+            done.append(next(steps))
+        except StopIteration as end:
+            scores = end.value
+            break
+    extra = mx.get_peak_memory() - live
+    assert done == [(min(i + 8, 1024), 1024) for i in range(0, 1024, 8)]
+    assert len(scores) == 12 and scores[0].shape == (1, 4, 1024)
+    # a chunk's copy of a layer is freed before the next layer's is made
+    assert extra < held / 2, (extra, held)  # a held copy of every layer alone is `held`
+    after = kvfn.tree.arrays(states)
+    assert all(np.array_equal(a, np.array(b)) for a, b in zip(before, after))
+    for s in states:
+        assert s.dense and s.max_rows == 1024 and s.capacity == 1024
+        assert int(s.rows.item()) == 1024 and s.offset.tolist() == [1024]
+
+
+def test_reconstruction_attention_pieces_equal_one_float64_softmax():
+    rng = np.random.default_rng(4)
+    B, n_heads, n_kv, n, D, context = 2, 6, 2, 11, 8, 30
+    q = rng.normal(size=(B, n_heads, n, D)).astype(np.float32)
+    k = rng.normal(size=(B, n_kv, context + n + 5, D)).astype(np.float32)
+    for sink, start, end in [(4, 0, 12), (4, 12, 30), (0, 7, 9), (6, 3, 30)]:
+        s0 = min(sink, start)
+        rows = list(range(s0)) + list(range(start, end)) + list(range(context, context + n))
+        kk = np.repeat(k[:, :, rows], n_heads // n_kv, axis=1).astype(np.float64)
+        logits = 0.4 * q.astype(np.float64) @ kk.transpose(0, 1, 3, 2)
+        fixed = s0 + end - start
+        logits[..., fixed:] = np.where(np.tri(n, dtype=bool), logits[..., fixed:], -np.inf)
+        w = np.exp(logits - logits.max(-1, keepdims=True))
+        want = (w / w.sum(-1, keepdims=True))[..., s0:fixed].max(axis=2)
+        for piece in (1, 4, 64):
+            got = kvfn.scores.reconstruction_attention(mx.array(q), mx.array(k), sink, start, end,
+                                                       context, 0.4, piece=piece)  # fmt: skip
+            assert got.shape == (B, n_heads, end - start) and got.dtype == mx.float32
+            np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-7)
+    for args, message in [
+        ((4, 5, 5, 30, 0.4), r"rows \[5, 5\)"),
+        ((4, 0, 31, 30, 0.4), r"rows \[0, 31\)"),
+        ((4, 0, 10, 36, 0.4), "after 36 do not fit keys of 46 rows"),
+        ((-1, 0, 10, 30, 0.4), "sink -1"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            kvfn.scores.reconstruction_attention(mx.array(q), mx.array(k), *args)
+    with pytest.raises(ValueError, match="piece must be >= 1, got 0"):
+        kvfn.scores.reconstruction_attention(mx.array(q), mx.array(k), 4, 0, 10, 30, 0.4, piece=0)
 
 
 def test_window_attention_max_is_the_max_over_queries_in_any_pieces():
@@ -133,7 +247,9 @@ def test_window_attention_max_is_the_max_over_queries_in_any_pieces():
         kvfn.scores.window_attention_max(q, qpos, state, 0.3, piece=0)
 
 
-def test_compact_with_kvzip_on_smollm2_finds_the_passkey(smollm2):
+@pytest.mark.parametrize("name", ["kvzip", "kvzip-layer", "adakvzip", "adakvzip-global",
+                                  "kvzip-c128"])  # fmt: skip
+def test_compact_with_kvzip_on_smollm2_finds_the_passkey(smollm2, name):
     """Query-agnostic: the context alone is compacted to 25%, then the question is asked."""
     model, tokenizer = smollm2
     fm = kvfn.FunctionalModel(model)
@@ -141,9 +257,10 @@ def test_compact_with_kvzip_on_smollm2_finds_the_passkey(smollm2):
                             count_tokens=token_counter(tokenizer), n_questions=1)  # fmt: skip
     p = prompt_tokens(tokenizer, sample, sample.questions[0])
     budget = len(p.head) // 4
-    policy = KVzip(budget=budget, window=8, prompt=repeat_prompt(tokenizer))
+    policy = parse_policy(name, budget=budget, window=8).for_tokenizer(tokenizer)
     states, result = kvfn.compact(fm, p.head + p.tail[:1], policy, max_new_tokens=16)
-    assert result.rows_after == (budget,) * len(states)
+    # a KV head keeps budget rows on average (adakvzip-global: a layer's share, rounded up)
+    assert 0 <= result.total_rows_after - budget * len(states) < len(states)
     logits, states = fm.forward(mx.array([p.tail]), states)
     out = []
     for _ in range(8):
@@ -181,11 +298,16 @@ def test_parser_and_bad_settings_are_named():
     assert parse_policy("kvzip-layer-k3-c64", budget=64) == KVzip(
         budget=64, per_head=False, kernel_size=3, chunk=64
     )
+    assert KVzip(budget=64).chunk == 2048 and KVzip(budget=64).overlap == 8
     for make, message in [
         (lambda: KVzip(budget=64, prompt=[1, 2]), "kvzip prompt must be a tuple of token ids, got \\[1, 2\\]"),
         (lambda: KVzip(budget=64, prompt=(1, -2)), "kvzip prompt must be a tuple of token ids, got \\(1, -2\\)"),
+        (lambda: KVzip(budget=64, resume=(1, 2.0)), "kvzip resume must be a tuple of token ids, got \\(1, 2.0\\)"),
+        (lambda: KVzip(budget=64, suffix=("a",)), "kvzip suffix must be a tuple of token ids, got \\('a',\\)"),
         (lambda: KVzip(budget=64, kernel_size=2), "kvzip kernel_size must be odd and >= 1, got 2"),
         (lambda: KVzip(budget=64, chunk=0), "kvzip chunk must be >= 1, got 0"),
+        (lambda: KVzip(budget=64, overlap=-1), "kvzip overlap must be a non-negative int, got -1"),
+        (lambda: AdaKVzip(budget=64, overlap=-2), "adakvzip overlap must be a non-negative int, got -2"),
         (lambda: KVzip(budget=64, per_head=1), "kvzip per_head must be a bool, got 1"),
         (lambda: KVzip(budget=20), "kvzip budget 20 is below sink_tokens \\+ window = 4 \\+ 32"),
         (lambda: parse_policy("kvzip-avg", budget=64), "unknown option 'avg' for policy 'kvzip'"),
@@ -196,26 +318,70 @@ def test_parser_and_bad_settings_are_named():
         KVzip(budget=40).keep_indices(None, prompt_length=50, n_kv_heads=1)
 
 
+def test_the_scoring_key_holds_every_setting_the_pass_reads():
+    base = KVzip(budget=64)
+    same = [base.replace(budget=128), base.replace(per_head=False), base.replace(kernel_size=3),
+            AdaKVzip(budget=64, floor=5)]  # fmt: skip
+    assert all(p.scoring() == base.scoring() for p in same)
+    differ = [base.replace(prompt=(1,)), base.replace(resume=(1,)), base.replace(suffix=(1,)),
+              base.replace(chunk=512), base.replace(overlap=4),
+              base.replace(sink_tokens=8)]  # fmt: skip
+    assert len({p.scoring() for p in differ} | {base.scoring()}) == len(differ) + 1
+
+
+def test_score_steps_yield_each_chunk_and_return_what_score_prompt_gives():
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = mx.array([np.random.default_rng(8).integers(0, 97, 45).tolist()])
+    states = kvfn.prefill(fm, ids)
+    policy = KVzip(budget=12, window=4, chunk=20, resume=(3,), suffix=(4,))
+    steps, done = policy.score_steps(fm, ids, states), []
+    while True:
+        try:
+            done.append(next(steps))
+        except StopIteration as end:
+            scores = end.value
+            break
+    assert done == [(20, 45), (40, 45), (45, 45)]
+    want = policy.score_prompt(fm, ids, states)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(scores, want))
+    whole = KVzip(budget=64, window=4).score_steps(fm, ids, states)  # the prompt fits: no pass
+    with pytest.raises(StopIteration) as end:
+        next(whole)
+    assert end.value.value is None
+
+
 def test_bad_reconstruction_inputs_are_named():
     fm = kvfn.FunctionalModel(tiny_model("llama"))
     ids = mx.array([list(range(20))])
     states = kvfn.prefill(fm, ids)
     for tokens, kwargs, message in [
         (ids[0], {}, "tokens of shape \\(batch, n >= 1\\), got \\(20,\\)"),
-        (ids, {"chunk": 0}, "chunk must be >= 1, got 0"),
+        (ids, {"chunk": 0}, "chunk must be an int >= 1, got 0"),
+        (ids, {"overlap": -1}, "overlap must be an int >= 0, got -1"),
+        (ids, {"sink": -1}, "sink must be an int >= 0, got -1"),
+        (ids, {"resume": (1, "2")}, "resume must be a sequence of token ids \\(ints >= 0\\), got \\(1, '2'\\)"),
+        (ids, {"suffix": (-1,)}, "suffix must be a sequence of token ids \\(ints >= 0\\), got \\(-1,\\)"),
         (ids[:, :19], {}, "states must hold the 19 prefilled tokens' rows, got rows \\{20\\}"),
-    ]:
+    ]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
-            reconstruction_scores(fm, tokens, states, **kwargs)
+            kvfn.reconstruction_steps(fm, tokens, states, **kwargs)  # checked when called
+    packed = tuple(s.replace(dense=False) for s in states)
+    with pytest.raises(ValueError, match="needs the dense states of a plain prefill"):
+        reconstruction_scores(fm, ids, packed)
 
 
-def test_the_tokenizer_gives_kvzip_its_repeat_instruction(smollm2):
+def test_the_tokenizer_gives_kvzip_its_instructions(smollm2):
     _, tokenizer = smollm2
     policy = parse_policy("adakvzip-global", budget=64)
-    assert policy.prompt == () and policy.for_tokenizer(tokenizer).prompt == repeat_prompt(
-        tokenizer
+    assert policy.prompt == policy.resume == policy.suffix == ()
+    tuned = policy.for_tokenizer(tokenizer)
+    assert tuned.prompt == repeat_prompt(tokenizer)
+    assert tokenizer.decode(list(tuned.resume)).startswith(
+        "\n\nRepeat the part of the previous context exactly, starting with"
     )
+    assert tuned.prompt[-len(tuned.suffix) :] == tuned.suffix  # the assistant turn closes both
+    assert "assistant" in tokenizer.decode(list(tuned.suffix))
     own = KVzip(budget=64, prompt=(5, 6))
-    assert own.for_tokenizer(tokenizer) is own  # a prompt of its own stays
+    assert own.for_tokenizer(tokenizer) is own  # instructions of its own stay
     snap = parse_policy("snapkv", budget=64)
     assert snap.for_tokenizer(tokenizer) is snap
