@@ -7,6 +7,8 @@ full; any policy name kvfn.parse_policy takes (snapkv, snapkv-k15-avg-layer, str
 ...: evict to a budget of rows; duo-r25 with --head-pattern: DuoAttention, 25% retrieval heads); kvB (mlx-lm KV quantization to B bits, every row kept);
 POLICY+kvB (evict, then quantize, keeping as many rows as fit in the budget's bytes). Writes OUT.json (records + summary; rewritten after every sample), OUT.md
 (tables) and OUT-MODE-LENGTH.png. --merge a.json b.json makes them from earlier runs' records.
+Each mean comes with its 95% bootstrap interval over samples, and every policy with its paired
+difference from snapkv and from streaming at the same budget (kvfn_eval.report).
 """
 
 import argparse
@@ -70,8 +72,16 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
+LEGEND = (
+    "Accuracy % [95% bootstrap interval over samples, none with one sample] (KV bytes, % of "
+    "the full cache); then each policy's paired difference in points from snapkv and from "
+    "streaming at the same budget, over the samples both answered.\n"
+)
+
+
 def save(path: Path, config: dict, records: list) -> dict:
-    result = dict(config=config, records=records, summary=report.summarize(records))
+    result = dict(config=config, records=records, summary=report.summarize(records),
+                  differences=report.differences(records))  # fmt: skip
     path.write_text(json.dumps(result, indent=1))
     return result
 
@@ -132,8 +142,11 @@ def main(argv=None) -> dict:
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
     tables = [report.markdown(result["summary"])]
-    tables += [report.markdown(result["summary"], task=t) for t in args.tasks]
-    Path(f"{out}.md").write_text("\n".join(tables))
+    diffs = [report.markdown_differences(result["differences"])]
+    for t in args.tasks:
+        tables.append(report.markdown(result["summary"], task=t))
+        diffs.append(report.markdown_differences(result["differences"], task=t))
+    Path(f"{out}.md").write_text("\n".join([LEGEND, *tables, *diffs]))
     pngs = report.plot(result["summary"], str(out))
     print(tables[0])
     print(f"wrote {out}.json, {out}.md, {', '.join(pngs)}")

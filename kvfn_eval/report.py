@@ -2,26 +2,105 @@
 
 A record is one answer: a dict with at least ``mode``, ``target_tokens``, ``task``, ``method``,
 ``budget`` (None for methods that keep every row), ``score``, ``kv_fraction`` (KV bytes over
-the full cache's) and ``needle_kept`` (None for tasks without needles).
+the full cache's) and ``needle_kept`` (None for tasks without needles), and the ``seed`` of its
+sample.
+
+Intervals are 95% percentile bootstraps over samples, not answers: the answers to one sample's
+questions share its context and move together. A sample is (task, target_tokens, seed), which
+the evaluator's records carry (``kvfn_eval.tasks.generate`` makes a sample from them). A record
+without a ``seed`` counts as a sample of its own, numbered by its order among the records of its
+(mode, length, task, method, budget), so that the k-th answer of one method pairs with the k-th
+of another. Each cell's draws come from a generator seeded by ``seed`` and the cell's key, so an
+interval does not change when other methods are added. Fewer than two samples give no interval.
 """
 
+import json
+import zlib
 from collections import defaultdict
 from statistics import mean
 from typing import Iterable, Optional, Sequence
 
+import numpy as np
+
 KEY = ("mode", "target_tokens", "task", "method", "budget")
+REFERENCES = ("snapkv", "streaming")  # the policies every other is compared with
+LEVEL = 0.95
+RESAMPLES = 2000
+SEED = 0
 
 
-def summarize(records: Iterable[dict]) -> list[dict]:
-    """Mean score (percent), KV fraction and needle rows kept per (mode, length, task, method,
-    budget), plus the macro-average over tasks as task ``"average"``."""
+def sample_ids(records: Sequence[dict]) -> list:
+    """Each record's sample within its (mode, length, task, method, budget): its seed, or for
+    a record without one, its order there."""
+    order: dict[tuple, int] = defaultdict(int)
+    ids = []
+    for r in records:
+        if r.get("seed") is not None:
+            ids.append(("seed", r["seed"]))
+            continue
+        key = tuple(r[k] for k in KEY)
+        ids.append(("order", order[key]))
+        order[key] += 1
+    return ids
+
+
+def _per_sample(records: Sequence[dict]) -> dict[tuple, dict]:
+    """(mode, length, task, method, budget) -> sample -> its answers' scores."""
+    groups: dict[tuple, dict] = defaultdict(lambda: defaultdict(list))
+    for r, sample in zip(records, sample_ids(records)):
+        groups[tuple(r[k] for k in KEY)][sample].append(r["score"])
+    return groups
+
+
+def _rng(seed: int, *key) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(json.dumps(key).encode())])
+
+
+def _draws(values: np.ndarray, weights: np.ndarray, rng, resamples: int) -> Optional[np.ndarray]:
+    """The weighted mean of ``values`` (one a sample) over ``resamples`` resamplings of the
+    samples; None for fewer than two samples."""
+    if len(values) < 2:
+        return None
+    idx = rng.integers(0, len(values), size=(resamples, len(values)))
+    return (values[idx] * weights[idx]).sum(axis=1) / weights[idx].sum(axis=1)
+
+
+def _bounds(draws: Optional[np.ndarray], level: float) -> tuple:
+    if draws is None:
+        return None, None
+    lo, hi = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def _average(cells: list[dict], draws: list, level: float) -> tuple:
+    """The macro-average of task cells, its interval from their draws (each task's samples
+    resampled on their own)."""
+    value = mean(c["score"] for c in cells)
+    if any(d is None for d in draws):
+        return value, None, None
+    return (value, *_bounds(100 * np.mean(draws, axis=0), level))
+
+
+def summarize(records: Iterable[dict], *, seed: int = SEED, resamples: int = RESAMPLES,
+              level: float = LEVEL) -> list[dict]:  # fmt: skip
+    """Mean score (percent) with its bootstrap interval (``lo``, ``hi``; None with one sample),
+    KV fraction and needle rows kept per (mode, length, task, method, budget), plus the
+    macro-average over tasks as task ``"average"``. ``n`` counts answers, ``samples`` samples."""
+    records = list(records)
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         groups[tuple(r[k] for k in KEY)].append(r)
-    rows = []
+    per_sample = _per_sample(records)
+    rows, draws = [], {}
     for key, rs in groups.items():
+        scores = list(per_sample[key].values())
+        draws[key] = _draws(np.array([mean(s) for s in scores]), np.array([len(s) for s in scores]),
+                            _rng(seed, *key), resamples)  # fmt: skip
+        lo, hi = _bounds(draws[key], level)
         kept = [r["needle_kept"] for r in rs if r.get("needle_kept") is not None]
-        rows.append(dict(zip(KEY, key), n=len(rs), score=100 * mean(r["score"] for r in rs),
+        rows.append(dict(zip(KEY, key), n=len(rs), samples=len(scores),
+                         score=100 * mean(r["score"] for r in rs),
+                         lo=None if lo is None else 100 * lo, hi=None if hi is None else 100 * hi,
                          kv_fraction=mean(r["kv_fraction"] for r in rs),
                          needle_kept=mean(kept) if kept else None))  # fmt: skip
     by_task: dict[tuple, list[dict]] = defaultdict(list)
@@ -29,11 +108,54 @@ def summarize(records: Iterable[dict]) -> list[dict]:
         by_task[tuple(row[k] for k in KEY if k != "task")].append(row)
     for key, rs in by_task.items():
         kept = [r["needle_kept"] for r in rs if r["needle_kept"] is not None]
+        score, lo, hi = _average(rs, [draws[tuple(r[k] for k in KEY)] for r in rs], level)
         rows.append(dict(zip([k for k in KEY if k != "task"], key), task="average",
-                         n=sum(r["n"] for r in rs), score=mean(r["score"] for r in rs),
+                         n=sum(r["n"] for r in rs), samples=sum(r["samples"] for r in rs),
+                         score=score, lo=lo, hi=hi,
                          kv_fraction=mean(r["kv_fraction"] for r in rs),
                          needle_kept=mean(kept) if kept else None))  # fmt: skip
     return sorted(rows, key=_order)
+
+
+def differences(records: Iterable[dict], references: Sequence[str] = REFERENCES, *,
+                seed: int = SEED, resamples: int = RESAMPLES, level: float = LEVEL) -> list[dict]:  # fmt: skip
+    """Paired differences in points (percent) of every evicting method against each reference
+    policy at the same mode, length, task and budget, over the samples both answered: per
+    sample, the method's mean score minus the reference's; their mean (weighted by the
+    sample's answers) and its bootstrap interval (``lo``, ``hi``; None with one sample); plus
+    the macro-average over tasks as task ``"average"``. Methods that keep every row (budget
+    None) have no counterpart."""
+    per_sample = _per_sample(list(records))
+    rows, draws = [], {}
+    for key, samples in per_sample.items():
+        mode, length, task, method, budget = key
+        for ref in references:
+            theirs = per_sample.get((mode, length, task, ref, budget))
+            if budget is None or theirs is None:
+                continue
+            common = [s for s in samples if s in theirs]
+            if not common:
+                continue
+            diff = np.array([mean(samples[s]) - mean(theirs[s]) for s in common])
+            weights = np.array([len(samples[s]) for s in common])
+            cell = (*key, ref)
+            draws[cell] = _draws(diff, weights, _rng(seed, "difference", *cell), resamples)
+            lo, hi = _bounds(draws[cell], level)
+            rows.append(dict(zip(KEY, key), reference=ref, samples=len(common),
+                             difference=100 * float(np.average(diff, weights=weights)),
+                             lo=None if lo is None else 100 * lo,
+                             hi=None if hi is None else 100 * hi))  # fmt: skip
+    by_task: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        by_task[(*(row[k] for k in KEY if k != "task"), row["reference"])].append(row)
+    for key, rs in by_task.items():
+        cells = [dict(score=r["difference"]) for r in rs]
+        value, lo, hi = _average(cells, [draws[(*(r[k] for k in KEY), key[-1])] for r in rs],
+                                 level)  # fmt: skip
+        rows.append(dict(zip([k for k in KEY if k != "task"], key[:-1]), task="average",
+                         reference=key[-1], samples=sum(r["samples"] for r in rs),
+                         difference=value, lo=lo, hi=hi))  # fmt: skip
+    return sorted(rows, key=lambda r: (r["reference"], *_order(r)))
 
 
 def _order(row: dict):
@@ -42,17 +164,19 @@ def _order(row: dict):
             row["method"] != "full", row["method"], budget)  # fmt: skip
 
 
+def _interval(value: float, lo: Optional[float], hi: Optional[float], sign: str = "") -> str:
+    text = f"{value:{sign}.1f}"
+    return text if lo is None else f"{text} [{lo:{sign}.1f}, {hi:{sign}.1f}]"
+
+
 def _cell(row: Optional[dict]) -> str:
     if row is None:
         return ""
-    return f"{row['score']:.1f} ({100 * row['kv_fraction']:.0f}%)"
+    return f"{_interval(row['score'], row['lo'], row['hi'])} ({100 * row['kv_fraction']:.0f}%)"
 
 
-def markdown(summary: Sequence[dict], task: str = "average") -> str:
-    """One table per mode: a row per (length, method), a column per budget; a cell is
-    "accuracy % (KV bytes as % of the full cache)". Methods that keep every row (full, KV
-    quantization alone) fill the "all rows" column."""
-    rows = [r for r in summary if r["task"] == task]
+def _table(title: str, rows: Sequence[dict], cell, all_rows: bool) -> list[str]:
+    """A table a mode: a row per (length, method), a column per budget (after "all rows")."""
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
     out = []
     for mode in sorted({r["mode"] for r in rows}):
@@ -65,13 +189,40 @@ def markdown(summary: Sequence[dict], task: str = "average") -> str:
             if line not in lines:
                 lines.append(line)
             cells[(*line, r["budget"])] = r
-        head = ["tokens", "method", "all rows", *map(str, budgets)]
-        out += [f"**{task}, query-{mode}**", "", "| " + " | ".join(head) + " |",
+        columns = [None, *budgets] if all_rows else budgets
+        head = ["tokens", "method", *("all rows" if b is None else str(b) for b in columns)]
+        out += [title.format(mode=mode), "", "| " + " | ".join(head) + " |",
                 "|" + "---|" * len(head)]  # fmt: skip
         for length, method in lines:
-            values = [_cell(cells.get((length, method, b))) for b in [None, *budgets]]
+            values = [cell(cells.get((length, method, b))) for b in columns]
             out.append(f"| {length} | {method} | " + " | ".join(values) + " |")
         out.append("")
+    return out
+
+
+def markdown(summary: Sequence[dict], task: str = "average") -> str:
+    """One table per mode: a row per (length, method), a column per budget; a cell is
+    "accuracy % [95% interval] (KV bytes as % of the full cache)", the interval left out where
+    there is one sample. Methods that keep every row (full, KV quantization alone) fill the
+    "all rows" column."""
+    rows = [r for r in summary if r["task"] == task]
+    return "\n".join(_table(f"**{task}, query-{{mode}}**", rows, _cell, all_rows=True))
+
+
+def markdown_differences(diffs: Sequence[dict], task: str = "average") -> str:
+    """Per reference and mode, a table of paired differences in points, "difference [95%
+    interval]" (a positive one: better than the reference), a column per budget; the
+    reference's own row (0 [0, 0]) left out."""
+    out = []
+    for ref in sorted({d["reference"] for d in diffs}):
+        rows = [d for d in diffs if d["task"] == task and d["reference"] == ref
+                and d["method"] != ref]  # fmt: skip
+
+        def cell(row):
+            return "" if row is None else _interval(row["difference"], row["lo"], row["hi"], "+")
+
+        title = f"**{task}, query-{{mode}}: points over {ref}, paired by sample**"
+        out += _table(title, rows, cell, all_rows=False)
     return "\n".join(out)
 
 

@@ -1,4 +1,7 @@
-"""Model loading for kvfn: the embedded SmolLM2, llama-family GGUF files, mlx-lm folders."""
+"""Model loading for kvfn: the embedded SmolLM2, llama-family GGUF files, mlx-lm folders.
+
+``kvfn_models.ship`` moves a model to a machine without a registry: an mlx-lm folder in chunks.
+"""
 
 from kvfn.blas import use_openblas
 

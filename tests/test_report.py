@@ -1,11 +1,17 @@
-"""Summaries, tables and plots from hand-made records."""
+"""Summaries, intervals, paired differences, tables and plots from hand-made records."""
 
-from kvfn_eval.report import markdown, plot, summarize
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvfn_eval.report import differences, markdown, markdown_differences, plot, summarize
 
 
-def rec(task, method, budget, score, frac, kept=None, mode="aware", tokens=1000):
+def rec(task, method, budget, score, frac, kept=None, mode="aware", tokens=1000, seed=None):
     return dict(mode=mode, target_tokens=tokens, task=task, method=method, budget=budget,
-                score=score, kv_fraction=frac, needle_kept=kept)  # fmt: skip
+                score=score, kv_fraction=frac, needle_kept=kept, seed=seed)  # fmt: skip
 
 
 RECORDS = [
@@ -34,9 +40,124 @@ def test_markdown_puts_methods_in_rows_and_budgets_in_columns():
     lines = table.splitlines()
     assert lines[0] == "**average, query-aware**"
     assert lines[2] == "| tokens | method | all rows | 128 |"
+    # common_words has one sample (a record without a seed is a sample of its own): the
+    # average has no interval
     assert "| 1000 | full | 50.0 (100%) |  |" in lines
     assert "| 1000 | snapkv |  | 62.5 (14%) |" in lines
-    assert "| 1000 | snapkv |  | 100.0 (14%) |" in markdown(summarize(RECORDS), task="passkey")
+    passkey = {(r["method"]): r for r in summarize(RECORDS) if r["task"] == "passkey"}
+    full = passkey["full"]  # two samples, 1 and 0
+    assert full["samples"] == 2 and full["lo"] == 0.0 and full["hi"] == 100.0
+    assert f"| 1000 | full | 50.0 [{full['lo']:.1f}, {full['hi']:.1f}] (100%) |  |" in (
+        markdown(summarize(RECORDS), task="passkey").splitlines()
+    )
+
+
+def samples(n, p, questions=2, method="snapkv", task="passkey", seed0=0, budget=128, rng=None):
+    """``n`` samples of ``questions`` answers each, every answer right with probability p."""
+    rng = rng or np.random.default_rng(seed0)
+    return [rec(task, method, budget, float(rng.random() < p), 0.1, seed=seed0 + i)
+            for i in range(n) for _ in range(questions)]  # fmt: skip
+
+
+def cell(summary, task="passkey", method="snapkv", budget=128):
+    (row,) = [r for r in summary if (r["task"], r["method"], r["budget"]) == (task, method, budget)]
+    return row
+
+
+def test_intervals_cover_the_mean_and_shrink_with_more_samples():
+    widths = []
+    for n in (5, 20, 80):
+        records = samples(n, 0.6) + samples(n, 0.3, task="niah_single", seed0=1000)
+        summary = summarize(records)
+        for task in ("passkey", "niah_single", "average"):
+            row = cell(summary, task)
+            assert row["lo"] <= row["score"] <= row["hi"]
+        row = cell(summary, "average")
+        assert row["samples"] == 2 * n and row["n"] == 4 * n
+        widths.append(row["hi"] - row["lo"])
+    assert widths[0] > widths[1] > widths[2] > 0
+
+
+def test_intervals_resample_samples_not_answers():
+    # 10 samples of 10 answers, each sample all right or all wrong: as uncertain as 10 coin
+    # flips (a 95% interval about 60 points wide), not as 100 (about 20)
+    records = [rec("passkey", "snapkv", 128, float(i % 2), 0.1, seed=i)
+               for i in range(10) for _ in range(10)]  # fmt: skip
+    row = cell(summarize(records))
+    assert row["score"] == 50.0 and row["samples"] == 10 and row["n"] == 100
+    assert row["hi"] - row["lo"] > 40
+
+
+def test_intervals_are_deterministic_under_the_seed_and_per_cell():
+    records = samples(12, 0.5) + samples(12, 0.5, method="streaming", seed0=0)
+    first, again = summarize(records, seed=3), summarize(records, seed=3)
+    assert first == again
+    other = summarize(records, seed=4)
+    assert [(r["lo"], r["hi"]) for r in other] != [(r["lo"], r["hi"]) for r in first]
+    # a cell's draws do not depend on the other methods in the records
+    alone = summarize(samples(12, 0.5), seed=3)
+    assert (cell(alone)["lo"], cell(alone)["hi"]) == (cell(first)["lo"], cell(first)["hi"])
+    assert differences(records, seed=3) == differences(records, seed=3)
+
+
+def test_a_method_against_itself_differs_by_exactly_zero():
+    records = samples(8, 0.5) + samples(8, 0.4, task="niah_single", seed0=50)
+    for row in differences(records, references=["snapkv"]):
+        assert row["method"] == "snapkv" and row["reference"] == "snapkv"
+        assert (row["difference"], row["lo"], row["hi"]) == (0.0, 0.0, 0.0)
+    assert {r["task"] for r in differences(records)} == {"passkey", "niah_single", "average"}
+
+
+def test_a_method_always_one_point_better_differs_by_one_with_no_spread():
+    rng = np.random.default_rng(0)
+    ref = [rec(t, "snapkv", 128, float(rng.integers(0, 99)) / 100, 0.1, seed=s)
+           for t in ("passkey", "niah_single") for s in range(6) for _ in range(2)]  # fmt: skip
+    better = [{**r, "method": "chunkkv", "score": r["score"] + 0.01} for r in ref]
+    other_budget = [{**r, "method": "chunkkv", "budget": 256} for r in ref]
+    rows = differences(ref + better + other_budget, references=["snapkv", "streaming"])
+    chunkkv = [r for r in rows if r["method"] == "chunkkv"]
+    got = {(r["task"], r["budget"], r["reference"]) for r in chunkkv}
+    # no streaming records; no snapkv at 256
+    assert got == {(t, 128, "snapkv") for t in ("passkey", "niah_single", "average")}
+    for row in chunkkv:
+        assert row["difference"] == pytest.approx(1.0, abs=1e-9)
+        assert row["lo"] == pytest.approx(1.0, abs=1e-9)
+        assert row["hi"] == pytest.approx(1.0, abs=1e-9)
+    unpaired = cell(summarize(ref + better), method="chunkkv")
+    assert unpaired["hi"] - unpaired["lo"] > 20  # the samples' own spread, paired away
+    table = markdown_differences(rows).splitlines()
+    assert table[0] == "**average, query-aware: points over snapkv, paired by sample**"
+    assert table[2] == "| tokens | method | 128 |"
+    assert table[4:] == ["| 1000 | chunkkv | +1.0 [+1.0, +1.0] |"]  # not snapkv's own
+
+
+def test_records_without_a_seed_pair_by_their_order():
+    ref = [rec("passkey", "snapkv", 128, s, 0.1) for s in (0.0, 1.0, 0.0, 1.0)]
+    same = [{**r, "method": "chunkkv"} for r in ref]
+    flipped = [{**r, "method": "expected", "score": 1.0 - r["score"]} for r in ref]
+    rows = {r["method"]: r for r in differences(ref + same + flipped, references=["snapkv"])
+            if r["task"] == "passkey"}  # fmt: skip
+    same_row = rows["chunkkv"]
+    assert (same_row["difference"], same_row["lo"], same_row["hi"]) == (0.0, 0.0, 0.0)
+    assert rows["expected"]["difference"] == 0.0 and rows["expected"]["hi"] == 100.0
+    assert rows["expected"]["samples"] == 4
+
+
+def test_the_qwen_4k_records_still_summarize():
+    path = Path(__file__).parents[1] / "examples/results/qwen05-4k.json"
+    saved = json.loads(path.read_text())
+    summary = summarize(saved["records"])
+    key = ("mode", "target_tokens", "task", "method", "budget")
+    old = {tuple(r[k] for k in key): r["score"] for r in saved["summary"]}
+    assert {tuple(r[k] for k in key): r["score"] for r in summary} == pytest.approx(old)
+    assert all(r["lo"] is None for r in summary)  # one sample a task: no interval
+    diffs = differences(saved["records"])
+    policies = {r["method"] for r in saved["records"] if r["budget"] is not None}
+    for mode in ("aware", "agnostic"):
+        for budget in (256, 512, 1024):
+            got = {(r["method"], r["reference"]) for r in diffs
+                   if (r["mode"], r["budget"], r["task"]) == (mode, budget, "average")}  # fmt: skip
+            assert got == {(m, ref) for m in policies for ref in ("snapkv", "streaming")}
 
 
 def test_plot_writes_one_png_per_mode_and_length(tmp_path):
