@@ -11,7 +11,7 @@ per-head counts are arrays, so a batch of prompts compacts in one compiled call.
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -69,14 +69,18 @@ class AdaKV(SnapKV):
         return mx.where(forced, mx.inf, s)
 
     def keep_mask(self, scores, *, prompt_length: int, n_kv_heads: int, batch: int = 1,
-                  layer: int = 0) -> mx.array:  # fmt: skip
+                  layer: int = 0, totals: Optional[tuple] = None) -> mx.array:  # fmt: skip
         """(B, n_kv_heads, P) bool: the rows each head keeps, ``budget x n_kv_heads`` a
-        sequence in all. Traceable."""
+        sequence in all, or ``totals[b]`` for sequence b (a plan across layers). Traceable."""
         P, H = prompt_length, n_kv_heads
-        if self.keeps_whole(P):
+        if totals is None and self.keeps_whole(P):
             return mx.ones((batch, H, P), mx.bool_)
         s = self._priority(scores, prompt_length=P, n_kv_heads=H, batch=batch, layer=layer)
-        return top_mask(s.reshape(batch, H * P), self.budget * H).reshape(batch, H, P)
+        flat = s.reshape(batch, H * P)
+        if totals is None:
+            return top_mask(flat, self.budget * H).reshape(batch, H, P)
+        rank = mx.argsort(mx.argsort(-flat, axis=-1), axis=-1)
+        return (rank < mx.array(totals, mx.int32)[:, None]).reshape(batch, H, P)
 
     def allocation(self, scores: mx.array, *, prompt_length: int, n_kv_heads: int,
                    layer: int = 0) -> list[np.ndarray]:  # fmt: skip

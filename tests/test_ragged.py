@@ -261,3 +261,34 @@ def test_ranges_kernel_equals_each_heads_masked_attention(dtype, dim, heads, gro
             want = (w / w.sum()) @ vf[b, lo : lo + n]
             tol = 2e-2 if dtype != mx.float32 else 1e-4
             assert np.abs(got[b, i, 0] - want).max() < tol, (b, i)
+
+
+def test_a_plan_across_layers_keeps_each_sequences_own_pairs_in_a_batch():
+    """adakvzip-global: each sequence keeps, over all layers, its best ``budget x kv_heads x
+    layers`` (head, row) pairs; batched, every sequence keeps exactly what it keeps alone."""
+    from kvfn.kvzip import AdaKVzip
+
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    rng = np.random.default_rng(11)
+    prompts = rng.integers(0, 97, (3, 50))
+    P, L, H = 49, len(fm.n_heads), fm.n_kv_heads[0]
+    alone = [kvfn.prefill(fm, mx.array(p[None, :-1])) for p in prompts]
+    scores = [[mx.array(rng.random((1, fm.n_heads[i], P)) ** 3, mx.float32) for i in range(L)]
+              for _ in prompts]  # fmt: skip
+    stacked = tuple(kv.stack([a[i] for a in alone]) for i in range(L))
+    batched_scores = [mx.concatenate([s[i] for s in scores]) for i in range(L)]
+    policy = kvfn.parse_policy("adakvzip-global", budget=12, window=3, sink_tokens=2)
+    batch, _ = kvfn.compact_states(stacked, batched_scores, policy, reserve=2)
+    for b in range(len(prompts)):
+        one, _ = kvfn.compact_states(alone[b], scores[b], policy, reserve=2)
+        assert sum(int(mx.sum(s.lengths).item()) for s in one) == 12 * H * L
+        for s, o in zip(batch, one):
+            assert s.lengths[b].tolist() == o.lengths[0].tolist()
+            for h in range(H):
+                for x, y in zip(ragged.head_rows(s, b, h), ragged.head_rows(o, 0, h)):
+                    assert mx.array_equal(x, y)
+    per_layer = np.array([[int(mx.sum(s.lengths[b]).item()) for s in batch] for b in range(3)])
+    assert len({tuple(r) for r in per_layer}) > 1  # the sequences share their budgets apart
+    assert len(set(per_layer[0])) > 1  # and the layers theirs
+    with pytest.raises(ValueError, match="floor must be 0"):
+        kvfn.parse_policy("adakvzip-global-f20", budget=64)
