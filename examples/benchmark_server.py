@@ -1,12 +1,28 @@
 """kvfn-server under concurrent load: aggregate decode tokens/s and peak KV bytes held, with
-eviction off and on, for 1 / 4 / 16 concurrent long-prompt requests (streamed, greedy).
+eviction off and on, for 1 / 4 / 16 concurrent long-prompt requests (streamed, greedy); or, with
+--stall, how much a long prompt's compaction delays another stream's tokens.
 
 python examples/benchmark_server.py                                  # 2K-token prompts
 python examples/benchmark_server.py --prompt-tokens 384 --max-tokens 24   # a slow CPU
+python examples/benchmark_server.py --stall                          # GPU: 2K prompt, 256 chunks
+python examples/benchmark_server.py --stall --prompt-tokens 1024 --prefill-step-size 128  # CPU
 
 Each mode runs in its own kvfn-server process on a free loopback port. Decode tokens/s is the
 completion tokens of a level over the span from its first streamed token to its last; KV bytes
 held is the peak of /health's kv_cache.active_bytes during the level (sampled every 50 ms).
+
+--stall: one stream decodes a long answer (a counting completion); once its third token has
+come, a long prompt arrives, compacted by kvfn-server (each --stall-policies policy), against
+mlx-lm's own path prefilling it uncompacted, a --prefill-step-size chunk between decode steps
+(kvfn-server --kv-eviction none: mlx_lm.server's code).
+The decoding stream's inter-token latency (ITL) is the gaps between its streamed tokens from the
+last one before the prompt was sent to the first one after the prompt's own first token; p50 and
+p99 are over every gap of --rounds rounds, after one warm-up round (its largest gap printed as
+"cold max": the first compaction of a prompt length traces its compiled eviction); "alone p50"
+is the same stream's gaps once the long request has left. The servers run side by side and the
+rounds take the modes in turn. A KVzip step is one chunk of its reconstruction (2048 context
+tokens as published, so a shorter prompt's whole pass is one step); ``kvzip-c128`` names a
+smaller chunk.
 """
 
 import argparse
@@ -20,6 +36,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,10 +49,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-eviction", default="snapkv", help="the policy of the 'on' mode")
     p.add_argument("--kv-budget", type=int, default=256)
     p.add_argument("--kv-window", type=int, default=32)
+    p.add_argument("--stall", action="store_true", help="measure the other stream's ITL instead")
+    p.add_argument("--stall-policies", default="snapkv,kvzip", help="comma-separated (--stall)")
+    p.add_argument("--prefill-step-size", type=int, default=256, help="the servers' (--stall)")
+    p.add_argument("--decode-tokens", type=int, default=256, help="the decoding stream's (--stall)")
+    p.add_argument("--rounds", type=int, default=2, help="measured rounds per mode (--stall)")
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.concurrency.split(",")]
+    args.policies = [x for x in args.stall_policies.split(",") if x]
     if args.prompt_tokens < 16 or args.max_tokens < 1 or min(args.levels) < 1:
         p.error("--prompt-tokens >= 16, --max-tokens >= 1 and levels >= 1 are required")
+    if args.prefill_step_size < 1 or args.decode_tokens < 8 or args.rounds < 1:
+        p.error("--prefill-step-size >= 1, --decode-tokens >= 8 and --rounds >= 1 are required")
     return args
 
 
@@ -113,8 +139,106 @@ def level(url: str, n: int, args, mode: str) -> dict:
     }
 
 
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # a long answer with no early end
+
+
+def token_times(url: str, max_tokens: int, started: threading.Event) -> list[float]:
+    """The arrival time of each token of a streamed counting completion; ``started`` is set
+    at the third."""
+    body = {"model": "default_model", "prompt": COUNTING, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}  # fmt: skip
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode())
+    times = []
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        for line in r:
+            if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0].get("text"):
+                times.append(time.perf_counter())
+                if len(times) == 3:
+                    started.set()
+    started.set()  # an answer of fewer tokens: the caller sees it in the times
+    return times
+
+
+def stall_round(url: str, tag: str, args) -> dict:
+    """The decoding stream's gaps while a long prompt arrives and is processed."""
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        decoding = pool.submit(token_times, url, args.decode_tokens, started)
+        started.wait()
+        sent = time.perf_counter()
+        long = stream(url, prompt(tag, args.prompt_tokens), 4)
+        times = decoding.result()
+    after = [i for i, t in enumerate(times) if t > long["first"]]
+    if len(times) < 4 or not after:
+        raise SystemExit(f"the decoding stream ended before the long prompt's first token: "
+                         f"raise --decode-tokens (now {args.decode_tokens})")  # fmt: skip
+    start = next(i for i, t in enumerate(times) if t >= sent)
+    window = times[start - 1 : after[0] + 1]
+    alone = [t for t in times if t > long["last"]]  # once the long request has left
+    return {
+        "gaps": [b - a for a, b in zip(window, window[1:])],
+        "alone": [b - a for a, b in zip(alone, alone[1:])],
+        "prompt_s": long["first"] - sent,
+        "prompt_tokens": long["usage"].get("prompt_tokens"),
+        "kv_rows_kept": long["usage"].get("kv_eviction", {}).get("rows_kept"),
+    }
+
+
+def stall(args) -> list:
+    modes = [("mlx-lm", ["--kv-eviction", "none"])]
+    modes += [(p, ["--kv-eviction", p, "--kv-budget", str(args.kv_budget), "--kv-window",
+                   str(args.kv_window)]) for p in args.policies]  # fmt: skip
+    common = ["--prefill-step-size", str(args.prefill_step_size),
+              "--max-tokens", str(max(args.decode_tokens, args.max_tokens))]  # fmt: skip
+    # every server up at once, the rounds taking the modes in turn (reversed every other
+    # round), so that a slow spell of the machine falls on every mode alike
+    servers = []
+    try:
+        for mode, flags in modes:
+            servers.append((mode, *start(flags + common)))
+        cold = {mode: stall_round(url, "90", args) for mode, _, url in servers}
+        runs = {mode: [] for mode, _, _ in servers}
+        for r in range(args.rounds):
+            for mode, _, url in servers if r % 2 == 0 else servers[::-1]:
+                runs[mode].append(stall_round(url, str(91 + r), args))
+    finally:
+        for _, proc, _ in servers:
+            proc.terminate()
+            proc.wait(60)
+    rows = []
+    for mode, _, _ in servers:
+        gaps = 1e3 * np.array([g for r in runs[mode] for g in r["gaps"]])
+        alone = 1e3 * np.array([g for r in runs[mode] for g in r["alone"]])
+        rows.append({
+            "mode": mode,
+            "prompt_tokens": runs[mode][0]["prompt_tokens"],
+            "kv_rows_kept": runs[mode][0]["kv_rows_kept"],
+            "prompt_s": round(float(np.mean([r["prompt_s"] for r in runs[mode]])), 2),
+            "gaps": len(gaps),
+            "itl_p50_ms": round(float(np.percentile(gaps, 50)), 1),
+            "itl_p99_ms": round(float(np.percentile(gaps, 99)), 1),
+            "itl_max_ms": round(float(gaps.max()), 1),
+            "cold_max_ms": round(1e3 * max(cold[mode]["gaps"]), 1),
+            "alone_p50_ms": round(float(np.percentile(alone, 50)), 1) if len(alone) else None,
+        })  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    base = rows[0]
+    print(f"\n{'mode':<9}{'prompt':>7}{'prompt s':>10}{'gaps':>6}{'ITL p50 ms':>12}"
+          f"{'p99 ms':>9}{'max ms':>9}{'cold max':>10}{'alone p50':>11}{'p50 x':>7}"
+          f"{'p99 x':>7}")  # fmt: skip
+    for r in rows:
+        p50, p99 = r["itl_p50_ms"] / base["itl_p50_ms"], r["itl_p99_ms"] / base["itl_p99_ms"]
+        print(f"{r['mode']:<9}{r['prompt_tokens']!s:>7}{r['prompt_s']:>10}{r['gaps']:>6}"
+              f"{r['itl_p50_ms']:>12}{r['itl_p99_ms']:>9}{r['itl_max_ms']:>9}"
+              f"{r['cold_max_ms']:>10}{r['alone_p50_ms']!s:>11}{p50:>7.2f}{p99:>7.2f}")  # fmt: skip
+    print("target: p99 <= 1.5x mlx-lm's")
+    return rows
+
+
 def main(argv=None) -> list:
     args = parse_args(argv)
+    if args.stall:
+        return stall(args)
     modes = {
         "off": [],
         "on": ["--kv-eviction", args.kv_eviction, "--kv-budget", str(args.kv_budget),

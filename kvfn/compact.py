@@ -2,11 +2,13 @@
 
 ``compact`` = ``scored_prefill`` of all but the last prompt token, then ``compact_states``: the
 policy's selection, the gather and the room to decode, as one compiled transformation. No host
-sync separates the last prefill chunk from the caller's first decode step.
+sync separates the last prefill chunk from the caller's first decode step. ``compact_steps`` is
+the same work as a generator, a chunk a step, for a caller that interleaves other work
+(kvfn-server's decoding).
 """
 
 from functools import lru_cache
-from typing import Callable, Optional, Sequence
+from typing import Callable, Generator, Optional, Sequence
 
 import mlx.core as mx
 from typeguard import typechecked
@@ -43,12 +45,13 @@ def with_room(state, n: int):
     return kv.reserve(state.replace(max_rows=r), max(state.capacity, r + n))
 
 
-def _loop(fmodel, tokens, first, window, prefill_step_size, progress, compiled,
-          statistic="attention"):  # fmt: skip
-    """``first()`` makes the first (states, scores) here, so that no caller's frame holds them
-    and the first chunk's writes can reuse their buffers (a held buffer must be copied)."""
-    if prefill_step_size <= 0:
-        raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
+def _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic="attention",
+          settle=False):  # fmt: skip
+    """The chunk loop as a generator: it yields ``(done, n)`` after each chunk and returns
+    ``(states, scores)``. ``first()`` makes the first (states, scores) here, so that no caller's
+    frame holds them and the first chunk's writes can reuse their buffers (a held buffer must be
+    copied). Every chunk but the last is evaluated before it yields (that bounds the graph); the
+    last stays lazy unless ``settle``."""
     states, scores = first()
     n = tokens.shape[1]
     parts = chunks(n, prefill_step_size)
@@ -63,11 +66,53 @@ def _loop(fmodel, tokens, first, window, prefill_step_size, progress, compiled,
             # the logits are dropped at once: kept, their graph would hold the old buffers and
             # the next write could not reuse them
             states = step(tokens[:, start:stop], states)[1]
-        if j + 1 < len(parts):  # bound the graph; the last chunk stays lazy
+        if settle or j + 1 < len(parts):
             mx.eval(tree.arrays(states), scores)
-        if progress is not None:
-            progress(stop, n)
+        yield stop, n
     return states, scores
+
+
+def _prefill_steps(fmodel, tokens, *, states, capacity, prefill_step_size, dtype, compiled,
+                   settle=False):  # fmt: skip
+    """``prefill`` as ``_loop``'s generator (its arguments checked now, not when it first runs)."""
+    if prefill_step_size <= 0:
+        raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
+    first = lambda: (_start(fmodel, tokens, states, capacity, dtype), ())  # noqa: E731
+    return _loop(fmodel, tokens, first, 0, prefill_step_size, compiled, settle=settle)
+
+
+def _scored_steps(fmodel, tokens, *, window, states, capacity, prefill_step_size, dtype, compiled,
+                  statistic, settle=False):  # fmt: skip
+    """``scored_prefill`` as ``_loop``'s generator (its arguments checked now)."""
+    if not 1 <= window <= tokens.shape[1]:
+        raise ValueError(f"window must be in [1, {tokens.shape[1]}] (the tokens), got {window}")
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
+    if prefill_step_size <= 0:
+        raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
+
+    def first():
+        made = _start(fmodel, tokens, states, capacity, dtype)
+        B = tokens.shape[0]
+        if statistic == "moments":
+            zeros = (query_moments(B, h, d) for h, d in zip(fmodel.n_heads, fmodel.head_dims))
+        else:
+            zeros = (mx.zeros((B, h, s.capacity), mx.float32) for h, s in zip(fmodel.n_heads, made))
+        return made, tuple(zeros)
+
+    return _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic, settle)
+
+
+def _drain(steps, progress: Optional[Callable[[int, int], None]]):
+    """Run a generator of ``(done, total)`` steps to its end, calling ``progress`` after each;
+    its return value."""
+    while True:
+        try:
+            done = next(steps)
+        except StopIteration as end:
+            return end.value
+        if progress is not None:
+            progress(*done)
 
 
 @typechecked
@@ -87,8 +132,10 @@ def prefill(
     prefills: a plain (dense) state is written at static slots and attended with the fused
     causal kernel, no mask array. ``compiled=True`` runs the compiled step instead (a trace per
     chunk shape; for states that are not dense)."""
-    first = lambda: (_start(fmodel, tokens, states, capacity, dtype), ())  # noqa: E731
-    return _loop(fmodel, tokens, first, 0, prefill_step_size, progress, compiled)[0]
+    steps = _prefill_steps(fmodel, tokens, states=states, capacity=capacity,
+                           prefill_step_size=prefill_step_size, dtype=dtype,
+                           compiled=compiled)  # fmt: skip
+    return _drain(steps, progress)[0]
 
 
 @typechecked
@@ -112,21 +159,10 @@ def scored_prefill(
     prompt-sized matrix. This is the seed's ``SnapKVAttentionCapture``. With
     ``statistic="moments"`` the scores are instead the running moments of those queries before
     RoPE (``kvfn.scores.query_moments``: mean and covariance per query head)."""
-    if not 1 <= window <= tokens.shape[1]:
-        raise ValueError(f"window must be in [1, {tokens.shape[1]}] (the tokens), got {window}")
-    if statistic not in STATISTICS:
-        raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
-
-    def first():
-        made = _start(fmodel, tokens, states, capacity, dtype)
-        B = tokens.shape[0]
-        if statistic == "moments":
-            zeros = (query_moments(B, h, d) for h, d in zip(fmodel.n_heads, fmodel.head_dims))
-        else:
-            zeros = (mx.zeros((B, h, s.capacity), mx.float32) for h, s in zip(fmodel.n_heads, made))
-        return made, tuple(zeros)
-
-    return _loop(fmodel, tokens, first, window, prefill_step_size, progress, compiled, statistic)
+    steps = _scored_steps(fmodel, tokens, window=window, states=states, capacity=capacity,
+                          prefill_step_size=prefill_step_size, dtype=dtype, compiled=compiled,
+                          statistic=statistic)  # fmt: skip
+    return _drain(steps, progress)
 
 
 def _window_cut(state: kv.State, P: int, extra: int) -> kv.State:
@@ -219,6 +255,66 @@ def _prompt(tokens) -> mx.array:
 
 
 @typechecked
+def compact_steps(
+    fmodel: FunctionalModel,
+    prompt_tokens: Sequence[int] | mx.array,
+    policy: Policy,
+    *,
+    max_new_tokens: int = 256,
+    prefill_step_size: int = 512,
+    dtype: Optional[mx.Dtype] = None,
+    compiled: bool = True,
+    settle: bool = True,
+) -> Generator[tuple[int, int], None, tuple[tuple, EvictionResult]]:
+    """``compact`` one step at a time, for a caller that interleaves other work between steps
+    (kvfn-server's decode steps): a generator that yields ``(done, total)`` after each prefill
+    chunk (of the ``total`` context tokens) and after each step of the policy's own scoring
+    pass (``Policy.score_steps``, counted after the context's tokens: ``total`` grows by the
+    pass's own total when it starts), then compacts and returns ``(states, EvictionResult)`` as
+    its StopIteration value. With ``settle`` each step's arrays are evaluated before it yields,
+    and the compacted states before it returns, so that a step's work is done inside it;
+    ``compact`` drains it unsettled. The arguments are checked when it is called."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    context = _prompt(prompt_tokens)[:, :-1]
+    P = context.shape[1]
+    window = policy.observation_window(P)
+    kwargs = dict(states=None, capacity=P, prefill_step_size=prefill_step_size, dtype=dtype,
+                  compiled=False, settle=settle)  # fmt: skip
+    if window:
+        prefill = _scored_steps(fmodel, context, window=window, statistic=policy.statistic,
+                                **kwargs)  # fmt: skip
+    else:
+        prefill = _prefill_steps(fmodel, context, **kwargs)
+    return _compaction(fmodel, context, policy, prefill, bool(window), max_new_tokens + 1,
+                       compiled, settle)  # fmt: skip
+
+
+def _compaction(fmodel, context, policy, prefill, scored, reserve, compiled, settle):
+    """``compact_steps``' generator, over the steps of its ``prefill``."""
+    P = context.shape[1]
+    states, scores = yield from prefill
+    scores = scores if scored else None
+    own = yield from _after(P, policy.score_steps(fmodel, context, states, scores))
+    scores = own if own is not None else scores
+    new, result = compact_states(states, scores, policy, reserve=reserve, compiled=compiled,
+                                 group=fmodel.group)  # fmt: skip
+    if settle:
+        mx.eval(tree.arrays(new))
+    return new, result
+
+
+def _after(base: int, steps):
+    """``steps`` with ``base`` added to each ``(done, total)`` it yields; returns its value."""
+    while True:
+        try:
+            done, total = next(steps)
+        except StopIteration as end:
+            return end.value
+        yield base + done, base + total
+
+
+@typechecked
 def compact(
     fmodel: FunctionalModel,
     prompt_tokens: Sequence[int] | mx.array,
@@ -235,23 +331,12 @@ def compact(
     ``max_new_tokens`` (decoding further grows the states), the eviction compiled unless
     ``compiled=False``. The caller decodes from the last prompt token. Takes one prompt (a list
     of ints) or a batch of equal-length prompts (B, n). On a sharded model (every rank runs
-    this alike) each rank keeps its heads' share of the single-process selection."""
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    context = _prompt(prompt_tokens)[:, :-1]
-    P = context.shape[1]
-    window = policy.observation_window(P)
-    kwargs = dict(capacity=P, prefill_step_size=prefill_step_size, dtype=dtype,
-                  progress=progress)  # fmt: skip
-    if window:
-        states, scores = scored_prefill(fmodel, context, window=window,
-                                        statistic=policy.statistic, **kwargs)  # fmt: skip
-    else:
-        states, scores = prefill(fmodel, context, **kwargs), None
-    own = policy.score_prompt(fmodel, context, states, scores)
-    scores = own if own is not None else scores
-    return compact_states(states, scores, policy, reserve=max_new_tokens + 1, compiled=compiled,
-                          group=fmodel.group)  # fmt: skip
+    this alike) each rank keeps its heads' share of the single-process selection.
+    ``progress(done, total)``: after each of ``compact_steps``' steps."""
+    steps = compact_steps(fmodel, prompt_tokens, policy, max_new_tokens=max_new_tokens,
+                          prefill_step_size=prefill_step_size, dtype=dtype, compiled=compiled,
+                          settle=False)  # fmt: skip
+    return _drain(steps, progress)
 
 
 def compact_prompt_cache(

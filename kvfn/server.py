@@ -12,12 +12,15 @@ mlx-lm's own (``mlx_lm.server``): this module subclasses its ``ModelProvider``,
 ``--kv-eviction none`` (the default) requests take mlx-lm's path unchanged.
 
 With a policy, a prompt longer than the floor (``--kv-min-tokens`` and ``--kv-budget``) gets a
-fresh, scored prefill of all but its last token (``kvfn.compact``); its caches
-(``kvfn.to_mlx_cache``) go to mlx-lm's ``BatchGenerator``, which decodes from the last prompt
-token. Shorter prompts are prefilled by mlx-lm as usual, into kvfn caches (lossless, rows equal
-to positions) so that every sequence in a batch has the same batch cache class
-(``kvfn.batch.BatchCompactedKVCache``). Each response's ``usage.kv_eviction`` gives the rows and
-bytes kept; ``/health`` and ``/metrics`` give the KV bytes held.
+fresh, scored prefill of all but its last token and its compaction
+(``kvfn.compact.compact_steps``), run as a job that the batch generator advances one step (a
+prefill chunk or a scoring chunk) per decode step of the other sequences, as mlx-lm interleaves
+its own prompt processing; its caches (``kvfn.to_mlx_cache``) then go to mlx-lm's batch, which
+decodes from the last prompt token. Shorter prompts are prefilled by mlx-lm as usual, into kvfn
+caches (lossless, rows equal to positions) so that every sequence in a batch has the same batch
+cache class (``kvfn.batch.BatchCompactedKVCache``). Each response's ``usage.kv_eviction`` gives
+the rows and bytes kept; ``/health`` and ``/metrics`` give the KV bytes held (a pending
+compaction counts the bytes of its prefill's states) and ``compacting_sequences``.
 
 Prompt-cache reuse rule (eviction on):
   1. A cache from which eviction removed any row (stored rows < true offset in some layer) is
@@ -40,8 +43,9 @@ import json
 import logging
 import socket
 import sys
+import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -50,7 +54,7 @@ from typing import Optional
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 from mlx_lm import server as mlx_server  # noqa: E402
-from mlx_lm.generate import BatchGenerator  # noqa: E402
+from mlx_lm.generate import BatchGenerator, PromptProcessingBatch  # noqa: E402
 from mlx_lm.models.cache import (  # noqa: E402
     KVCache,
     LRUPromptCache,
@@ -62,6 +66,7 @@ from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator  # noqa: 
 
 from . import flags  # noqa: E402
 from .batch import HeadGroupsKVCache  # noqa: E402
+from .compact import compact_steps  # noqa: E402
 from .flags import non_negative_int, positive_int  # noqa: E402
 from .interop import CompactedKVCache, QuantizedCompactedKVCache  # noqa: E402
 
@@ -213,18 +218,55 @@ def as_kvfn_cache(cache):
     return CompactedKVCache(keys, values, mx.array(positions), n)
 
 
+class PendingCompaction:
+    """What ``fetch_nearest_cache`` gives mlx-lm in place of a prompt's caches when it compacts
+    the prompt: the compaction's steps, not yet run. ``TrackedBatchGenerator`` keeps the
+    sequence aside and advances its job one step per batch step; the caches it returns are the
+    sequence's. ``nbytes``: what its prefill's states hold."""
+
+    def __init__(self, steps, nbytes: int):
+        self.steps, self.nbytes = steps, nbytes
+        self.progress = (0, 0)  # (done, total) after the latest step
+
+    def advance(self) -> Optional[list]:
+        """Run one step: None, or the sequence's caches once the job has returned them."""
+        try:
+            self.progress = next(self.steps)
+        except StopIteration as end:
+            return end.value
+        return None
+
+    def finish(self) -> list:
+        """Run every step left, now."""
+        while (caches := self.advance()) is None:
+            pass
+        return caches
+
+    def close(self) -> None:
+        """Drop the job and the arrays it holds."""
+        self.steps.close()
+
+
+def prefill_bytes(fm, n: int) -> int:
+    """Bytes of the states a prefill of ``n`` tokens fills (made lazily: nothing is allocated)."""
+    return sum(a.nbytes for a in kvfn.tree.arrays(fm.init_states(1, n)))
+
+
 class EvictingPromptCache(LRUPromptCache):
     """mlx-lm's ``LRUPromptCache`` holding the reuse rule (module docstring) and the compaction.
 
     mlx-lm's generation loop asks ``fetch_nearest_cache`` for the caches of every request, right
-    after tokenizing it, on the generation thread: for a prompt over the floor this returns the
-    compacted caches and the last prompt token as the rest, so mlx-lm's own batching decodes it.
+    after tokenizing it, on the generation thread: for a prompt over the floor this returns a
+    ``PendingCompaction`` and the last prompt token as the rest, so that mlx-lm's own batching
+    decodes the sequence once the batch generator has run the job. On mlx-lm's one-request path
+    (``_serve_single``: ``interleave`` False) the compaction runs whole, there and then.
     """
 
     def __init__(self, provider: KVModelProvider, max_size: int = 10):
         super().__init__(max_size)
         self.provider = provider
         self.policy = provider.cli_args.policy  # set per request by the response generator
+        self.interleave = True
         self.evictions = OrderedDict()  # (policy, prompt) -> usage fields, the latest 256
         self.compacted_requests = 0
         self.refused_inserts = 0
@@ -243,9 +285,9 @@ class EvictingPromptCache(LRUPromptCache):
                     states = kvfn.prefill(fm, mx.array([tokens[:-1]]), capacity=len(tokens),
                                           prefill_step_size=step)  # fmt: skip
                 return self.as_mlx_caches(states), tokens[-1:]
-            return self.compact(tokens, policy), tokens[-1:]
+            return self.compaction(tokens, policy), tokens[-1:]
         if policy is not None and not policy.keeps_whole(len(tokens) - 1):
-            return self.compact(tokens, policy), tokens[-1:]
+            return self.compaction(tokens, policy), tokens[-1:]
         cache, rest = super().fetch_nearest_cache(model, tokens)
         if cache is not None and not rest and can_trim_prompt_cache(cache):
             # an exact hit leaves mlx-lm's batch path an empty prompt, which kills its
@@ -259,12 +301,20 @@ class EvictingPromptCache(LRUPromptCache):
             return kvfn.to_mlx_cache(fm.init_states(1, 0)), rest
         return [as_kvfn_cache(c) for c in cache], rest
 
-    def compact(self, tokens, policy) -> list:
+    def compaction(self, tokens, policy):
+        """The compaction of all but the last of ``tokens``: a ``PendingCompaction``, or its
+        caches when it cannot be interleaved."""
         fm = self.provider.functional_model()
         step = self.provider.cli_args.prefill_step_size
         tokenized = policy.for_tokenizer(self.provider.tokenizer)  # KVzip's repeat instruction
-        states, result = kvfn.compact(fm, tokens, tokenized, max_new_tokens=1,
-                                      prefill_step_size=step)  # fmt: skip
+        steps = compact_steps(fm, tokens, tokenized, max_new_tokens=1, prefill_step_size=step)
+        job = PendingCompaction(self._caches_after(steps, policy, tokens),
+                                prefill_bytes(fm, len(tokens) - 1))  # fmt: skip
+        return job if self.interleave else job.finish()
+
+    def _caches_after(self, steps, policy, tokens):
+        """``steps``, then the caches of the states they return (their eviction recorded)."""
+        states, result = yield from steps
         caches = self.as_mlx_caches(states)
         self.evictions[(policy, tuple(tokens))] = {
             "policy": policy.name,
@@ -306,31 +356,76 @@ _LIVE_BATCHES = weakref.WeakSet()
 
 
 class TrackedBatchGenerator(BatchGenerator):
-    """mlx-lm's ``BatchGenerator``, noting after each step the KV bytes and sequences it holds
-    (read by /health from the HTTP threads without touching the generation thread's arrays)."""
+    """mlx-lm's ``BatchGenerator``, running kvfn's compactions between its decode steps, and
+    noting after each step the KV bytes and sequences it holds (read by /health from the HTTP
+    threads without touching the generation thread's arrays).
+
+    A sequence whose cache is a ``PendingCompaction`` waits in ``_jobs`` (mlx-lm's sequence
+    tuples, oldest first). Each ``_next`` runs mlx-lm's own (a decode step of the generation
+    batch, then at most one chunk of prompt processing), then one step of the oldest job,
+    reported as a prompt-processing response (the server sends its progress to the client as
+    mlx-lm's keepalive); a finished job's sequence joins mlx-lm's queue with its caches, first
+    in line. A pending sequence has no cache to extract; removing it drops its job."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.kv_bytes, self.sequences = 0, 0
+        self._jobs = deque()
+        self.kv_bytes, self.sequences, self.compacting = 0, 0, 0
         _LIVE_BATCHES.add(self)
 
     def _note(self):
         self.kv_bytes = self.prompt_cache_nbytes
+        self.compacting = len(self._jobs)
         self.sequences = (
-            len(self._unprocessed_sequences) + len(self._prompt_batch) + len(self._generation_batch)
+            len(self._unprocessed_sequences)
+            + len(self._prompt_batch)
+            + len(self._generation_batch)
+            + len(self._jobs)
         )
+
+    @property
+    def prompt_cache_nbytes(self):
+        return super().prompt_cache_nbytes + sum(s[3].nbytes for s in self._jobs)
 
     def next(self):
         out = super().next()
         self._note()
         return out
 
+    def _next(self):
+        prompt_responses, generation_responses = super()._next()
+        if self._jobs and len(self._generation_batch) < self.completion_batch_size:
+            prompt_responses.append(self._advance_job())
+        return prompt_responses, generation_responses
+
+    def _advance_job(self) -> PromptProcessingBatch.Response:
+        sequence = self._jobs[0]
+        job = sequence[3]
+        tic = time.perf_counter()
+        caches = job.advance()
+        self._counters.prompt_time += time.perf_counter() - tic
+        if caches is not None:
+            self._jobs.popleft()
+            self._unprocessed_sequences.appendleft((*sequence[:3], caches, *sequence[4:]))
+        return PromptProcessingBatch.Response(sequence[0], job.progress, False, False)
+
     def insert_segments(self, *args, **kwargs):
         out = super().insert_segments(*args, **kwargs)
+        queue = self._unprocessed_sequences
+        if any(isinstance(s[3], PendingCompaction) for s in queue):
+            self._jobs.extend(s for s in queue if isinstance(s[3], PendingCompaction))
+            self._unprocessed_sequences = deque(
+                s for s in queue if not isinstance(s[3], PendingCompaction)
+            )
         self._note()
         return out
 
     def remove(self, uids, return_prompt_caches=False):
+        gone = set(uids)
+        for sequence in self._jobs:
+            if sequence[0] in gone:
+                sequence[3].close()
+        self._jobs = deque(s for s in self._jobs if s[0] not in gone)
         out = super().remove(uids, return_prompt_caches)
         self._note()
         return out
@@ -343,12 +438,22 @@ class KVResponseGenerator(ResponseGenerator):
         self.prompt_cache.policy = getattr(request, "kv_policy", self.cli_args.policy)
         return super()._tokenize(tokenizer, request, args)
 
+    def _serve_single(self, request, stream):
+        # mlx-lm's one-request path (a seed, --kv-bits, a model it cannot batch) takes the
+        # caches at once: no batch generator runs the compaction
+        self.prompt_cache.interleave = False
+        try:
+            return super()._serve_single(request, stream)
+        finally:
+            self.prompt_cache.interleave = True
+
     def kv_stats(self) -> dict:
         batches = list(_LIVE_BATCHES)
         active = sum(b.kv_bytes for b in batches)
         cache = self.prompt_cache
         return {
             "active_sequences": sum(b.sequences for b in batches),
+            "compacting_sequences": sum(b.compacting for b in batches),
             "active_bytes": active,
             "prompt_cache_sequences": len(cache),
             "prompt_cache_bytes": cache.nbytes,

@@ -16,6 +16,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from typing import Optional
 
 import openai
 import pytest
@@ -157,6 +158,15 @@ def test_eviction_on_chat_and_completions(evicting):
     assert evicting.complete_text(LONG[2], stream=True, max_tokens=8) == text.choices[0].text
     short = evicting.chat(SHORT[0])
     assert "kv_eviction" not in (short.usage.model_extra or {})  # under the floor
+
+
+def test_one_request_path_compacts_at_once(evicting):
+    """A seed sends a request down mlx-lm's one-request path (``_serve_single``), where no
+    batch generator runs the compaction's steps: it runs whole, and answers alike."""
+    batched = evicting.chat(LONG[2], max_tokens=8)
+    single = evicting.chat(LONG[2], max_tokens=8, seed=7)
+    assert single.choices[0].message.content == batched.choices[0].message.content
+    assert single.usage.model_extra["kv_eviction"] == batched.usage.model_extra["kv_eviction"]
 
 
 def test_prompt_cache_reuse_rule(evicting):
@@ -313,6 +323,123 @@ def test_sixteen_concurrent_clients_match_each_request_alone(evicting):
     for job, text in results:
         assert text == alone[job], job
     assert peak > 1  # eviction on, requests still batched
+
+
+# -- a compaction interleaved with the other streams' decoding ----------------------------------
+BIG = document("lamp", 150)  # ~1.6K tokens: 7 prefill chunks of 256, then the compaction
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # a long answer, no early end
+
+
+@pytest.fixture(scope="module")
+def interleaving():
+    proc, port = start(EVICT + ["--prefill-step-size", "256"])
+    yield Server(port)
+    proc.terminate()
+    proc.wait(30)
+
+
+def arrivals(chunks, started: Optional[threading.Event] = None) -> tuple[str, list[float]]:
+    """A stream's text and the arrival time of each chunk that carries some; ``started`` is
+    set once three have arrived."""
+    text, times = "", []
+    for c in chunks:
+        if not c.choices:
+            continue
+        choice = c.choices[0]
+        piece = choice.delta.content if hasattr(choice, "delta") else choice.text
+        if piece:
+            text += piece
+            times.append(time.perf_counter())
+            if started is not None and len(times) == 3:
+                started.set()
+    return text, times
+
+
+def counting(server: Server, started: Optional[threading.Event] = None):
+    chunks = server.client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=48,
+                                              temperature=0, stream=True)  # fmt: skip
+    return arrivals(chunks, started)
+
+
+def idle(server: Server) -> dict:
+    """/health's kv_cache once the server holds no sequence (or after 60 s)."""
+    deadline = time.time() + 60
+    while True:
+        held = server.get("/health")["kv_cache"]
+        if held["active_sequences"] == 0 or time.time() > deadline:
+            return held
+        time.sleep(0.2)
+
+
+def test_a_compaction_does_not_stall_the_other_streams(interleaving):
+    server = interleaving
+    before = idle(server)
+    decoded_alone, _ = counting(server)
+    compacted_alone = server.chat_text(BIG, max_tokens=8)
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        decoding = pool.submit(counting, server, started)
+        assert started.wait(120)
+        sent = time.perf_counter()
+        compacted, (first, *_) = arrivals(server.chat(BIG, max_tokens=8, stream=True))
+        decoded, times = decoding.result()
+    assert decoded == decoded_alone and compacted == compacted_alone
+    # the gaps between the decoding stream's tokens from the compaction's start to its end
+    after = [i for i, t in enumerate(times) if t > first]
+    assert after, "the decoding stream ended before the compaction did"
+    start, end = next(i for i, t in enumerate(times) if t >= sent), after[0]
+    gaps = [b - a for a, b in zip(times[start - 1 : end], times[start : end + 1])]
+    assert end - start >= 3  # tokens came while the compaction ran
+    assert max(gaps) < (first - sent) / 3, (gaps, first - sent)
+    held = idle(server)
+    assert held["active_bytes"] == 0
+    assert held["compacted_requests"] == before["compacted_requests"] + 2
+
+
+def test_a_scoring_pass_runs_chunk_by_chunk(evicting):
+    """KVzip's reconstruction pass (``kvzip-c64``: 64 context tokens a step) is advanced a chunk
+    a step after the prefill's, each reaching the client as a keepalive, and answers as the
+    pass run whole (the one-request path) does."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": LONG[0]}], "max_tokens": 8,
+            "temperature": 0, "stream": True, "kv_eviction": "kvzip-c64"}  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", evicting.port, timeout=300)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body))
+    response = conn.getresponse()
+    lines = []
+    while not lines or lines[-1] != "data: [DONE]":
+        lines.append(response.readline().decode().strip())
+    conn.close()
+    found = re.findall(r": keepalive (\d+)/(\d+)", "\n".join(lines))
+    progress = [(int(done), int(total)) for done, total in found]
+    P = progress[0][1]  # the context: one prefill chunk of 512
+    passes = [(P + min(k * 64, P), 2 * P) for k in range(1, -(-P // 64) + 1)]
+    # then the eviction's step, and mlx-lm's own as the last prompt token joins its batch
+    assert progress == [(P, P), *passes, (2 * P, 2 * P), (1, 1)]
+    streamed = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                       for line in lines if line.startswith("data: {"))  # fmt: skip
+    whole = evicting.chat(LONG[0], max_tokens=8, seed=7, extra_body={"kv_eviction": "kvzip-c64"})
+    assert streamed == whole.choices[0].message.content
+    assert whole.usage.model_extra["kv_eviction"]["policy"] == "kvzip"
+
+
+def test_a_client_leaving_mid_compaction_drops_its_job(interleaving):
+    server = interleaving
+    before = idle(server)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": BIG}], "max_tokens": 8,
+            "temperature": 0, "stream": True}  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body))
+    response = conn.getresponse()
+    assert response.readline().startswith(b": keepalive 256/")  # mlx-lm's prefill keepalive
+    busy = server.get("/health")["kv_cache"]
+    assert busy["compacting_sequences"] == 1 and busy["active_sequences"] == 1
+    assert busy["active_bytes"] > 0
+    response.close()
+    conn.close()
+    held = idle(server)
+    assert held["active_sequences"] == 0 and held["compacting_sequences"] == 0
+    assert held["active_bytes"] == 0
+    assert held["compacted_requests"] == before["compacted_requests"]  # dropped, not finished
 
 
 # -- DuoAttention: per-head caches under continuous batching -------------------------------------
