@@ -31,6 +31,7 @@ from .compact import (  # noqa: E402
     compact,
     compact_prompt_cache,
     compact_states,
+    compact_steps,
     prefill,
     scored_prefill,
 )
@@ -119,6 +120,7 @@ __all__ = [
     "window_attention_scores",
     "query_statistics",
     "compact",
+    "compact_steps",
     "compact_states",
     "compact_prompt_cache",
     "evict_prompt_cache",

@@ -39,6 +39,7 @@ class AdaKV(SnapKV):
 
     name: ClassVar[str] = "adakv"
     numbers: ClassVar[dict] = {**SnapKV.numbers, "f": "floor"}
+    ragged: ClassVar[bool] = True
 
     def validate(self) -> None:
         super().validate()
@@ -89,9 +90,6 @@ class AdaKV(SnapKV):
         keep = np.array(self.keep_mask(scores, prompt_length=prompt_length, n_kv_heads=n_kv_heads,
                                        layer=layer))[0]  # fmt: skip
         return [np.flatnonzero(k).astype(np.int32) for k in keep]
-
-    def head_groups(self, layer: int, n_kv_heads: int) -> tuple:
-        return tuple((h,) for h in range(n_kv_heads))  # which heads share a row count varies
 
     def compact_layer(self, state, scores, *, prompt_length: int, layer: int, reserve: int,
                       group=None):  # fmt: skip

@@ -22,7 +22,7 @@ import numpy as np
 from . import cache as kv
 from . import ragged
 from .adakv import AdaKV
-from .compact import chunks, with_room
+from .compact import _drain, chunks, with_room
 from .policy import Policy, register_policy
 from .snapkv import pool1d
 from .wrapper import FunctionalModel, QuerySlice
@@ -131,15 +131,6 @@ def _ids(ids: tuple, batch: int) -> mx.array:
     return mx.broadcast_to(mx.array(list(ids), mx.int32).reshape(1, -1), (batch, len(ids)))
 
 
-def _drained(steps):
-    """Run a generator of ``(done, total)`` steps to its end; its return value."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as end:
-            return end.value
-
-
 def reconstruction_scores(
     fmodel: FunctionalModel,
     tokens: mx.array,
@@ -163,7 +154,7 @@ def reconstruction_scores(
     ``states`` are left as they were."""
     steps = reconstruction_steps(fmodel, tokens, states, prompt=prompt, resume=resume,
                                  suffix=suffix, chunk=chunk, overlap=overlap, sink=sink)  # fmt: skip
-    return _drained(steps)
+    return _drain(steps, None)
 
 
 @register_policy
@@ -235,7 +226,7 @@ class KVzip(Policy):
         return (yield from steps)
 
     def score_prompt(self, fmodel, tokens, states, gathered=None) -> Optional[tuple]:
-        return _drained(self.score_steps(fmodel, tokens, states, gathered))
+        return _drain(self.score_steps(fmodel, tokens, states, gathered), None)
 
     def keep_indices(self, scores, *, prompt_length, **kwargs) -> mx.array:
         if scores is None and not self.keeps_whole(prompt_length):

@@ -60,6 +60,9 @@ class Policy:
     # True when a KV head's rows depend only on its own query heads' scores: a rank of a
     # tensor-parallel model then selects without the other ranks' scores (kvfn.distributed)
     head_local: ClassVar[bool] = False
+    # True when compact_layer stores a layer's heads ragged (kvfn.RaggedKVCache): how many rows
+    # each head keeps varies by prompt, and any two prompts' layers batch together
+    ragged: ClassVar[bool] = False
     # option word -> field values, for names like "snapkv-avg-layer"
     flags: ClassVar[dict] = {}
     # option prefix -> int field, for names like "snapkv-k15"

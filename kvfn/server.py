@@ -65,7 +65,7 @@ from mlx_lm.models.cache import (  # noqa: E402
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator  # noqa: E402
 
 from . import flags  # noqa: E402
-from .batch import HeadGroupsKVCache  # noqa: E402
+from .batch import HeadGroupsKVCache, RaggedLayerCache  # noqa: E402
 from .compact import compact_steps  # noqa: E402
 from .flags import non_negative_int, positive_int  # noqa: E402
 from .interop import CompactedKVCache, QuantizedCompactedKVCache  # noqa: E402
@@ -131,6 +131,7 @@ class KVModelProvider(ModelProvider):
         self.names = {"default_model", self.model_id} | ({cli_args.model} - {None})
         self._functional = None
         self.head_groups = None  # per layer, with a per-head policy (see head_groups_of)
+        self.ragged = False  # a policy that stores its layers ragged (Policy.ragged)
 
     def check_model(self, name) -> None:
         if name not in self.names:
@@ -169,13 +170,20 @@ class KVModelProvider(ModelProvider):
         else:  # kvfn's batch cache covers plain full-attention layers only
             self.is_batchable = all(type(c) is KVCache for c in caches)
         self.head_groups = head_groups_of(self.cli_args.policy, self.functional_model())
-        if self.head_groups is not None:
+        self.ragged = self.cli_args.policy is not None and self.cli_args.policy.ragged
+        if self.per_head:
             if not self.is_batchable or self.tensor_group is not None:
                 raise ValueError(
                     f"{self.cli_args.policy.name} keeps per-head rows, served only for a "
                     "single-process model whose layers all use full attention"
                 )
-            self.model = kvfn.wrapper.attending_copy(model)  # attention per head group
+            self.model = kvfn.wrapper.attending_copy(model)  # attention per head (group)
+
+    @property
+    def per_head(self) -> bool:
+        """Whether the server's policy keeps per-head rows: its layers stored ragged or in head
+        groups (rule 4)."""
+        return self.ragged or self.head_groups is not None
 
     def functional_model(self):
         if self._functional is None:
@@ -273,7 +281,7 @@ class EvictingPromptCache(LRUPromptCache):
 
     def fetch_nearest_cache(self, model, tokens):
         policy = self.policy
-        if self.provider.head_groups is not None:  # rule 4
+        if self.provider.per_head:  # rule 4
             if policy is None or policy.keeps_whole(len(tokens) - 1):
                 fm, step = (
                     self.provider.functional_model(),
@@ -329,15 +337,19 @@ class EvictingPromptCache(LRUPromptCache):
         return caches
 
     def as_mlx_caches(self, states) -> list:
-        """mlx-lm caches of one sequence's states: per-head caches in the server's head groups
-        with a per-head policy, else ``kvfn.to_mlx_cache``'s."""
+        """mlx-lm caches of one sequence's states: with a per-head policy, ragged layers
+        (``RaggedLayerCache``, a plain state's heads each keeping all its rows) or per-head
+        caches in the server's head groups; else ``kvfn.to_mlx_cache``'s."""
+        if self.provider.ragged:
+            return [RaggedLayerCache.from_state(s) for s in states]
         groups = self.provider.head_groups
         if groups is None:
             return kvfn.to_mlx_cache(states)
         return [HeadGroupsKVCache.from_state(s, g) for s, g in zip(states, groups)]
 
     def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-        if any(is_lossy(c) or isinstance(c, HeadGroupsKVCache) for c in prompt_cache):
+        per_head = (HeadGroupsKVCache, RaggedLayerCache)
+        if any(is_lossy(c) or isinstance(c, per_head) for c in prompt_cache):
             self.refused_inserts += 1
             return
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
@@ -526,7 +538,10 @@ class KVAPIHandler(APIHandler):
                                    cli.kv_min_tokens, cli.duo)  # fmt: skip
         provider = self.response_generator.model_provider
         own = head_groups_of(policy, provider.functional_model())
-        if own is not None and own != provider.head_groups:
+        ragged = policy is not None and policy.ragged
+        if (own is not None and own != provider.head_groups) or ragged != provider.ragged and (
+            ragged or provider.head_groups is not None
+        ):
             raise ValueError(
                 f"kv_eviction {name!r} keeps per-head rows in its own head groups; this server "
                 f"(--kv-eviction {cli.kv_eviction}) cannot batch them: start one with it"

@@ -478,6 +478,7 @@ def kvfn_answer(policy, content: str, max_tokens: int) -> str:
     fm = kvfn.FunctionalModel(model)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                         add_generation_prompt=True)  # fmt: skip
+    policy = policy.for_tokenizer(tokenizer)  # KVzip's instructions, as the server sets them
     states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=max_tokens)
     out = kvfn_greedy(fm, ids[-1:], states, max_tokens, set(tokenizer.eos_token_ids))
     return tokenizer.decode(out)
@@ -490,8 +491,25 @@ def kvfn_duo_answer(pattern, content: str, max_tokens: int) -> str:
     return kvfn_answer(policy, content, max_tokens)
 
 
+def while_decoding(server: Server, request):
+    """``request()``'s result while another stream decodes a long answer, that stream's text,
+    and its inter-token gaps (s) from the request's start to its end."""
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        decoding = pool.submit(counting, server, started)
+        assert started.wait(120)
+        sent = time.perf_counter()
+        result = request()
+        done = time.perf_counter()
+        text, times = decoding.result()
+    during = [t for t in times if sent <= t <= done]
+    return result, text, [b - a for a, b in zip(during, during[1:])]
+
+
 def test_duo_serves_kvfn_duo_answers(duo, pattern):
-    r = duo.chat(LONG[0], max_tokens=12)
+    alone, _ = counting(duo)
+    r, decoded, gaps = while_decoding(duo, lambda: duo.chat(LONG[0], max_tokens=12))
+    assert decoded == alone and len(gaps) >= 2, gaps  # the other stream kept decoding
     assert r.choices[0].message.content == kvfn_duo_answer(pattern, LONG[0], 12)
     kv = r.usage.model_extra["kv_eviction"]
     assert kv["policy"] == "duo" and 0 < kv["bytes_kept"] < 0.6 * kv["bytes_total"]
@@ -515,17 +533,41 @@ def test_duo_concurrent_clients_match_each_request_alone(duo):
     assert duo.get("/health")["kv_cache"]["active_sequences"] == 0
 
 
-def test_adakv_is_served_per_head():
+def test_ragged_policies_are_served_as_kvfn_decodes_them():
+    """A server of a ragged policy (adakvzip-global: KVzip's pass, the pair-level plan, ragged
+    rows in one batch cache a layer) answers as kvfn's own decode of the same prompt while
+    another stream keeps decoding; a request may name another ragged policy or a plain one,
+    not a policy of head groups; nothing stays held."""
     import kvfn
 
-    proc, port = start(["--kv-eviction", "adakv", "--kv-budget", "64", "--kv-window", "8"])
+    proc, port = start(["--kv-eviction", "adakvzip-global", "--kv-budget", "64", "--kv-window",
+                        "8", "--prefill-step-size", "128"])  # fmt: skip
     try:
         server = Server(port)
-        r = server.chat(LONG[1], max_tokens=10)
-        policy = kvfn.AdaKV(budget=64, window=8, sink_tokens=4)
+        alone, _ = counting(server)
+        r, decoded, gaps = while_decoding(server, lambda: server.chat(LONG[1], max_tokens=10))
+        assert decoded == alone and len(gaps) >= 2, gaps  # the other stream kept decoding
+        policy = kvfn.parse_policy("adakvzip-global", budget=64, window=8)
         assert r.choices[0].message.content == kvfn_answer(policy, LONG[1], 10)
         kv = r.usage.model_extra["kv_eviction"]
-        assert kv["policy"] == "adakv" and kv["bytes_kept"] < 0.4 * kv["bytes_total"]
+        assert kv["policy"] == "adakvzip" and kv["bytes_kept"] < 0.4 * kv["bytes_total"]
+        ada = server.chat(LONG[2], max_tokens=8, extra_body={"kv_eviction": "adakv"})
+        want = kvfn_answer(kvfn.AdaKV(budget=64, window=8, sink_tokens=4), LONG[2], 8)
+        assert ada.choices[0].message.content == want
+        snap = server.chat(LONG[2], max_tokens=8, extra_body={"kv_eviction": "snapkv"})
+        assert snap.usage.model_extra["kv_eviction"]["rows_kept"] == 30 * 64
+        assert server.chat_text(SHORT[0], max_tokens=4)
+        with pytest.raises(openai.BadRequestError) as refused:
+            server.chat(LONG[0], max_tokens=4, extra_body={"kv_eviction": "duo"})
+        assert "duo needs a head pattern" in refused.value.response.json()["error"]
+        held = idle(server)
+        assert held["active_bytes"] == 0 and held["prompt_cache_lossy_entries"] == 0
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_ragged_request_on_a_plain_server_is_refused(evicting):
+    with pytest.raises(openai.BadRequestError) as refused:
+        evicting.chat(LONG[0], max_tokens=4, extra_body={"kv_eviction": "adakvzip"})
+    assert "per-head rows in its own" in refused.value.response.json()["error"]
