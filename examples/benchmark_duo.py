@@ -127,9 +127,11 @@ def mlx_step_ms(model, cache, steps: int) -> float:
     return median_ms(step, steps)
 
 
-def run(args) -> list:
+def run(args, model=None, tables: bool = True) -> list:
+    """Every row of ``args``' lengths (``main``'s flags), over ``model`` if given (else a
+    random-weight one of ``args.shape``); the tables at the end unless ``tables`` is False."""
     dtype = getattr(mx, args.dtype)
-    model = random_model(args.shape, False, dtype)
+    model = random_model(args.shape, False, dtype) if model is None else model
     fm = kvfn.FunctionalModel(model)
     rng = np.random.default_rng(0)
     rows = []
@@ -174,9 +176,14 @@ def run(args) -> list:
         for budget in args.adakv:  # Ada-KV's ragged rows against plain SnapKV rows, as many
             rows.append(ragged_row(fm, full, base, L, budget, args.rounds, steps, rng))
             print_ragged(rows[-1])
+    if tables:
+        print_tables(rows)
+    return rows
+
+
+def print_tables(rows: list) -> None:
     print_table([r for r in rows if "ratio" in r])
     print_ragged_table([r for r in rows if "budget" in r])
-    return rows
 
 
 def ragged_row(fm, full, base: dict, L: int, budget: int, rounds: int, steps: int, rng) -> dict:

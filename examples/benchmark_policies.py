@@ -1,7 +1,7 @@
 """What a policy's own scoring costs beside mlx-lm's prefill, side by side in one process.
 
     python examples/benchmark_policies.py --shape tiny --lengths 512 --pass-chunk 128   # CPU
-    python examples/benchmark_policies.py --shape 8b --lengths 8192 32768 --tables kvzip   # GPU
+    python examples/benchmark_policies.py --shape 8b --lengths 8192 32768   # GPU: both tables
 
 Shapes are benchmark_decode's random-weight llama models (no weights to load). Tables:
 
@@ -12,9 +12,14 @@ kvzip    per prompt length: mlx-lm's chunked prefill (its KVCache); kvfn's plain
          (random ids: random weights read no text). Seconds and peak GB above the weights;
          the ratios to mlx-lm's are the median of each round's own ratios (the timers run in
          interleaved rounds, every other one reversed), their range in brackets.
+decode   benchmark_duo.py's decode steps over the same model: DuoAttention at ratio 0.25 (its
+         two-group and slots layouts) and Ada-KV's ragged rows beside SnapKV's plain ones, each
+         against kvfn's and mlx-lm's full caches (sync and pipelined ms, paired ratios).
 """
 
 import argparse
+import contextlib
+import io
 import json
 import statistics
 import sys
@@ -25,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 
+from examples import benchmark_duo  # noqa: E402
 from examples.benchmark_decode import (  # noqa: E402
     SHAPES,
     VOCAB,
@@ -132,7 +138,27 @@ def kvzip_table(rows: list) -> str:
     return "\n".join(out)
 
 
-TABLES = {"kvzip": (kvzip_rows, kvzip_table)}
+def decode_rows(model, fm, lengths, chunk, pass_chunk, weights, rounds) -> list:
+    """benchmark_duo's rows over the same model: DuoAttention (ratio 0.25, 64 sinks, 256
+    recent; less for prompts under 4K) and Ada-KV's ragged rows (budget 1024, or an eighth of a
+    shorter prompt), each step beside kvfn's and mlx-lm's full caches."""
+    short = min(lengths)  # a ring must be shorter than the prompt
+    args = argparse.Namespace(shape="given", lengths=lengths, ratios=[0.25],
+                              sink=min(64, short // 16), recent=min(256, short // 4),
+                              chunk=chunk, steps=15, rounds=rounds, dtype=DTYPE_NAMES[fm.dtype],
+                              adakv=[min(1024, max(36, min(lengths) // 8))])  # fmt: skip
+    return benchmark_duo.run(args, model, tables=False)
+
+
+def decode_table(rows: list) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        benchmark_duo.print_tables(rows)
+    return out.getvalue()
+
+
+TABLES = {"kvzip": (kvzip_rows, kvzip_table), "decode": (decode_rows, decode_table)}
+DTYPE_NAMES = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}
 
 
 def main(argv=None) -> dict:

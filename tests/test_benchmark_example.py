@@ -608,3 +608,17 @@ def test_benchmark_policies_rejects_bad_values(capsys):
     with pytest.raises(SystemExit):
         benchmark_policies.main(["--tables", "duo"])
     assert "invalid choice: 'duo'" in capsys.readouterr().err
+
+
+def test_benchmark_policies_prints_the_decode_rows_in_the_same_process(capsys):
+    from examples import benchmark_duo, benchmark_policies
+
+    result = benchmark_policies.main(["--shape", "tiny", "--lengths", "400", "--chunk", "128",
+                                      "--rounds", "1", "--tables", "kvzip", "decode"])  # fmt: skip
+    duo, ragged = result["decode"]
+    assert duo["ratio"] == 0.25 and ragged["budget"] == 50 and result["kvzip"][0]["L"] == 400
+    for row, pairs in ((duo, benchmark_duo.RATIOS), (ragged, benchmark_duo.RAGGED_RATIOS)):
+        for name, (a, b) in pairs.items():
+            assert row[name] == pytest.approx(row[a] / row[b])
+    out = capsys.readouterr().out
+    assert "| 400 | 0.25 |" in out and "| 400 | 50 |" in out
