@@ -34,6 +34,7 @@ from examples import benchmark_duo  # noqa: E402
 from examples.benchmark_decode import (  # noqa: E402
     SHAPES,
     VOCAB,
+    cell,
     check_at_least,
     cleared,
     in_rounds,
@@ -115,12 +116,6 @@ def kvzip_rows(model, fm, lengths, chunk, pass_chunk, weights, rounds):
         row["prefill_mem_ratio"] = gb["prefill"] / max(gb["mlx"], 1e-9)
         rows.append(row)
     return rows
-
-
-def cell(row: dict, name: str) -> str:
-    lo, hi = row[name + "_range"]
-    spread = f" ({lo:.2f}-{hi:.2f})" if f"{lo:.2f}" != f"{hi:.2f}" else ""
-    return f"{row[name]:.2f}{spread}"
 
 
 def kvzip_table(rows: list) -> str:

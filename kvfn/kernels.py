@@ -630,25 +630,21 @@ def _two_group_source() -> str:
 TWO_GROUP_SOURCE = _two_group_source()
 
 
-# The split kernel over one layer in the slots layout (kvfn.slots): k, v (B, S, D), KV head h
-# owns the slots from hmap[2h], in group hmap[2h + 1]: 0, C0 slots of which [0, lengths) are
-# valid, or 1, C1 slots of which the first L1.
-def _slots_source(source: str) -> str:
-    edits = (
-        (
-            "  const int len = min(max(lengths[(bh / HKV) * LSB + (bh % HKV) * LSH], 0), C);\n",
-            "  const int first = hmap[2 * (bh % HKV)];\n"
-            "  const int grp = hmap[2 * (bh % HKV) + 1];\n"
-            "  const int C = grp == 0 ? C0 : C1;\n"
-            "  const int len = min(max(grp == 0 ? lengths[(bh / HKV) * LSB] : L1, 0), C);\n",
-        ),
-    )
-    for old, replacement in edits:
-        if source.count(old) != 1:
-            raise RuntimeError("kvfn.kernels: the split kernel's source changed; update the edit")
-        source = source.replace(old, replacement)
-    for old in ("  const size_t base = (size_t)bh * C * D + part * EPT;\n",
-                "  const size_t base = (size_t)bh * C * D;\n"):  # fmt: skip
+# The split kernels over one buffer of slots a layer, k, v (B, S, D), each KV head its own
+# range: the slots layout (kvfn.slots, Duo) and the ragged one (kvfn.ragged, Ada-KV).
+LENGTH_LINE = "  const int len = min(max(lengths[(bh / HKV) * LSB + (bh % HKV) * LSH], 0), C);\n"
+BASE_LINES = ("  const size_t base = (size_t)bh * C * D + part * EPT;\n",
+              "  const size_t base = (size_t)bh * C * D;\n")  # fmt: skip
+
+
+def _from_first_slot(source: str, length: str) -> str:
+    """A split kernel's source (CUDA or tensor cores) over one (B, S, D) buffer of slots whose
+    KV head starts at slot ``first``: its length line replaced by ``length`` (which sets
+    ``first`` and ``len``), its base pointing at slot ``first`` of its sequence."""
+    if source.count(LENGTH_LINE) != 1:
+        raise RuntimeError("kvfn.kernels: the split kernel's source changed; update the edit")
+    source = source.replace(LENGTH_LINE, length)
+    for old in BASE_LINES:
         if old in source:
             return source.replace(
                 old, old.replace("(size_t)bh * C * D", "((size_t)(bh / HKV) * S + first) * D")
@@ -656,34 +652,26 @@ def _slots_source(source: str) -> str:
     raise RuntimeError("kvfn.kernels: the split kernel's source changed; update the edit")
 
 
-SLOTS_SOURCE = _slots_source(SPLIT_SOURCE)
-MMA_SLOTS_SOURCE = _slots_source(MMA_SPLIT_SOURCE)
+# Slots: KV head h owns the slots from hmap[2h], in group hmap[2h + 1]: 0, C0 slots of which
+# [0, lengths) are valid, or 1, C1 slots of which the first L1.
+SLOTS_LENGTH = (
+    "  const int first = hmap[2 * (bh % HKV)];\n"
+    "  const int grp = hmap[2 * (bh % HKV) + 1];\n"
+    "  const int C = grp == 0 ? C0 : C1;\n"
+    "  const int len = min(max(grp == 0 ? lengths[(bh / HKV) * LSB] : L1, 0), C);\n"
+)
+SLOTS_SOURCE = _from_first_slot(SPLIT_SOURCE, SLOTS_LENGTH)
+MMA_SLOTS_SOURCE = _from_first_slot(MMA_SPLIT_SOURCE, SLOTS_LENGTH)
 
 
-# The split kernels (CUDA cores and tensor cores) over one layer in the ragged layout
-# (kvfn.ragged): k, v (B, S, D), KV head h of sequence b holds the slots [starts, starts +
-# lengths) (int32 (B, HKV), flat index b * HKV + h).
-def _ranges_source(source: str) -> str:
-    C_LINE = "  const int len = min(max(lengths[(bh / HKV) * LSB + (bh % HKV) * LSH], 0), C);\n"
-    edits = (
-        (C_LINE, "  const int first = starts[bh];\n"
-                 "  const int len = min(max(lengths[bh], 0), max(S - first, 0));\n"),
-    )
-    for old, replacement in edits:
-        if source.count(old) != 1:
-            raise RuntimeError("kvfn.kernels: the split kernel's source changed; update the edit")
-        source = source.replace(old, replacement)
-    for old in ("  const size_t base = (size_t)bh * C * D + part * EPT;\n",
-                "  const size_t base = (size_t)bh * C * D;\n"):  # fmt: skip
-        if old in source:
-            return source.replace(
-                old, old.replace("(size_t)bh * C * D", "((size_t)(bh / HKV) * S + first) * D")
-            )
-    raise RuntimeError("kvfn.kernels: the split kernel's source changed; update the edit")
-
-
-RANGES_SOURCE = _ranges_source(SPLIT_SOURCE)
-MMA_RANGES_SOURCE = _ranges_source(MMA_SPLIT_SOURCE)
+# Ragged: KV head h of sequence b holds the slots [starts, starts + lengths) (int32 (B, HKV),
+# flat index b * HKV + h).
+RANGES_LENGTH = (
+    "  const int first = starts[bh];\n"
+    "  const int len = min(max(lengths[bh], 0), max(S - first, 0));\n"
+)
+RANGES_SOURCE = _from_first_slot(SPLIT_SOURCE, RANGES_LENGTH)
+MMA_RANGES_SOURCE = _from_first_slot(MMA_SPLIT_SOURCE, RANGES_LENGTH)
 
 
 def ranges_decode_attention(q, k, v, starts, lengths, *, scale):

@@ -76,6 +76,13 @@ def kept_sets_gap(fm, ids, states, kept, steps=4) -> float:
     P = len(ids) - 1
     logits, tokens = greedy_logits(fm, ids, states, steps)
     T = len(tokens) - 1
+    ref = reference_logits(fm.model, mx.array([tokens[:T]]), kept_visibility(fm, kept, P, T))
+    return mx.abs(logits - ref[P:]).max().item()
+
+
+def kept_visibility(fm, kept, P: int, T: int):
+    """``reference_logits``' masks over T tokens where KV head h of layer i sees, from query P
+    on, the prompt rows ``kept[i][h]`` and every row from P on (prompt queries: causal)."""
     q, k = np.arange(T)[:, None], np.arange(T)[None, :]
 
     def visible(i):
@@ -87,8 +94,7 @@ def kept_sets_gap(fm, ids, states, kept, steps=4) -> float:
         rep = fm.n_heads[i] // fm.n_kv_heads[i]
         return mx.array(np.repeat(np.stack(heads), rep, axis=0)[None])
 
-    ref = reference_logits(fm.model, mx.array([tokens[:T]]), visible)[P:]
-    return mx.abs(logits - ref).max().item()
+    return visible
 
 
 def duo_gap(fm, ids, policy, steps=6):

@@ -12,7 +12,7 @@ import pytest
 import kvfn
 from kvfn import cache as kv
 from kvfn import ragged
-from tests.test_duo import TOL, greedy_logits, kept_sets_gap, reference_logits
+from tests.test_duo import TOL, greedy_logits, kept_sets_gap, kept_visibility, reference_logits
 from tests.tiny import tiny_model
 
 CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
@@ -142,17 +142,7 @@ def test_a_chunk_and_growth_past_the_room_stay_exact():
     chunk = [ids[-1]] + follow  # 10 rows: past the room, the layer grows
     logits, after = fm.forward(mx.array([chunk]), states)
     T = P + len(chunk)
-    q, k = np.arange(T)[:, None], np.arange(T)[None, :]
-
-    def visible(i):
-        heads = []
-        for rows in kept[i]:
-            held = np.zeros(T, bool)
-            held[rows] = True
-            heads.append(np.where(q < P, k <= q, (k <= q) & (held[None] | (k >= P))))
-        rep = fm.n_heads[i] // fm.n_kv_heads[i]
-        return mx.array(np.repeat(np.stack(heads), rep, axis=0)[None])
-
+    visible = kept_visibility(fm, kept, P, T)
     ref = reference_logits(fm.model, mx.array([ids[:-1] + chunk]), visible)[P:]
     assert mx.abs(logits[0] - ref).max().item() < TOL
     assert after[0].room >= 0 and after[0].lengths.tolist() == (states[0].lengths + 10).tolist()
