@@ -12,7 +12,7 @@ head_dim 128); --q4 quantizes their weights to 4 bits. Without --shape, the embe
 prefill  per prompt length and chunk size: mlx-lm's chunked prefill (its KVCache) vs kvfn's
          scored prefill (window 32): seconds and peak GB above the weights, and their ratios;
          kvfn's prefill without scoring beside them, the scored one with the window scored by
-         the stock ops instead of the CUDA kernels (kvfn.window_kernel; the same elsewhere),
+         the stock ops instead of the CUDA kernels (kvfn.kernels.window; the same elsewhere),
          Expected Attention's (the queries' moments gathered in every chunk, then each layer's
          expected attention per row) and KVzip's (the unscored prefill, then its
          reconstruction pass over the context).
@@ -46,7 +46,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from kvfn import window_kernel  # noqa: E402
+from kvfn.kernels import window as window_kernel  # noqa: E402
 
 SHAPES = {
     "tiny": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1408,

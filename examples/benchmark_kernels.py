@@ -1,6 +1,6 @@
 """Ragged decode attention on the GPU: the split-K kernel against MLX's SDPA.
 
-Loads kvfn/kernels.py by file path, so it runs while the rest of kvfn is being edited.
+Loads kvfn/kernels/__init__.py by file path, so it runs while the rest of kvfn is being edited.
 For one layer (B=1, 32 query / 8 KV heads, D=128, bf16) and capacities 1K-128K it checks the
 kernel against masked SDPA, then times, interleaved in one process (median over iterations,
 mx.eval each): the kernel over the valid rows, fused SDPA with mask=None over exactly the
@@ -38,7 +38,7 @@ RAGGED = (1, 1 / 8, 1 / 2, 1 / 4, 1, 1 / 16, 3 / 4, 1 / 2)  # per-KV-head share 
 
 
 def load_kernels():
-    path = Path(__file__).resolve().parent.parent / "kvfn" / "kernels.py"
+    path = Path(__file__).resolve().parent.parent / "kvfn" / "kernels" / "__init__.py"
     spec = importlib.util.spec_from_file_location("kvfn_kernels", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

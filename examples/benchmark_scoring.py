@@ -1,4 +1,4 @@
-"""Window scoring for one layer: kvfn.window_kernel against the stock ops.
+"""Window scoring for one layer: kvfn.kernels.window against the stock ops.
 
 For one layer of an 8B llama (B=1, 32 query / 8 KV heads, D=128, bf16) and capacities 8K-128K:
 ``sum``, SnapKV's window (32 queries, ``kvfn.scores.window_attention_scores``), and ``max``,
@@ -24,7 +24,7 @@ import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 
 from examples.benchmark_decode import measured  # noqa: E402
-from kvfn import window_kernel  # noqa: E402
+from kvfn.kernels import window as window_kernel  # noqa: E402
 from kvfn.scores import window_attention_max, window_attention_scores  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 8, 128

@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def start(flags: list[str]):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvfn.server", "--port", "0", "--log-level", "ERROR", *flags],
+        [sys.executable, "-m", "kvfn.serving.server", "--port", "0", "--log-level", "ERROR", *flags],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     match = re.search(r"http://[^:]+:(\d+)", proc.stdout.readline())

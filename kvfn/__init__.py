@@ -10,10 +10,45 @@ from .blas import use_openblas
 
 use_openblas()  # before mlx.core is imported anywhere below
 
-from . import cache, distributed, partitioned, ragged, ring, slots, tree  # noqa: E402
-from .adakv import AdaKV  # noqa: E402
-from .baselines import ChunkKV, RandomRows, StreamingLLM  # noqa: E402
-from .cache import (  # noqa: E402
+from . import distributed  # noqa: E402
+from .compact import compact, compact_prompt_cache, compact_states, compact_steps  # noqa: E402
+from .eviction import (  # noqa: E402
+    EvictionResult,
+    HeadPartitionedEvictionResult,
+    evict_prompt_cache,
+    evict_prompt_cache_by_head,
+)
+from .passes import prefill, scored_prefill  # noqa: E402
+from .policies import (  # noqa: E402
+    AdaKV,
+    AdaKVzip,
+    ChunkKV,
+    Duo,
+    ExpectedAttention,
+    HeadPattern,
+    KVzip,
+    Policy,
+    PyramidKV,
+    RandomRows,
+    SnapKV,
+    StreamingLLM,
+    parse_policy,
+    reconstruction_scores,
+    reconstruction_steps,
+    register_policy,
+    repeat_prompt,
+    snapkv_keep_indices,
+)
+from .scores import query_statistics, window_attention_scores  # noqa: E402
+from .serving.interop import (  # noqa: E402
+    CompactedKVCache,
+    QuantizedCompactedKVCache,
+    from_mlx_cache,
+    load_prompt_cache,
+    to_mlx_cache,
+)
+from .states import cache, partitioned, ragged, ring, slots, tree  # noqa: E402
+from .states.cache import (  # noqa: E402
     EMPTY,
     PositionPreservingKVCache,
     evict,
@@ -27,43 +62,10 @@ from .cache import (  # noqa: E402
     trim,
     update,
 )
-from .compact import (  # noqa: E402
-    compact,
-    compact_prompt_cache,
-    compact_states,
-    compact_steps,
-    prefill,
-    scored_prefill,
-)
-from .duo import Duo, HeadPattern  # noqa: E402
-from .eviction import (  # noqa: E402
-    EvictionResult,
-    HeadPartitionedEvictionResult,
-    evict_prompt_cache,
-    evict_prompt_cache_by_head,
-)
-from .expected import ExpectedAttention  # noqa: E402
-from .interop import (  # noqa: E402
-    CompactedKVCache,
-    QuantizedCompactedKVCache,
-    from_mlx_cache,
-    load_prompt_cache,
-    to_mlx_cache,
-)
-from .kvzip import (  # noqa: E402
-    AdaKVzip,
-    KVzip,
-    reconstruction_scores,
-    reconstruction_steps,
-    repeat_prompt,
-)
-from .partitioned import HeadPartitionedKVCache  # noqa: E402
-from .policy import Policy, parse_policy, register_policy  # noqa: E402
-from .ragged import RaggedKVCache  # noqa: E402
-from .ring import StreamingRing  # noqa: E402
-from .scores import query_statistics, window_attention_scores  # noqa: E402
-from .slots import HeadSlotsKVCache  # noqa: E402
-from .snapkv import PyramidKV, SnapKV, snapkv_keep_indices  # noqa: E402
+from .states.partitioned import HeadPartitionedKVCache  # noqa: E402
+from .states.ragged import RaggedKVCache  # noqa: E402
+from .states.ring import StreamingRing  # noqa: E402
+from .states.slots import HeadSlotsKVCache  # noqa: E402
 from .wrapper import FunctionalModel, QuerySlice  # noqa: E402
 
 __version__ = "0.2.0"

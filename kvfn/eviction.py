@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 from typeguard import typechecked
 
-from . import cache as kv
-from . import partitioned as part
-from . import ragged
+from .states import cache as kv
+from .states import partitioned as part
+from .states import ragged
 
 
 class _Bytes:

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .duo import HeadPattern
+from .policies.duo import HeadPattern
 from .wrapper import FunctionalModel, QuerySlice
 
 METHODS = ("retrieval", "mass", "razor")
@@ -81,9 +81,9 @@ def razor_scores(rows: list, length: int, start: int) -> np.ndarray:
 
 def to_kv_heads(scores: np.ndarray, n_kv_heads: Sequence[int]) -> np.ndarray:
     """(layers, query heads) -> (layers, KV heads): the max over each KV head's query heads."""
-    return np.stack(
-        [s.reshape(h, -1).max(axis=1) for s, h in zip(scores, n_kv_heads)]
-    ).clip(0.0, 1.0)
+    return np.stack([s.reshape(h, -1).max(axis=1) for s, h in zip(scores, n_kv_heads)]).clip(
+        0.0, 1.0
+    )
 
 
 def needle_probe(tokenizer, length: int, rng: np.random.Generator) -> tuple:

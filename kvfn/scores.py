@@ -5,8 +5,9 @@ import chex
 import mlx.core as mx
 from typeguard import typechecked
 
-from . import reconstruction_kernel, window_kernel
-from .cache import State
+from .kernels import reconstruction as reconstruction_kernel
+from .kernels import window as window_kernel
+from .states.cache import State
 
 
 @typechecked
@@ -35,7 +36,7 @@ def window_attention_max(
     """The most softmax attention any of ``queries`` (B, n_heads, w, D; after RoPE) pays each
     slot of ``state``: (B, n_heads, capacity), float32. Causal over true positions. The queries
     go ``piece`` at a time, so at most (n_heads x piece x capacity) weights exist at once (on
-    CUDA, only their logits in the keys' dtype: ``kvfn.window_kernel``)."""
+    CUDA, only their logits in the keys' dtype: ``kvfn.kernels.window``)."""
     if piece < 1:
         raise ValueError(f"piece must be >= 1, got {piece}")
     best = None
@@ -68,7 +69,7 @@ def reconstruction_attention(
     after ``context`` prefilled rows. Each query's softmax runs over the restricted keys: rows
     [0, min(sink, start)), [start, end) and the input's own rows up to its own (causal); a row of
     [start, end) scores the most weight any query gives it. On CUDA the fused kernels run
-    (``kvfn.reconstruction_kernel``); elsewhere the stock ops, ``piece`` queries at a time in two
+    (``kvfn.kernels.reconstruction``); elsewhere the stock ops, ``piece`` queries at a time in two
     passes (each query's log-sum-exp, then the weights), so at most (n_heads x piece x keys)
     float32 logits exist at once."""
     chex.assert_rank([queries, keys], 4)

@@ -28,12 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from . import cache as kv
 from . import kernels
-from . import partitioned as part
-from . import ragged as rgd
-from . import slots as sl
-from . import tree
 from .distributed import head_group
 from .scores import (
     add_query_moments,
@@ -41,6 +36,11 @@ from .scores import (
     window_attention_max,
     window_attention_scores,
 )
+from .states import cache as kv
+from .states import partitioned as part
+from .states import ragged as rgd
+from .states import slots as sl
+from .states import tree
 
 ATTENTION_NAMES = ("self_attn", "attention", "attn")
 N_HEADS_NAMES = ("n_heads", "num_heads", "num_attention_heads")
@@ -330,7 +330,7 @@ def _calling_attend(attn: nn.Module) -> bool:
 def attending_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` (weights, module and class shared) whose attention modules let the
     layer's cache compute attention when it has an ``attend`` method, as kvfn's per-head batch
-    caches (``kvfn.batch.BatchHeadGroupsKVCache``) need; with any other cache it computes
+    caches (``kvfn.serving.batch.BatchHeadGroupsKVCache``) need; with any other cache it computes
     exactly what ``model`` does. TypeError if a layer's attention does not call mlx-lm's
     ``scaled_dot_product_attention``."""
 

@@ -9,7 +9,7 @@ method and question starts from those states, so reuse is exact and free:
   and the prompt is compacted before the answer's first token.
 
 Answers are decoded greedily by the unmodified mlx-lm model over mlx-lm cache objects built from
-the states (``kvfn.interop``), so KV quantization is mlx-lm's own ``mx.quantize`` + quantized
+the states (``kvfn.serving.interop``), so KV quantization is mlx-lm's own ``mx.quantize`` + quantized
 attention, and the full cache is exactly mlx-lm's computation.
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 from mlx_lm.generate import generate_step
 
 import kvfn
-from kvfn.interop import to_mlx_cache
+from kvfn.serving.interop import to_mlx_cache
 
 from . import answers
 from .tasks import Question, Sample

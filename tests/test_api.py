@@ -31,6 +31,30 @@ def greedy_tokens(fm, token, states, steps):
     return out, states
 
 
+# The public API as it stood before the library was grouped by role (stop 34): a name moved,
+# renamed or dropped is a break for every user, so it shows here first.
+API = [
+    "AdaKV", "AdaKVzip", "ChunkKV", "CompactedKVCache", "Duo", "EMPTY", "EvictionResult",
+    "ExpectedAttention", "FunctionalModel", "HeadPartitionedEvictionResult",
+    "HeadPartitionedKVCache", "HeadPattern", "HeadSlotsKVCache", "KVzip", "Policy",
+    "PositionPreservingKVCache", "PyramidKV", "QuantizedCompactedKVCache", "QuerySlice",
+    "RaggedKVCache", "RandomRows", "SnapKV", "StreamingLLM", "StreamingRing", "cache", "compact",
+    "compact_prompt_cache", "compact_states", "compact_steps", "distributed", "evict",
+    "evict_prompt_cache", "evict_prompt_cache_by_head", "from_full", "from_mlx_cache", "init",
+    "load_prompt_cache", "mask", "parse_policy", "partitioned", "prefill", "prefix_trim",
+    "query_statistics", "ragged", "reconstruction_scores", "reconstruction_steps",
+    "register_policy", "repeat_prompt", "reserve", "restrict", "ring", "scored_prefill", "slots",
+    "snapkv_keep_indices", "stack", "to_mlx_cache", "tree", "trim", "update", "use_openblas",
+    "window_attention_scores",
+]  # fmt: skip
+
+
+def test_the_public_api_is_the_stored_list():
+    import kvfn
+
+    assert sorted(kvfn.__all__) == API and len(set(kvfn.__all__)) == len(API)
+
+
 def test_import_kvfn_lists_the_api_and_imports_no_models_package():
     r = run_python("""
         import sys, kvfn
@@ -251,3 +275,38 @@ def test_short_reprs():
     _, result = kvfn.compact(fm, list(range(40)), SnapKV(budget=12, window=4), max_new_tokens=1)
     assert repr(result).startswith("EvictionResult(layers=3, rows 117 -> 36, bytes ")
     assert len(repr(result)) < 120
+
+
+def test_the_library_has_no_import_cycle():
+    """No kvfn module imports, at any depth of its relative imports (a function's too), one that
+    imports it back."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "kvfn"
+
+    def name(path: Path) -> str:
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {name(p): p for p in root.rglob("*.py")}
+    graph = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                subs = {f"{target}.{a.name}" for a in node.names} & modules.keys()
+                deps |= subs or ({target} & modules.keys())
+        graph[module] = deps - {module}
+
+    def reaches(start: str, goal: str, seen: set) -> bool:
+        for d in graph[start]:
+            if d == goal or (d not in seen and (seen.add(d) or reaches(d, goal, seen))):
+                return True
+        return False
+
+    cyclic = sorted(m for m in graph if reaches(m, m, set()))
+    assert len(graph) > 20 and not cyclic, cyclic

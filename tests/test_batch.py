@@ -1,4 +1,4 @@
-"""kvfn.batch: compacted caches under mlx-lm's own BatchGenerator (continuous batching)."""
+"""kvfn.serving.batch: compacted caches under mlx-lm's own BatchGenerator (continuous batching)."""
 
 import copy
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator
 
-from kvfn.batch import BatchCompactedKVCache
+from kvfn.serving.interop import BatchCompactedKVCache
 
 STEPS = 10
 
@@ -134,14 +134,14 @@ def kvfn_duo_decode(fm, ids, policy):
 
 
 def head_groups(policy, states):
-    from kvfn.batch import HeadGroupsKVCache
+    from kvfn.serving.batch import HeadGroupsKVCache
 
     return [HeadGroupsKVCache.from_state(s, policy.head_groups(i, len(policy.heads[i])))
             for i, s in enumerate(states)]  # fmt: skip
 
 
 def test_duo_batched_decode_equals_kvfn_decode(smol):
-    from kvfn.batch import HeadGroupsKVCache
+    from kvfn.serving.batch import HeadGroupsKVCache
     from kvfn.wrapper import attending_copy
 
     model, tokenizer, fm = smol
@@ -173,7 +173,7 @@ def test_duo_batched_logits_equal_kvfn(smol, windowed):
     """Logits of two sequences stepped together through the batch cache equal kvfn's decode of
     each; without the window mask (negative control) the streaming heads read rows their ring
     dropped and the logits differ."""
-    from kvfn.batch import BatchHeadGroupsKVCache
+    from kvfn.serving.batch import BatchHeadGroupsKVCache
     from kvfn.wrapper import attending_copy
 
     model, tokenizer, fm = smol
@@ -201,8 +201,8 @@ def test_per_head_batch_caches_leave_no_growing_chain():
     """A token-only batched decode (mlx-lm's BatchGenerator evaluates only tokens) leaves each
     per-head batch cache's group offsets with a bounded graph: only the first group's is read
     (by RoPE), and the others are handles of it."""
-    from kvfn.batch import BatchHeadGroupsKVCache
-    from kvfn.duo import Duo
+    from kvfn.policies.duo import Duo
+    from kvfn.serving.batch import BatchHeadGroupsKVCache
     from kvfn.wrapper import attending_copy
     from tests.test_duo import PATTERN, _pending
     from tests.tiny import tiny_model
@@ -253,7 +253,7 @@ def test_ragged_batched_decode_equals_kvfn_decode(smol):
     """Prompts compacted by AdaKV (and one kept whole) decode through mlx-lm's BatchGenerator
     and one ``BatchRaggedKVCache`` a layer as kvfn decodes each alone; they join and leave the
     batch at different steps (extend, filter), and a layer grows past its room."""
-    from kvfn.batch import BatchRaggedKVCache, RaggedLayerCache
+    from kvfn.serving.batch import BatchRaggedKVCache, RaggedLayerCache
     from kvfn.wrapper import attending_copy
 
     model, tokenizer, fm = smol

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 import kvfn
-from kvfn import FunctionalModel, SnapKV, StreamingLLM
-from kvfn.compact import compact_steps
+from kvfn import FunctionalModel, SnapKV, StreamingLLM, compact_steps
 from tests.tiny import tiny_model
 
 IDS = np.random.default_rng(3).integers(1, 97, 50).tolist()  # 49 context tokens

@@ -145,7 +145,7 @@ def test_head_local_policies():
 def launch_server(flags: list) -> tuple:
     """kvfn-server under mlx.launch (2 ranks) and the port rank 0 prints; killed after TIMEOUT."""
     cmd = [str(LAUNCH), "--backend", "ring", "-n", str(RANKS), sys.executable, "-m",
-           "kvfn.server", *test_server.COMMON, *flags]  # fmt: skip
+           "kvfn.serving.server", *test_server.COMMON, *flags]  # fmt: skip
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip

@@ -10,7 +10,7 @@ import kvfn
 from kvfn import cache as kv
 from kvfn import partitioned as part
 from kvfn import ring as rg
-from kvfn.duo import Duo, HeadPattern
+from kvfn.policies.duo import Duo, HeadPattern
 from tests.tiny import tiny_model
 
 TOL = 1e-4

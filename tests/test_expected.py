@@ -9,7 +9,7 @@ import pytest
 
 import kvfn
 from kvfn import ExpectedAttention, FunctionalModel, QuerySlice, parse_policy, query_statistics
-from kvfn.expected import average_rotation, expected_attention
+from kvfn.policies.expected import average_rotation, expected_attention
 from kvfn_eval import tasks
 from kvfn_eval.evaluator import Evaluator, Method, token_counter
 from tests.tiny import tiny_model

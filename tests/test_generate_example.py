@@ -90,7 +90,7 @@ def test_example_runs_duo_from_a_pattern_folder(tmp_path, capsys):
 
 
 def test_generate_and_the_server_read_the_eviction_flags_alike():
-    from kvfn.server import parse_args as server_args
+    from kvfn.serving.server import parse_args as server_args
 
     flags = ["--kv-eviction", "snapkv", "--kv-budget", "64", "--kv-window", "8",
              "--kv-sink-tokens", "2", "--kv-min-tokens", "100"]  # fmt: skip

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache, save_prompt_cache
 from kvfn import FunctionalModel
 from kvfn import cache as kv
 from kvfn import compact_prompt_cache
-from kvfn.interop import CompactedKVCache, from_mlx_cache, load_prompt_cache, to_mlx_cache
+from kvfn.serving.interop import CompactedKVCache, from_mlx_cache, load_prompt_cache, to_mlx_cache
 
 STEPS = 12
 

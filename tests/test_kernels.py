@@ -453,7 +453,7 @@ def test_plan_fills_the_gpu_and_tiles_heads():
 
 def two_group_operands():
     """A layer of 5 KV heads (3 plain of 24 slots, 2 a full ring of 9), 4 query heads each."""
-    from kvfn.partitioned import _head_map
+    from kvfn.states.partitioned import _head_map
 
     q = mx.zeros((B, 20, 1, 64))
     k0, k1 = mx.zeros((B, 3, 24, 64)), mx.zeros((B, 2, 9, 64))
@@ -490,7 +490,7 @@ def test_two_group_validation(change, message):
 )
 def test_slots_validation(change, message):
     from kvfn.kernels import slots_decode_attention
-    from kvfn.slots import _layout
+    from kvfn.states.slots import _layout
 
     q, _, _, n, _ = two_group_operands()
     k = mx.zeros((B, 3 * 24 + 2 * 9, 64))
@@ -508,7 +508,7 @@ def test_two_groups_in_head_order_match_each_group_alone(monkeypatch, lengths, d
     """The fused two-group kernel (CUDA) equals each group's float64 attention put back in head
     order, in blocks of 4 warps or 8 (``THREADS``)."""
     from kvfn.kernels import two_group_decode_attention, two_group_fused
-    from kvfn.partitioned import _head_map
+    from kvfn.states.partitioned import _head_map
 
     monkeypatch.setattr(kernels, "THREADS", threads)
 

@@ -4,13 +4,13 @@ compaction on SmolLM2, the evaluator, and bad settings."""
 import mlx.core as mx
 import mlx_lm.models.llama as llama
 import mlx_lm.models.qwen2 as qwen2
-from mlx_lm.models.cache import make_prompt_cache
 import numpy as np
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 import kvfn
 from kvfn import KVzip, parse_policy, reconstruction_scores, repeat_prompt
-from kvfn.kvzip import AdaKVzip
+from kvfn.policies.adakvzip import AdaKVzip
 from kvfn_eval import answers, tasks
 from kvfn_eval.evaluator import Evaluator, Method, prompt_tokens, token_counter
 from tests.tiny import tiny_model

@@ -50,6 +50,17 @@ POLICIES = [
     ExpectedAttention(budget=20, window=6, sink_tokens=3, covariance=False, per_head=False),
 ]
 IDS = [repr(p) for p in POLICIES]
+# stored per head, each against the per-head masked oracle: tests/test_ragged.py, test_duo.py
+PER_HEAD = {"adakv", "adakvzip", "duo"}
+
+
+def test_every_policy_of_the_library_runs_through_a_suite():
+    from kvfn.policies.policy import POLICIES as REGISTRY
+
+    library = {n for n, cls in REGISTRY.items() if cls.__module__.startswith("kvfn.policies.")}
+    assert library == {p.name for p in POLICIES if p.name != "everyother"} | PER_HEAD
+    assert all(REGISTRY[n].ragged or REGISTRY[n].head_groups is not kvfn.Policy.head_groups
+               for n in PER_HEAD)  # fmt: skip
 
 
 def scores_for(policy, B=2, H=6, P=50, seed=0):

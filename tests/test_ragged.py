@@ -220,7 +220,9 @@ def test_attention_off_cuda_equals_each_heads_own_rows():
 
 @cuda_only
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
-@pytest.mark.parametrize("dim,heads,group,rows", [(128, 8, 4, 3000), (64, 2, 7, 700), (128, 2, 6, 40)])
+@pytest.mark.parametrize(
+    "dim,heads,group,rows", [(128, 8, 4, 3000), (64, 2, 7, 700), (128, 2, 6, 40)]
+)
 def test_ranges_kernel_equals_each_heads_masked_attention(dtype, dim, heads, group, rows):
     rng = np.random.default_rng(dim + rows)
     B = 2
@@ -256,7 +258,7 @@ def test_ranges_kernel_equals_each_heads_masked_attention(dtype, dim, heads, gro
 def test_a_plan_across_layers_keeps_each_sequences_own_pairs_in_a_batch():
     """adakvzip-global: each sequence keeps, over all layers, its best ``budget x kv_heads x
     layers`` (head, row) pairs; batched, every sequence keeps exactly what it keeps alone."""
-    from kvfn.kvzip import AdaKVzip
+    from kvfn.policies.adakvzip import AdaKVzip
 
     fm = kvfn.FunctionalModel(tiny_model("llama"))
     rng = np.random.default_rng(11)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvfn
-from kvfn import reconstruction_kernel
+from kvfn.kernels import reconstruction as reconstruction_kernel
 from kvfn.scores import reconstruction_attention
 
 CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()

@@ -30,7 +30,7 @@ MODEL = "default_model"
 def start(flags: list[str]):
     """A kvfn-server process and its port (read from the line it prints)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvfn.server", *COMMON, *flags],
+        [sys.executable, "-m", "kvfn.serving.server", *COMMON, *flags],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
@@ -98,7 +98,7 @@ def stock():
     from mlx_lm import server as mlx_server
     from mlx_lm.models.cache import LRUPromptCache
 
-    from kvfn.server import parse_args
+    from kvfn.serving.server import parse_args
 
     saved = mlx_server.load, mlx_server.load_processor
     mlx_server.load = lambda path, **kw: (*kvfn_models.load(), {})
@@ -255,7 +255,7 @@ def test_malformed_json_and_then_serving(evicting):
     ],
 )  # fmt: skip
 def test_bad_startup_flags_exit_with_a_message(flags, message):
-    r = subprocess.run([sys.executable, "-m", "kvfn.server", "--port", "0", *flags], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "kvfn.serving.server", "--port", "0", *flags], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode != 0
     assert message in r.stderr

@@ -13,7 +13,7 @@ from kvfn import kernels
 from kvfn import partitioned as part
 from kvfn import ring as rg
 from kvfn import slots as sl
-from kvfn.duo import Duo
+from kvfn.policies.duo import Duo
 from tests.test_duo import PATTERN, TOL, duo_visibility, greedy_logits, reference_logits
 from tests.tiny import tiny_model
 

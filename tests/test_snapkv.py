@@ -2,9 +2,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvfn import SnapKV
 from kvfn import cache as kv
-from kvfn import SnapKV, snapkv_keep_indices, window_attention_scores
-from kvfn.snapkv import pool1d
+from kvfn import snapkv_keep_indices, window_attention_scores
+from kvfn.policies.snapkv import pool1d
 
 
 def keep(scores, budget, **kw):

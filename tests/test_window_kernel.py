@@ -2,9 +2,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvfn import window_kernel
-from kvfn.cache import EMPTY, State
+from kvfn.kernels import window as window_kernel
 from kvfn.scores import window_attention_max, window_attention_scores
+from kvfn.states.cache import EMPTY, State
 
 CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="the window kernels run on MLX's CUDA backend")

@@ -21,8 +21,8 @@ import mlx.core as mx
 import numpy as np
 from typeguard import typechecked
 
+from .. import kernels
 from . import cache as kv
-from . import kernels
 from . import ring as rg
 from .ring import StreamingRing
 

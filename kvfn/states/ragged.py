@@ -21,8 +21,8 @@ from typing import Optional
 import chex
 import mlx.core as mx
 
+from .. import kernels
 from . import cache as kv
-from . import kernels
 from . import tree
 
 

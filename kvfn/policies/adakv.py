@@ -16,7 +16,7 @@ from typing import ClassVar, Optional
 import mlx.core as mx
 import numpy as np
 
-from . import ragged
+from ..states import ragged
 from .policy import register_policy
 from .snapkv import SnapKV
 
@@ -46,7 +46,9 @@ class AdaKV(SnapKV):
         if not self.per_head:
             raise ValueError("adakv allocates rows among heads: per_head must be True")
         if self.floor > 100:
-            raise ValueError(f"adakv floor is a percent of a head's share, <= 100; got {self.floor}")
+            raise ValueError(
+                f"adakv floor is a percent of a head's share, <= 100; got {self.floor}"
+            )
 
     @property
     def guard(self) -> int:

@@ -20,8 +20,8 @@ from typing import ClassVar, Optional
 
 import mlx.core as mx
 
-from . import cache as kv
-from .distributed import keep_indices as rank_keep_indices
+from ..distributed import keep_indices as rank_keep_indices
+from ..states import cache as kv
 
 POLICIES: dict[str, type] = {}
 
@@ -184,7 +184,7 @@ class Policy:
     def head_groups(self, layer: int, n_kv_heads: int) -> Optional[tuple]:
         """The KV-head groups (tuples of heads) that this policy's compacted layer ``layer``
         may store apart (``HeadPartitionedKVCache``), the same for every prompt, so per-head
-        states of different prompts batch together (``kvfn.batch.HeadGroupsKVCache``); None
+        states of different prompts batch together (``kvfn.serving.batch.HeadGroupsKVCache``); None
         when every layer is one plain state (the base)."""
         return None
 

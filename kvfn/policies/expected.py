@@ -14,8 +14,8 @@ from typing import ClassVar, Optional
 
 import mlx.core as mx
 
+from ..scores import query_statistics
 from .policy import Policy, register_policy
-from .scores import query_statistics
 
 
 def average_rotation(rope, start: int, n: int, dim: int) -> mx.array:

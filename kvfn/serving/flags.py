@@ -5,8 +5,8 @@ import argparse
 import dataclasses
 from typing import Optional
 
-from .duo import HeadPattern
-from .policy import POLICIES, Policy, parse_policy
+from ..policies.duo import HeadPattern
+from ..policies.policy import POLICIES, Policy, parse_policy
 
 
 def positive_int(text: str) -> int:

@@ -26,8 +26,8 @@ import chex
 import mlx.core as mx
 import numpy as np
 
+from .. import kernels
 from . import cache as kv
-from . import kernels
 from . import partitioned as part
 from . import ring as rg
 from . import tree

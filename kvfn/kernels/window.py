@@ -15,90 +15,21 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from .kernels import KERNEL_DTYPES, cuda_kernel, on_cuda
+from . import KERNEL_DTYPES, cuda_kernel, on_cuda, source
 
 # KVFN_SCORE_KERNEL=0 turns the CUDA kernels off (the stock ops run everywhere)
 ENABLED = os.environ.get("KVFN_SCORE_KERNEL", "1") != "0"
 THREADS = 256
 
-HEADER = r"""
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
-// (m, s) with s = sum of exp(x - m) over what it holds, merged with (m2, s2)
-__device__ __forceinline__ void merge_lse(float& m, float& s, float m2, float s2) {
-  const float top = fmaxf(m, m2);
-  if (top == neg_inf()) {
-    return;
-  }
-  s = s * expf(m - top) + s2 * expf(m2 - top);
-  m = top;
-}
-"""
+HEADER = source("window.cuh")
 
 # One block a query row (sequence b, KV head, group member, query q) of logits (C slots):
 # the log-sum-exp over the slots it sees (position <= its own); -inf where it sees none.
-LSE_SOURCE = r"""
-  const int C = dims[0], W = dims[1], G = dims[2], HKV = dims[3];
-  const int row = blockIdx.x;
-  const int bh = row / (G * W);
-  const int b = bh / HKV;
-  const int qp = qpos[b * W + row % W];
-  const T* x = logits + (size_t)row * C;
-  const int* kp = kpos + (size_t)bh * C;
-  float m = neg_inf(), s = 0.f;
-  for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    if (kp[c] <= qp) {
-      m = fmaxf(m, static_cast<float>(x[c]));
-    }
-  }
-  if (m != neg_inf()) {  // the second read of the row comes from cache
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-      if (kp[c] <= qp) {
-        s += expf(static_cast<float>(x[c]) - m);
-      }
-    }
-  }
-  for (int d = 16; d > 0; d /= 2) {
-    const float m2 = __shfl_xor_sync(0xffffffff, m, d);
-    const float s2 = __shfl_xor_sync(0xffffffff, s, d);
-    merge_lse(m, s, m2, s2);
-  }
-  __shared__ float ms[32], ss[32];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  if (lane == 0) {
-    ms[warp] = m;
-    ss[warp] = s;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int i = 1; i < warps; ++i) {
-      merge_lse(m, s, ms[i], ss[i]);
-    }
-    lse[row] = m == neg_inf() ? neg_inf() : m + logf(s);
-  }
-"""
+LSE_SOURCE = source("window_lse.cu")
 
 # One thread a slot c of one (sequence, KV head, group member): its softmax weight summed over
 # the W queries that see it, or (MAX) their largest.
-REDUCE_SOURCE = r"""
-  const int C = dims[0], W = dims[1], G = dims[2], HKV = dims[3];
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  const int r = blockIdx.y;
-  const int b = r / (G * HKV);
-  if (c < C) {
-    const int p = kpos[(size_t)(r / G) * C + c];
-    const T* x = logits + (size_t)r * W * C + c;
-    float acc = 0.f;
-    for (int q = 0; q < W; ++q) {
-      const float l = lse[r * W + q];
-      if (p <= qpos[b * W + q] && l != neg_inf()) {
-        const float e = expf(static_cast<float>(x[(size_t)q * C]) - l);
-        acc = MAX ? fmaxf(acc, e) : acc + e;
-      }
-    }
-    out[(size_t)r * C + c] = acc;
-  }
-"""
+REDUCE_SOURCE = source("window_reduce.cu")
 
 
 OPS = ("sum", "max")

@@ -17,15 +17,12 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional, Sequence
 
 import mlx.core as mx
-import numpy as np
 
-from . import cache as kv
-from . import ragged
-from .adakv import AdaKV
-from .compact import _drain, chunks, with_room
+from ..passes import _drain, chunks, with_room
+from ..states import cache as kv
+from ..wrapper import FunctionalModel, QuerySlice
 from .policy import Policy, register_policy
 from .snapkv import pool1d
-from .wrapper import FunctionalModel, QuerySlice
 
 REPEAT = "\n\nRepeat the previous context exactly."
 RESUME = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -240,104 +237,3 @@ class KVzip(Policy):
         if not self.per_head:
             s = mx.max(s, axis=1, keepdims=True)
         return pool1d(s, self.kernel_size, "max")
-
-
-@register_policy
-@dataclass(frozen=True)
-class AdaKVzip(KVzip, AdaKV):
-    """KVzip's scores, a layer's ``budget x kv_heads`` rows allocated across its KV heads by
-    score (Ada-KV's allocation, ``floor`` included): the paper's non-uniform head budgets,
-    within a layer; ragged rows (``kvfn.RaggedKVCache``), traced as ``AdaKV``'s.
-    ``across_layers`` (``adakvzip-global``): the paper's pair-level selection across layers,
-    planned on the host (``planned`` sets ``layer_budgets``, each layer's rows a head, and
-    ``layer_totals``, the rows each sequence keeps in each layer)."""
-
-    across_layers: bool = False
-    layer_budgets: tuple = ()
-    layer_totals: tuple = ()
-    totals: tuple = ()  # one layer's: the rows each sequence keeps in it (``for_layer``)
-
-    name: ClassVar[str] = "adakvzip"
-    flags: ClassVar[dict] = {"global": {"across_layers": True, "floor": 0}}
-    numbers: ClassVar[dict] = {**KVzip.numbers, "f": "floor"}
-
-    @property
-    def head_local(self) -> bool:
-        return False
-
-    def validate(self) -> None:
-        super().validate()
-        if not isinstance(self.across_layers, bool):
-            raise ValueError(f"adakvzip across_layers must be a bool, got {self.across_layers!r}")
-        if self.across_layers and self.floor:
-            raise ValueError(
-                f"adakvzip-global ranks every layer's pairs together, with no floor: floor must "
-                f"be 0, got {self.floor}"
-            )
-        floor = self.sink_tokens + self.window
-        if not isinstance(self.layer_budgets, tuple) or any(
-            type(b) is not int or b < floor for b in self.layer_budgets
-        ):
-            raise ValueError(
-                f"adakvzip layer_budgets must be a tuple of ints >= {floor}, got "
-                f"{self.layer_budgets!r}"
-            )
-        for name, rows in (("totals", self.totals), *(("layer_totals", t) for t in
-                                                       self.layer_totals)):  # fmt: skip
-            if not isinstance(rows, tuple) or any(type(r) is not int or r < 0 for r in rows):
-                raise ValueError(f"adakvzip {name} must be tuples of ints >= 0, got {rows!r}")
-
-    def planned(self, scores, *, prompt_length, n_kv_heads) -> "AdaKVzip":
-        """``across_layers`` (``adakvzip-global``, the paper's pair level): for each sequence,
-        every layer's (KV head, row) pairs ranked together and the best ``budget`` a head kept
-        over all layers (sinks and window first); a layer keeps its share of them (as many rows
-        a sequence as it has pairs there), stored in ``budget`` rows a head, the most any
-        sequence of the batch needs there."""
-        P = prompt_length
-        if not self.across_layers or self.layer_budgets or self.keeps_whole(P):
-            return self
-        full = [i for i, h in enumerate(n_kv_heads) if h is not None]
-        keep = self.budget * sum(n_kv_heads[i] for i in full)
-        B = scores[full[0]].shape[0]
-        counts = np.zeros((B, len(n_kv_heads)), np.int64)
-        for b in range(B):
-            ranked = [self._forced_scores(scores[i][b : b + 1, :, :P], n_kv_heads[i], i)
-                      for i in full]  # fmt: skip
-            flat = np.concatenate([r.ravel() for r in ranked])
-            threshold = np.partition(flat, flat.size - keep)[flat.size - keep]
-            for i, r in zip(full, ranked):
-                counts[b, i] = int((r >= threshold).sum())
-        floor = self.sink_tokens + self.window
-        budgets = [min(P, max(floor, -(-int(counts[:, i].max()) // h))) if h else floor
-                   for i, h in enumerate(n_kv_heads)]  # fmt: skip
-        totals = tuple(tuple(int(c) for c in counts[:, i]) for i in range(len(n_kv_heads)))
-        return self.replace(layer_budgets=tuple(budgets), layer_totals=totals)
-
-    def _forced_scores(self, scores, n_kv_heads: int, layer: int) -> np.ndarray:
-        s = self.row_scores(scores, prompt_length=scores.shape[-1], n_kv_heads=n_kv_heads,
-                            batch=scores.shape[0], layer=layer)  # fmt: skip
-        s = np.array(mx.broadcast_to(s, (*s.shape[:1], n_kv_heads, s.shape[-1])))[0]
-        pos = np.arange(s.shape[-1])
-        forced = (pos < self.sink_tokens) | (pos >= s.shape[-1] - self.window)
-        return np.where(forced, np.inf, np.nan_to_num(s, nan=-np.inf))
-
-    def for_layer(self, layer: int, n_layers: int) -> "AdaKVzip":
-        if not self.layer_budgets:
-            return self
-        return self.replace(budget=self.layer_budgets[layer], across_layers=False,
-                            layer_budgets=(), layer_totals=(),
-                            totals=self.layer_totals[layer] if self.layer_totals else ())  # fmt: skip
-
-    def compact_layer(self, state, scores, *, prompt_length: int, layer: int, reserve: int,
-                      group=None):  # fmt: skip
-        """With ``totals`` (a layer of a plan across layers), each sequence keeps its own
-        number of rows, ragged, even where the layer's budget reaches the prompt."""
-        if not self.totals:
-            return super().compact_layer(state, scores, prompt_length=prompt_length,
-                                         layer=layer, reserve=reserve, group=group)  # fmt: skip
-        B, H = state.keys.shape[:2]
-        if len(self.totals) != B:
-            raise ValueError(f"a plan for {len(self.totals)} sequences applied to {B}")
-        keep = self.keep_mask(scores, prompt_length=prompt_length, n_kv_heads=H, batch=B,
-                              layer=layer, totals=self.totals)  # fmt: skip
-        return ragged.pack(state, keep, capacity=self.budget * H, room=reserve)

@@ -2,8 +2,8 @@
 
     kvfn-server                                   # embedded SmolLM2, no eviction: mlx_lm.server
     kvfn-server --kv-eviction snapkv --kv-budget 256 --port 0
-    python -m kvfn.server --model path/to/model.gguf --kv-eviction streaming
-    mlx.launch --backend ring -n 2 .venv/bin/python -m kvfn.server --kv-eviction snapkv
+    python -m kvfn.serving.server --model path/to/model.gguf --kv-eviction streaming
+    mlx.launch --backend ring -n 2 .venv/bin/python -m kvfn.serving.server --kv-eviction snapkv
         # tensor parallel (kvfn.distributed.shard): rank 0 serves HTTP, KV bytes are per rank
 
 Endpoints, flags, sampling, chat templates, continuous batching and the prompt cache are
@@ -18,7 +18,7 @@ prefill chunk or a scoring chunk) per decode step of the other sequences, as mlx
 its own prompt processing; its caches (``kvfn.to_mlx_cache``) then go to mlx-lm's batch, which
 decodes from the last prompt token. Shorter prompts are prefilled by mlx-lm as usual, into kvfn
 caches (lossless, rows equal to positions) so that every sequence in a batch has the same batch
-cache class (``kvfn.batch.BatchCompactedKVCache``). Each response's ``usage.kv_eviction`` gives
+cache class (``kvfn.serving.batch.BatchCompactedKVCache``). Each response's ``usage.kv_eviction`` gives
 the rows and bytes kept; ``/health`` and ``/metrics`` give the KV bytes held (a pending
 compaction counts the bytes of its prefill's states) and ``compacting_sequences``.
 
@@ -31,7 +31,7 @@ Prompt-cache reuse rule (eviction on):
   3. Shorter prompts use the prompt cache as mlx-lm does; every entry they find is lossless.
   4. With a per-head policy (``--kv-eviction duo --kv-head-pattern DIR``, or ``adakv``) every
      prompt is prefilled by kvfn and decoded from per-head caches
-     (``kvfn.batch.HeadGroupsKVCache``: each layer's head groups apart, batched by
+     (``kvfn.serving.batch.HeadGroupsKVCache``: each layer's head groups apart, batched by
      ``BatchHeadGroupsKVCache``, attention per group through ``kvfn.wrapper.attending_copy``);
      none of them enters the prompt cache. A request may then name the server's policy or a
      plain one, not a per-head policy of other head groups.
@@ -64,9 +64,9 @@ from mlx_lm.models.cache import (  # noqa: E402
 )
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator  # noqa: E402
 
+from ..compact import compact_steps  # noqa: E402
 from . import flags  # noqa: E402
 from .batch import HeadGroupsKVCache, RaggedLayerCache  # noqa: E402
-from .compact import compact_steps  # noqa: E402
 from .flags import non_negative_int, positive_int  # noqa: E402
 from .interop import CompactedKVCache, QuantizedCompactedKVCache  # noqa: E402
 
@@ -539,8 +539,10 @@ class KVAPIHandler(APIHandler):
         provider = self.response_generator.model_provider
         own = head_groups_of(policy, provider.functional_model())
         ragged = policy is not None and policy.ragged
-        if (own is not None and own != provider.head_groups) or ragged != provider.ragged and (
-            ragged or provider.head_groups is not None
+        if (
+            (own is not None and own != provider.head_groups)
+            or ragged != provider.ragged
+            and (ragged or provider.head_groups is not None)
         ):
             raise ValueError(
                 f"kv_eviction {name!r} keeps per-head rows in its own head groups; this server "

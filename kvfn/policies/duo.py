@@ -18,9 +18,9 @@ from typing import ClassVar, Optional
 import mlx.core as mx
 import numpy as np
 
-from . import cache as kv
-from . import partitioned as part
-from . import ring as rg
+from ..states import cache as kv
+from ..states import partitioned as part
+from ..states import ring as rg
 from .policy import Policy, register_policy
 from .snapkv import SnapKV
 
@@ -158,7 +158,9 @@ class Duo(Policy):
         if self.ratio is not None and not 0 <= self.ratio <= 100:
             raise ValueError(f"duo ratio is a percent of KV heads, <= 100; got {self.ratio}")
         if self.pattern is not None and not isinstance(self.pattern, HeadPattern):
-            raise ValueError(f"duo pattern must be a HeadPattern, got {type(self.pattern).__name__}")
+            raise ValueError(
+                f"duo pattern must be a HeadPattern, got {type(self.pattern).__name__}"
+            )
         if any(type(x) is not bool for r in self.retrieval for x in r):
             raise ValueError("duo retrieval entries must be bools (True: retrieval)")
         if self.compress and self.budget == ALL:
@@ -240,4 +242,3 @@ class Duo(Policy):
             return self._snapkv().compact_layer(sub, mx.take(scores, qh, axis=1), prompt_length=P,
                                                 layer=layer, reserve=reserve)  # fmt: skip
         return kv.reserve(sub.replace(max_rows=P), max(sub.capacity, P + reserve))
-

@@ -1,0 +1,157 @@
+"""Chunked passes of a model over tokens: ``prefill`` and ``scored_prefill`` (which also
+gathers the observation window's statistic inside the pass), each also a generator of its
+chunks for callers that interleave other work (``kvfn.compact_steps``, kvfn-server).
+"""
+
+from typing import Callable, Optional
+
+import mlx.core as mx
+from typeguard import typechecked
+
+from .scores import query_moments
+from .states import cache as kv
+from .states import tree
+from .wrapper import STATISTICS, FunctionalModel, QuerySlice
+
+
+def chunks(n: int, size: int) -> list[tuple[int, int]]:
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _start(fmodel, tokens, states, capacity, dtype) -> tuple:
+    if not isinstance(tokens, mx.array) or tokens.ndim != 2 or tokens.shape[1] < 1:
+        shape = tuple(tokens.shape) if isinstance(tokens, mx.array) else type(tokens).__name__
+        raise ValueError(f"prefill takes tokens of shape (batch, n >= 1), got {shape}")
+    B, n = tokens.shape
+    if states is None:
+        return fmodel.init_states(B, max(capacity or 0, n), dtype)
+    return tuple(with_room(s, n) for s in states)
+
+
+def with_room(state, n: int):
+    """A plain state with room for exactly n more rows (a partitioned one grows in the
+    wrapper, which at least doubles a capacity)."""
+    if not isinstance(state, kv.State):
+        return state
+    r = state.max_rows if state.max_rows is not None else int(state.rows.item())
+    return kv.reserve(state.replace(max_rows=r), max(state.capacity, r + n))
+
+
+def _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic="attention",
+          settle=False):  # fmt: skip
+    """The chunk loop as a generator: it yields ``(done, n)`` after each chunk and returns
+    ``(states, scores)``. ``first()`` makes the first (states, scores) here, so that no caller's
+    frame holds them and the first chunk's writes can reuse their buffers (a held buffer must be
+    copied). Every chunk but the last is evaluated before it yields (that bounds the graph); the
+    last stays lazy unless ``settle``."""
+    states, scores = first()
+    n = tokens.shape[1]
+    parts = chunks(n, prefill_step_size)
+    for j, (start, stop) in enumerate(parts):
+        first_scored = max(n - window, start) if window else stop
+        if first_scored < stop:
+            q = QuerySlice(first_scored - start, stop - start, statistic)
+            step = fmodel.scored_step if compiled else fmodel.scored_forward
+            states, scores = step(tokens[:, start:stop], states, scores, q)[1:]
+        else:
+            step = fmodel.step if compiled else fmodel.forward
+            # the logits are dropped at once: kept, their graph would hold the old buffers and
+            # the next write could not reuse them
+            states = step(tokens[:, start:stop], states)[1]
+        if settle or j + 1 < len(parts):
+            mx.eval(tree.arrays(states), scores)
+        yield stop, n
+    return states, scores
+
+
+def _prefill_steps(fmodel, tokens, *, states, capacity, prefill_step_size, dtype, compiled,
+                   settle=False):  # fmt: skip
+    """``prefill`` as ``_loop``'s generator (its arguments checked now, not when it first runs)."""
+    if prefill_step_size <= 0:
+        raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
+    first = lambda: (_start(fmodel, tokens, states, capacity, dtype), ())  # noqa: E731
+    return _loop(fmodel, tokens, first, 0, prefill_step_size, compiled, settle=settle)
+
+
+def _scored_steps(fmodel, tokens, *, window, states, capacity, prefill_step_size, dtype, compiled,
+                  statistic, settle=False):  # fmt: skip
+    """``scored_prefill`` as ``_loop``'s generator (its arguments checked now)."""
+    if not 1 <= window <= tokens.shape[1]:
+        raise ValueError(f"window must be in [1, {tokens.shape[1]}] (the tokens), got {window}")
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
+    if prefill_step_size <= 0:
+        raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
+
+    def first():
+        made = _start(fmodel, tokens, states, capacity, dtype)
+        B = tokens.shape[0]
+        if statistic == "moments":
+            zeros = (query_moments(B, h, d) for h, d in zip(fmodel.n_heads, fmodel.head_dims))
+        else:
+            zeros = (mx.zeros((B, h, s.capacity), mx.float32) for h, s in zip(fmodel.n_heads, made))
+        return made, tuple(zeros)
+
+    return _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic, settle)
+
+
+def _drain(steps, progress: Optional[Callable[[int, int], None]]):
+    """Run a generator of ``(done, total)`` steps to its end, calling ``progress`` after each;
+    its return value."""
+    while True:
+        try:
+            done = next(steps)
+        except StopIteration as end:
+            return end.value
+        if progress is not None:
+            progress(*done)
+
+
+@typechecked
+def prefill(
+    fmodel: FunctionalModel,
+    tokens: mx.array,
+    *,
+    states: Optional[tuple] = None,
+    capacity: Optional[int] = None,
+    prefill_step_size: int = 512,
+    dtype: Optional[mx.Dtype] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+    compiled: bool = False,
+) -> tuple:
+    """Run ``tokens`` (B, n) through the model in chunks into fresh states (room for
+    ``capacity`` rows, at least n) or after what ``states`` hold. Eager by default, as mlx-lm
+    prefills: a plain (dense) state is written at static slots and attended with the fused
+    causal kernel, no mask array. ``compiled=True`` runs the compiled step instead (a trace per
+    chunk shape; for states that are not dense)."""
+    steps = _prefill_steps(fmodel, tokens, states=states, capacity=capacity,
+                           prefill_step_size=prefill_step_size, dtype=dtype,
+                           compiled=compiled)  # fmt: skip
+    return _drain(steps, progress)[0]
+
+
+@typechecked
+def scored_prefill(
+    fmodel: FunctionalModel,
+    tokens: mx.array,
+    *,
+    window: int,
+    states: Optional[tuple] = None,
+    capacity: Optional[int] = None,
+    prefill_step_size: int = 512,
+    dtype: Optional[mx.Dtype] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+    compiled: bool = False,
+    statistic: str = "attention",
+) -> tuple[tuple, tuple]:
+    """``prefill`` that also sums the attention of the last ``window`` tokens' queries over
+    every key into per-key scores, chunk by chunk (the window may span chunks), in the same
+    pass: ``(states, scores)``, one (B, n_heads, capacity) float32 array a layer (zeros for
+    sliding-window layers, which are never evicted). O(window x prompt) per layer, never a
+    prompt-sized matrix. This is the seed's ``SnapKVAttentionCapture``. With
+    ``statistic="moments"`` the scores are instead the running moments of those queries before
+    RoPE (``kvfn.scores.query_moments``: mean and covariance per query head)."""
+    steps = _scored_steps(fmodel, tokens, window=window, states=states, capacity=capacity,
+                          prefill_step_size=prefill_step_size, dtype=dtype, compiled=compiled,
+                          statistic=statistic)  # fmt: skip
+    return _drain(steps, progress)
