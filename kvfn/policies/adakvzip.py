@@ -104,7 +104,7 @@ class AdaKVzip(KVzip, AdaKV):
                       group=None):  # fmt: skip
         """With ``totals`` (a layer of a plan across layers), each sequence keeps its own
         number of rows, ragged, even where the layer's budget reaches the prompt."""
-        if not self.totals:
+        if not self.totals or (group is not None and group.size() > 1):  # AdaKV's refusal
             return super().compact_layer(state, scores, prompt_length=prompt_length,
                                          layer=layer, reserve=reserve, group=group)  # fmt: skip
         B, H = state.keys.shape[:2]
