@@ -217,6 +217,11 @@ RAGGED_RATIOS = {
 }
 
 
+def timed(r: dict, loop: str) -> str:
+    """A loop's cell: ms a step sync / pipelined, and the host's ms building one in brackets."""
+    return f"{r[loop]:.2f} / {r[loop + '_piped']:.2f} [{r[loop + '_host']:.2f}]"
+
+
 def print_ragged(r: dict) -> None:
     print(
         f"L={r['L']:6d} adakv budget={r['budget']} | KV {r['kv_fraction']:.3f}x | step ms: "
@@ -242,8 +247,7 @@ def print_ragged_table(rows: list) -> None:
             f"| {r['L']} | {r['budget']} | {r['kv_fraction']:.3f}x "
             f"| {r['mlx_lm_full']:.2f} / {r['mlx_lm_full_piped']:.2f} "
             f"| {r['kvfn_full']:.2f} / {r['kvfn_full_piped']:.2f} "
-            f"| {r['ragged']:.2f} / {r['ragged_piped']:.2f} [{r['ragged_host']:.2f}] "
-            f"| {r['plain']:.2f} / {r['plain_piped']:.2f} [{r['plain_host']:.2f}] "
+            f"| {timed(r, 'ragged')} | {timed(r, 'plain')} "
             + "".join(f"| {cell(r, name)} " for name in RAGGED_RATIOS)
             + "|",
             flush=True,
@@ -298,10 +302,8 @@ def print_table(rows: list) -> None:
         print(
             f"| {r['L']} | {r['ratio']:.2f} | {r['duo_mb'] / r['full_mb']:.2f}x "
             f"| {r['mlx_lm_full']:.2f} / {r['mlx_lm_full_piped']:.2f} "
-            f"| {r['kvfn_full']:.2f} / {r['kvfn_full_piped']:.2f} [{r['kvfn_full_host']:.2f}] "
-            f"| {r['union_mask']:.2f} "
-            f"| {r['duo']:.2f} / {r['duo_piped']:.2f} [{r['duo_host']:.2f}] "
-            f"| {r['slots']:.2f} / {r['slots_piped']:.2f} [{r['slots_host']:.2f}] "
+            f"| {timed(r, 'kvfn_full')} | {r['union_mask']:.2f} | {timed(r, 'duo')} "
+            f"| {timed(r, 'slots')} "
             + "".join(f"| {cell(r, name)} " for name in TABLE_RATIOS)
             + "|",
             flush=True,

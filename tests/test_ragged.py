@@ -116,17 +116,27 @@ def test_a_batch_compacts_row_for_row_as_each_prompt_alone():
     assert result.total_rows_after == 18 * len(together)
 
 
-def test_compaction_is_one_trace_for_a_batch_and_reads_no_host_value():
+def test_a_batchs_compaction_reads_no_host_value(monkeypatch):
+    """Ada-KV's allocation, the ragged gather and the eviction result of a batch are computed
+    without reading an array on the host (no sync between the prefill and the first decode),
+    and a second compaction of the same shapes gives the same rows."""
     fm = kvfn.FunctionalModel(tiny_model("llama"))
     prompts = mx.array(np.random.default_rng(4).integers(0, 97, (2, 50)))
-    context = prompts[:, :-1]
     policy = kvfn.AdaKV(budget=16, window=4, sink_tokens=2)
-    states, scores = kvfn.scored_prefill(fm, context, window=4)
-    new, _ = kvfn.compact_states(states, scores, policy, reserve=2)
+    states, scores = kvfn.scored_prefill(fm, prompts[:, :-1], window=4)
+    mx.eval(kvfn.tree.arrays(states), scores)
+
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("host sync inside compact_states")
+
+    with monkeypatch.context() as patched:
+        for name in ("item", "tolist", "__int__", "__bool__", "__float__", "__index__"):
+            patched.setattr(mx.array, name, forbidden)
+        new, result = kvfn.compact_states(states, scores, policy, reserve=2)
     again, _ = kvfn.compact_states(states, scores, policy, reserve=2)
     for a, b in zip(new, again):
         assert mx.array_equal(a.keys, b.keys) and mx.array_equal(a.lengths, b.lengths)
-    assert policy.traceable
+    assert result.rows_after == (16,) * len(new) and policy.traceable
 
 
 def test_a_chunk_and_growth_past_the_room_stay_exact():

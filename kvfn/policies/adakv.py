@@ -36,6 +36,9 @@ class AdaKV(SnapKV):
     """SnapKV's scores, allocated across a layer's heads: ``adakv``, ``adakv-f20`` (floor)."""
 
     floor: int = 20
+    # the rows each sequence keeps in this layer, where a plan across layers set them
+    # (``AdaKVzip.for_layer``); empty: ``budget x n_kv_heads`` every sequence
+    totals: tuple = ()
 
     name: ClassVar[str] = "adakv"
     numbers: ClassVar[dict] = {**SnapKV.numbers, "f": "floor"}
@@ -48,6 +51,12 @@ class AdaKV(SnapKV):
         if self.floor > 100:
             raise ValueError(
                 f"adakv floor is a percent of a head's share, <= 100; got {self.floor}"
+            )
+        if not isinstance(self.totals, tuple) or any(
+            type(r) is not int or r < 0 for r in self.totals
+        ):
+            raise ValueError(
+                f"{self.name} totals must be a tuple of ints >= 0, got {self.totals!r}"
             )
 
     @property
@@ -100,9 +109,14 @@ class AdaKV(SnapKV):
                              "model is not supported yet")  # fmt: skip
         P = prompt_length
         B, H = state.keys.shape[:2]
-        if self.keeps_whole(P):
+        totals = self.totals or None  # with them each sequence keeps its own count, ragged,
+        if totals is None and self.keeps_whole(P):  # even where the budget reaches the prompt
             return super().compact_layer(state, scores, prompt_length=P, layer=layer,
                                          reserve=reserve)  # fmt: skip
-        keep = self.keep_mask(scores, prompt_length=P, n_kv_heads=H, batch=B, layer=layer)
+        if totals is not None and len(totals) != B:
+            raise ValueError(f"a plan for {len(totals)} sequences applied to {B}")
+        keep = self.keep_mask(scores, prompt_length=P, n_kv_heads=H, batch=B, layer=layer,
+                              totals=totals)  # fmt: skip
         total = self.budget * H
-        return ragged.pack(state, keep, capacity=total, room=reserve, kept=total)
+        return ragged.pack(state, keep, capacity=total, room=reserve,
+                           kept=total if totals is None else None)  # fmt: skip

@@ -5,10 +5,8 @@ KVzip paper ranks them by default, every layer's (KV head, row) pairs together
 from dataclasses import dataclass
 from typing import ClassVar
 
-import mlx.core as mx
 import numpy as np
 
-from ..states import ragged
 from .adakv import AdaKV
 from .kvzip import KVzip
 from .policy import register_policy
@@ -27,7 +25,6 @@ class AdaKVzip(KVzip, AdaKV):
     across_layers: bool = False
     layer_budgets: tuple = ()
     layer_totals: tuple = ()
-    totals: tuple = ()  # one layer's: the rows each sequence keeps in it (``for_layer``)
 
     name: ClassVar[str] = "adakvzip"
     flags: ClassVar[dict] = {"global": {"across_layers": True, "floor": 0}}
@@ -54,10 +51,9 @@ class AdaKVzip(KVzip, AdaKV):
                 f"adakvzip layer_budgets must be a tuple of ints >= {floor}, got "
                 f"{self.layer_budgets!r}"
             )
-        for name, rows in (("totals", self.totals), *(("layer_totals", t) for t in
-                                                       self.layer_totals)):  # fmt: skip
+        for rows in self.layer_totals:
             if not isinstance(rows, tuple) or any(type(r) is not int or r < 0 for r in rows):
-                raise ValueError(f"adakvzip {name} must be tuples of ints >= 0, got {rows!r}")
+                raise ValueError(f"adakvzip layer_totals must be tuples of ints >= 0, got {rows!r}")
 
     def planned(self, scores, *, prompt_length, n_kv_heads) -> "AdaKVzip":
         """``across_layers`` (``adakvzip-global``, the paper's pair level): for each sequence,
@@ -73,7 +69,9 @@ class AdaKVzip(KVzip, AdaKV):
         B = scores[full[0]].shape[0]
         counts = np.zeros((B, len(n_kv_heads)), np.int64)
         for b in range(B):
-            ranked = [self._forced_scores(scores[i][b : b + 1, :, :P], n_kv_heads[i], i)
+            # the priorities the traced allocation ranks (floor 0: sinks and window forced)
+            ranked = [np.array(self._priority(scores[i][b : b + 1, :, :P], prompt_length=P,
+                                              n_kv_heads=n_kv_heads[i], batch=1, layer=i))
                       for i in full]  # fmt: skip
             flat = np.concatenate([r.ravel() for r in ranked])
             threshold = np.partition(flat, flat.size - keep)[flat.size - keep]
@@ -85,31 +83,9 @@ class AdaKVzip(KVzip, AdaKV):
         totals = tuple(tuple(int(c) for c in counts[:, i]) for i in range(len(n_kv_heads)))
         return self.replace(layer_budgets=tuple(budgets), layer_totals=totals)
 
-    def _forced_scores(self, scores, n_kv_heads: int, layer: int) -> np.ndarray:
-        s = self.row_scores(scores, prompt_length=scores.shape[-1], n_kv_heads=n_kv_heads,
-                            batch=scores.shape[0], layer=layer)  # fmt: skip
-        s = np.array(mx.broadcast_to(s, (*s.shape[:1], n_kv_heads, s.shape[-1])))[0]
-        pos = np.arange(s.shape[-1])
-        forced = (pos < self.sink_tokens) | (pos >= s.shape[-1] - self.window)
-        return np.where(forced, np.inf, np.nan_to_num(s, nan=-np.inf))
-
     def for_layer(self, layer: int, n_layers: int) -> "AdaKVzip":
         if not self.layer_budgets:
             return self
         return self.replace(budget=self.layer_budgets[layer], across_layers=False,
                             layer_budgets=(), layer_totals=(),
                             totals=self.layer_totals[layer] if self.layer_totals else ())  # fmt: skip
-
-    def compact_layer(self, state, scores, *, prompt_length: int, layer: int, reserve: int,
-                      group=None):  # fmt: skip
-        """With ``totals`` (a layer of a plan across layers), each sequence keeps its own
-        number of rows, ragged, even where the layer's budget reaches the prompt."""
-        if not self.totals or (group is not None and group.size() > 1):  # AdaKV's refusal
-            return super().compact_layer(state, scores, prompt_length=prompt_length,
-                                         layer=layer, reserve=reserve, group=group)  # fmt: skip
-        B, H = state.keys.shape[:2]
-        if len(self.totals) != B:
-            raise ValueError(f"a plan for {len(self.totals)} sequences applied to {B}")
-        keep = self.keep_mask(scores, prompt_length=prompt_length, n_kv_heads=H, batch=B,
-                              layer=layer, totals=self.totals)  # fmt: skip
-        return ragged.pack(state, keep, capacity=self.budget * H, room=reserve)

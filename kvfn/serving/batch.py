@@ -11,6 +11,7 @@ from ..states import cache as kv
 from ..states import partitioned as part
 from ..states import ragged
 from ..states.ring import StreamingRing
+from ..wrapper import grown
 from .interop import BatchCompactedKVCache, CompactedKVCache, to_mlx_cache
 
 
@@ -341,10 +342,7 @@ class BatchRaggedKVCache:
         return None  # ``attend`` masks each head to its own rows
 
     def update_and_fetch(self, keys, values):
-        n = keys.shape[2]
-        if self.ragged.room is None or self.ragged.room < n:
-            self.ragged = ragged.reserve(self.ragged, max(2 * n, 256))
-        self.ragged = ragged.update(self.ragged, keys, values)
+        self.ragged = ragged.update(grown(self.ragged, keys.shape[2]), keys, values)
         return keys, values  # the new rows only: ``attend`` reads the state
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):

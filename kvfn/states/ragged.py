@@ -174,12 +174,13 @@ def append(state: RaggedKVCache, keys, values, n: Optional[int] = None) -> Ragge
     slot = state.starts + state.lengths  # (B, H)
     if n > 1:
         slot = (slot[..., None] + mx.arange(n, dtype=mx.int32)).reshape(B, H * n)
+    index = {}  # as wide as the rows, so no scatter broadcasts its index (one for K and V alike)
 
     def write(buffer, rows):
         d = buffer.shape[2]
-        # as wide as the rows, so the scatter does not broadcast its index
-        index = slot[..., None] + mx.zeros((1, 1, d), mx.int32)
-        return mx.put_along_axis(buffer, index, rows.reshape(B, H * n, d).astype(buffer.dtype),
+        if d not in index:
+            index[d] = slot[..., None] + mx.zeros((1, 1, d), mx.int32)
+        return mx.put_along_axis(buffer, index[d], rows.reshape(B, H * n, d).astype(buffer.dtype),
                                  axis=1)  # fmt: skip
 
     return state.replace(
@@ -192,16 +193,19 @@ def append(state: RaggedKVCache, keys, values, n: Optional[int] = None) -> Ragge
     )
 
 
+def _own(state: RaggedKVCache) -> mx.array:
+    """(B, n_kv_heads, S): which slots hold each KV head's rows."""
+    slot = mx.arange(state.slots, dtype=mx.int32)[None, None]
+    ends = state.starts + state.lengths
+    return (slot >= state.starts[..., None]) & (slot < ends[..., None])
+
+
 def mask(state: RaggedKVCache, n_queries: int) -> mx.array:
     """(B, n_kv_heads, n_queries, S): for the last ``n_queries`` tokens (true positions
     ``offset - n_queries`` ...), each KV head's own rows at or before the query's position."""
-    B, H = state.starts.shape
-    slot = mx.arange(state.slots, dtype=mx.int32)[None, None]
-    ends = state.starts + state.lengths
-    mine = (slot >= state.starts[..., None]) & (slot < ends[..., None])  # (B, H, S)
     q = state.offset[:, None] - n_queries + mx.arange(n_queries, dtype=mx.int32)[None]
     seen = state.positions[:, None, :] <= q[:, :, None]  # (B, n, S)
-    return mine[:, :, None, :] & seen[:, None]
+    return _own(state)[:, :, None, :] & seen[:, None]
 
 
 def attend(state: RaggedKVCache, queries: mx.array, scale: float) -> mx.array:
@@ -229,11 +233,8 @@ def prefix_trim(state: RaggedKVCache, length) -> RaggedKVCache:
     """Keep exactly the rows whose true position is below ``length`` (an int or a (B,) array):
     each head's rows are in position order, so what stays is a prefix of each range."""
     length = mx.broadcast_to(mx.array(length, mx.int32), state.offset.shape)
-    slot = mx.arange(state.slots, dtype=mx.int32)[None, None]
-    ends = state.starts + state.lengths
-    mine = (slot >= state.starts[..., None]) & (slot < ends[..., None])
     below = state.positions[:, None, :] < length[:, None, None]
-    lengths = mx.sum(mine & below, axis=-1).astype(mx.int32)
+    lengths = mx.sum(_own(state) & below, axis=-1).astype(mx.int32)
     offset = mx.minimum(state.offset, length)
     return state.replace(
         positions=_free_positions(state.positions, state.starts, lengths, offset),
@@ -275,11 +276,6 @@ def reserve(state: RaggedKVCache, room: int) -> RaggedKVCache:
         starts=starts,
         room=room,
     )
-
-
-def row_counts(state: RaggedKVCache) -> mx.array:
-    """(B, n_kv_heads) rows each KV head holds."""
-    return state.lengths
 
 
 def head_rows(state: RaggedKVCache, b: int, h: int) -> tuple[mx.array, mx.array, mx.array]:
