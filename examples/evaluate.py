@@ -13,6 +13,7 @@ difference from snapkv and from streaming at the same budget (kvfn_eval.report).
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,10 +37,13 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--tasks", nargs="+", default=list(tasks.TASKS), metavar="TASK",
                    help=f"from: {', '.join(tasks.TASKS)}")  # fmt: skip
     p.add_argument("--lengths", type=int, nargs="+", default=[1024], help="prompt tokens")
-    p.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512], help="KV rows")
+    p.add_argument("--budgets", type=float, nargs="+", default=[128, 256, 512],
+                   help="KV rows, or below 1 a fraction of each prompt's rows (0.25)")  # fmt: skip
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--samples", type=int, default=2, help="samples per task and length")
+    p.add_argument("--first-sample", type=int, default=0,
+                   help="the index of the first sample (more samples of an earlier run)")  # fmt: skip
     p.add_argument("--questions", type=int, default=4, help="questions per multi-key sample")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=int, default=32, help="SnapKV observation window")
@@ -52,6 +56,13 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="eval", help="output path prefix (default: ./eval)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="run nothing: tables and plots from the records of earlier runs")  # fmt: skip
+    p.add_argument("--batch", type=int, default=32,
+                   help="decode up to this many methods' compacted states at once")  # fmt: skip
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes sharing the device, each a share of the samples")  # fmt: skip
+    p.add_argument("--shard", help=argparse.SUPPRESS)  # K/N: a worker's share
+    p.add_argument("--deadline", type=float,
+                   help="seconds after which no new sample is started (the rest are left out)")  # fmt: skip
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     for t in args.tasks:
@@ -63,10 +74,18 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"argument --methods: {e}")
     if min(args.lengths) < 128:
         p.error(f"argument --lengths: must be >= 128 tokens, got {min(args.lengths)}")
-    if min(args.budgets) < args.window + args.sink_tokens:
+    for b in args.budgets:
+        if b <= 0 or (b >= 1 and b != int(b)):
+            p.error(f"argument --budgets: a budget is a fraction in (0, 1) or a whole number "
+                    f"of rows, got {b:g}")  # fmt: skip
+    args.budgets = [int(b) if b >= 1 else b for b in args.budgets]
+    rows = [b for b in args.budgets if b >= 1]
+    if rows and min(rows) < args.window + args.sink_tokens:
         p.error(f"argument --budgets: must be >= window + sink tokens = "
-                f"{args.window + args.sink_tokens}, got {min(args.budgets)}")  # fmt: skip
-    for name in ("samples", "questions"):
+                f"{args.window + args.sink_tokens}, got {min(rows)}")  # fmt: skip
+    if args.first_sample < 0:
+        p.error(f"argument --first-sample: must be >= 0, got {args.first_sample}")
+    for name in ("samples", "questions", "batch", "workers"):
         if getattr(args, name) < 1:
             p.error(f"argument --{name}: must be >= 1, got {getattr(args, name)}")
     return args
@@ -79,9 +98,9 @@ LEGEND = (
 )
 
 
-def save(path: Path, config: dict, records: list) -> dict:
+def save(path: Path, config: dict, records: list, errors: list = ()) -> dict:
     result = dict(config=config, records=records, summary=report.summarize(records),
-                  differences=report.differences(records))  # fmt: skip
+                  differences=report.differences(records), errors=list(errors))  # fmt: skip
     path.write_text(json.dumps(result, indent=1))
     return result
 
@@ -92,32 +111,81 @@ def config_of(args) -> dict:
     return config
 
 
+def jobs(args) -> list[tuple]:
+    """(sample index, length, task) in the order run: every length and task has its i-th
+    sample before any has its (i+1)-th, so a deadline leaves the cells evenly sampled. A
+    worker of ``--shard K/N`` takes every N-th job from the K-th."""
+    first = args.first_sample
+    order = [(i, n, t) for i in range(first, first + args.samples) for n in args.lengths
+             for t in args.tasks]  # fmt: skip
+    if args.shard:
+        k, n = (int(x) for x in args.shard.split("/"))
+        order = order[k::n]
+    return order
+
+
 def run(args) -> dict:
+    if args.shard:  # workers share the device: none keeps freed buffers for itself
+        mx.set_cache_limit(2 << 30)
     model, tokenizer = kvfn_models.load(args.model)
     if args.dtype:
         model.set_dtype(getattr(mx, args.dtype))
     pattern = kvfn.HeadPattern.load(args.head_pattern) if args.head_pattern else None
     ev = Evaluator(model, tokenizer, window=args.window, sink_tokens=args.sink_tokens,
                    prefill_step_size=args.prefill_step_size, seed=args.seed,
-                   head_pattern=pattern)  # fmt: skip
+                   head_pattern=pattern, batch=args.batch)  # fmt: skip
     count = token_counter(tokenizer)
-    records, t0 = [], time.perf_counter()
-    for length in args.lengths:
-        for task in args.tasks:
-            for i in range(args.samples):
-                sample = tasks.generate(task, seed=args.seed * 10_000 + i, target_tokens=length,
-                                        count_tokens=count, n_questions=args.questions)  # fmt: skip
-                out = ev.run(sample, args.methods, args.budgets, args.modes)
-                records += out
-                save(Path(f"{args.out}.json"), config_of(args), records)  # partial results
-                if not args.quiet:
-                    done = {m.name: [] for m in args.methods}
-                    for r in out:
-                        done[r["method"]].append(r["score"])
-                    line = " ".join(f"{k}={100 * sum(v) / len(v):.0f}" for k, v in done.items())
-                    print(f"[{time.perf_counter() - t0:7.1f}s] {length} {task} #{i}: {line}",
-                          flush=True)  # fmt: skip
-    return save(Path(f"{args.out}.json"), config_of(args), records)
+    records, errors, t0 = [], [], time.perf_counter()
+    path, config = Path(f"{args.out}.json"), config_of(args)
+    for i, length, task in jobs(args):
+        if args.deadline is not None and time.perf_counter() - t0 > args.deadline:
+            print(f"deadline: stopped before {length} {task} #{i}", flush=True)
+            break
+        sample = tasks.generate(task, seed=args.seed * 10_000 + i, target_tokens=length,
+                                count_tokens=count, n_questions=args.questions)  # fmt: skip
+        try:
+            out = ev.run(sample, args.methods, args.budgets, args.modes)
+        except Exception as e:  # a worker goes on; the error travels with the records
+            if not args.shard:
+                raise
+            errors.append(dict(task=task, length=length, sample=i, error=repr(e)))
+            print(f"error at {length} {task} #{i}: {e!r}", flush=True)
+            continue
+        records += out
+        tmp = path.with_name(path.name + ".tmp")  # a worker killed mid-write leaves the last
+        tmp.write_text(json.dumps(dict(config=config, records=records, errors=errors)))
+        tmp.replace(path)
+        if not args.quiet:
+            done = {m.name: [] for m in args.methods}
+            for r in out:
+                done[r["method"]].append(r["score"])
+            line = " ".join(f"{k}={100 * sum(v) / len(v):.0f}" for k, v in done.items())
+            print(f"[{time.perf_counter() - t0:7.1f}s{' ' + args.shard if args.shard else ''}] "
+                  f"{length} {task} #{i}: {line}", flush=True)  # fmt: skip
+    if args.shard:
+        return dict(config=config, records=records, errors=errors)
+    return save(path, config, records, errors)
+
+
+def run_workers(args, argv: list) -> dict:
+    """``--workers N`` processes, each a shard of the jobs, their records merged."""
+    procs = []
+    for k in range(args.workers):
+        cmd = [sys.executable, __file__, *argv, "--workers", "1", "--shard",
+               f"{k}/{args.workers}", "--out", f"{args.out}.part{k}"]  # fmt: skip
+        procs.append(subprocess.Popen(cmd))
+    codes = [p.wait() for p in procs]
+    records, errors = [], []
+    for k, code in enumerate(codes):
+        part = Path(f"{args.out}.part{k}.json")
+        if code != 0:
+            errors.append(dict(worker=k, exit_code=code))
+        if part.is_file():
+            got = json.loads(part.read_text())
+            records += got["records"]
+            errors += got["errors"]
+            part.unlink()
+    return save(Path(f"{args.out}.json"), config_of(args), records, errors)
 
 
 def merge(args) -> dict:
@@ -128,17 +196,26 @@ def merge(args) -> dict:
         except (OSError, ValueError) as e:
             raise SystemExit(f"error: --merge {path!r}: {e}")
     records = [r for run_ in runs for r in run_["records"]]
+    errors = [e for run_ in runs for e in run_.get("errors", [])]
     args.tasks = sorted({r["task"] for r in records}, key=list(tasks.TASKS).index)
     return save(Path(f"{args.out}.json"), dict(merged=args.merge, configs=[r["config"] for r in runs]),
-                records)  # fmt: skip
+                records, errors)  # fmt: skip
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        result = merge(args) if args.merge else run(args)
+        if args.merge:
+            result = merge(args)
+        elif args.workers > 1:
+            result = run_workers(args, argv)
+        else:
+            result = run(args)
+        if args.shard:
+            return result
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
     tables = [report.markdown(result["summary"])]

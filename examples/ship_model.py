@@ -37,7 +37,7 @@ except ImportError:  # a bare checkout (the GPU machine): the package is the fol
     spec.loader.exec_module(kvfn_models)
 
 import mlx.core as mx  # noqa: E402
-from kvfn_models import ship  # noqa: E402
+from kvfn_models import parts, ship  # noqa: E402
 
 DTYPES = ("bfloat16", "float16", "float32")
 CHECK_QUESTION = "What is the capital of France?"
@@ -51,6 +51,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--bits", type=int, choices=ship.REQUANTIZE_BITS,
                    help="MLX-quantize linear and embedding layers (group size 64)")  # fmt: skip
+    p.add_argument("--as-is", action="store_true",
+                   help="ship the model's GGUF file unchanged (the published weights, no "
+                   "conversion); there, --model FOLDER/FILE.gguf")  # fmt: skip
     p.add_argument("--limit-mib", type=float, default=ship.DEFAULT_LIMIT / 2**20,
                    help="a chunk's size limit (default 56: a device call carries 64 MiB)")  # fmt: skip
     p.add_argument("--out", help="chunks go to OUT/c001, ... (default: .ship/NAME); with --join "
@@ -62,6 +65,8 @@ def parse(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.join and (args.model or not args.out):
         p.error("--join STAGE takes --out FOLDER and no model")
+    if args.as_is and args.bits:
+        p.error("--as-is ships the GGUF unchanged: it takes no --bits")
     if args.limit_mib <= 0:
         p.error(f"argument --limit-mib: must be > 0, got {args.limit_mib}")
     return args
@@ -71,6 +76,8 @@ def default_name(args) -> str:
     """The model's name (a file's stem), with its dtype or bits: qwen2.5-coder-0.5b-4bit."""
     path = Path(args.model or "smollm2-135m")
     stem = path.stem if path.suffix == ".gguf" else path.name
+    if args.as_is:
+        return f"{stem}-gguf"
     return f"{stem}-{args.bits}bit" if args.bits else f"{stem}-{args.dtype}"
 
 
@@ -109,6 +116,21 @@ def print_calls(dirs: list, name: str) -> None:
           f'--model $HOME/models/{name} ...")')  # fmt: skip
 
 
+def gguf_folder(model: str | None, folder: Path) -> Path:
+    """A folder holding (a link to) the model's GGUF file as it is."""
+    path = kvfn_models.embedded_model_path() if model is None else Path(model)
+    if not path.exists() and parts.split_model(model):
+        path = parts.assemble(parts.split_model(model))
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ValueError(f"--as-is ships a GGUF file; {model!r} is not one")
+    folder.mkdir(parents=True)
+    try:
+        (folder / path.name).hardlink_to(path)
+    except OSError:
+        shutil.copyfile(path, folder / path.name)
+    return folder
+
+
 def make_chunks(args) -> None:
     name = default_name(args)
     out = Path(args.out or ROOT / ".ship" / name)
@@ -116,10 +138,13 @@ def make_chunks(args) -> None:
         raise SystemExit(f"error: {out} is not empty")
     ignore_in_git(out)
     t0 = time.perf_counter()
-    model, tokenizer = kvfn_models.load(args.model)
-    converted = ship.convert(model, dtype=getattr(mx, args.dtype), bits=args.bits)
-    del model
-    folder = ship.save(converted, tokenizer, out / "model")
+    if args.as_is:
+        folder = gguf_folder(args.model, out / "model")
+    else:
+        model, tokenizer = kvfn_models.load(args.model)
+        converted = ship.convert(model, dtype=getattr(mx, args.dtype), bits=args.bits)
+        del model
+        folder = ship.save(converted, tokenizer, out / "model")
     dirs = ship.chunk(folder, out, limit=int(args.limit_mib * 2**20))
     total = sum(f.stat().st_size for f in folder.iterdir())
     if not args.keep_folder:
@@ -138,7 +163,8 @@ def join(args) -> None:
         return
     from mlx_lm import generate
 
-    model, tokenizer = kvfn_models.load(folder)
+    ggufs = sorted(folder.glob("*.gguf"))  # shipped --as-is
+    model, tokenizer = kvfn_models.load(ggufs[0] if len(ggufs) == 1 else folder)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": CHECK_QUESTION}],
                                            add_generation_prompt=True)  # fmt: skip
     print(f"{CHECK_QUESTION} {generate(model, tokenizer, prompt, max_tokens=12)!r} "

@@ -16,7 +16,7 @@ attention, and the full cache is exactly mlx-lm's computation.
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -192,17 +192,30 @@ def needle_fraction(states: Sequence, tokens) -> float:
     return float(np.mean(fractions))
 
 
-def kvfn_greedy(fm, prompt: list[int], states, max_tokens: int, eos: set) -> list[int]:
-    """Greedy answer decoded by kvfn itself (eager steps), for states mlx-lm cannot hold."""
-    logits, states = fm.forward(mx.array([prompt]), states)
-    out = []
+def kvfn_greedy(fm, prompt: list[int], states, max_tokens: int, eos: set,
+                batch: int = 1) -> list[list[int]]:  # fmt: skip
+    """Greedy answers decoded by kvfn itself (eager steps), one a sequence of the ``batch``
+    that ``states`` hold (for states mlx-lm cannot hold, and for many methods' states at once);
+    every sequence is given the same ``prompt``."""
+    logits, states = fm.forward(mx.array([prompt] * batch), states)
+    out: list[list[int]] = [[] for _ in range(batch)]
+    live = [True] * batch
     for _ in range(max_tokens):
-        token = int(mx.argmax(logits[0, -1]).item())
-        if token in eos:
+        tokens = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
+        for b, token in enumerate(tokens.tolist()):
+            if live[b] and token in eos:
+                live[b] = False
+            elif live[b]:
+                out[b].append(token)
+        if not any(live):
             break
-        out.append(token)
-        logits, states = fm.forward(mx.array([[token]]), states)
+        logits, states = fm.forward(tokens[:, None], states)
     return out
+
+
+def stackable(states: Sequence) -> bool:
+    """Whether ``kvfn.stack`` batches these layer states (plain ones, not quantized)."""
+    return all(type(s) is kvfn.PositionPreservingKVCache for s in states)
 
 
 def kv_bytes(caches: Sequence, with_positions: bool) -> int:
@@ -217,8 +230,11 @@ class Evaluator:
 
     def __init__(self, model, tokenizer, *, window: int = 32, sink_tokens: int = 4,
                  prefill_step_size: int = 512, dtype: Optional[mx.Dtype] = None, seed: int = 0,
-                 compiled: bool = False, head_pattern: Optional[kvfn.HeadPattern] = None):  # fmt: skip
-        self.model, self.tokenizer = model, tokenizer
+                 compiled: bool = False, head_pattern: Optional[kvfn.HeadPattern] = None,
+                 batch: int = 32):  # fmt: skip
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        self.model, self.tokenizer, self.batch = model, tokenizer, batch
         self.head_pattern = head_pattern
         self.fm = kvfn.FunctionalModel(model)
         self.window, self.sink_tokens, self.seed = window, sink_tokens, seed
@@ -241,6 +257,8 @@ class Evaluator:
                 raise ValueError(f"method {method.name!r} needs a head pattern (--head-pattern)")
             p = self.head_pattern
             probe = probe.replace(pattern=p, sink_tokens=p.sink_size, recent=p.recent_size)
+            if probe.compress:  # equal rows a head: streaming heads fill the budget with recent
+                probe = probe.replace(recent=max(1, rows - p.sink_size))
         return probe.for_tokenizer(self.tokenizer)  # KVzip: the repeat instruction
 
     def own_scores(self, policy: kvfn.Policy, tokens: Sequence[int], states, memo: dict,
@@ -292,8 +310,41 @@ class Evaluator:
         query-aware mode the question's queries are not among them; ``kvfn.compact``'s are)."""
         return any(m.policy and m.make_policy(1 << 30).statistic == "moments" for m in methods)
 
+    def rows(self, budget, prompt_rows: int) -> Optional[int]:
+        """A budget in rows: itself, or a fraction (< 1) of the prompt's rows."""
+        if budget is None or budget >= 1:
+            return budget
+        return max(self.window + self.sink_tokens, round(budget * prompt_rows))
+
+    def answers(self, cells: Sequence[tuple], tail: list[int], n_new: int) -> list[tuple]:
+        """Each cell's greedy answer to ``tail`` and its KV bytes. A method that keeps every
+        row is decoded by mlx-lm; evicted plain states by kvfn, up to ``self.batch`` methods'
+        at once (``kvfn.stack``: each its own rows, the same computation as one at a time);
+        per-head states one at a time."""
+        out: list = [None] * len(cells)
+        batched = []
+        for i, (method, _, _, states, evicted, _, _) in enumerate(cells):
+            if evicted and method.kv_bits is None and stackable(states):
+                batched.append(i)
+            elif all(isinstance(s, kvfn.PositionPreservingKVCache) for s in states):
+                caches, nbytes = self.caches(states, method, evicted)
+                out[i] = greedy(self.model, tail, caches, n_new, self.eos), nbytes
+            else:
+                if method.kv_bits is not None:
+                    raise ValueError(f"{method.name}: per-head states are not quantized")
+                nbytes = sum(kvfn.eviction.kept(s)[1] for s in states)
+                out[i] = kvfn_greedy(self.fm, tail, states, n_new, self.eos)[0], nbytes
+        for start in range(0, len(batched), self.batch):
+            group = batched[start : start + self.batch]
+            layers = zip(*(cells[i][3] for i in group))
+            stacked = [kvfn.stack(list(layer)) if len(group) > 1 else layer[0] for layer in layers]
+            answers = kvfn_greedy(self.fm, tail, stacked, n_new, self.eos, len(group))
+            for i, answer in zip(group, answers):
+                out[i] = answer, self.caches(cells[i][3], cells[i][0], True)[1]
+        return out
+
     # -- one sample -------------------------------------------------------------------------------
-    def run(self, sample: Sample, methods: Sequence[Method], budgets: Sequence[int],
+    def run(self, sample: Sample, methods: Sequence[Method], budgets: Sequence[Union[int, float]],
             modes: Iterable[str] = MODES, max_new_tokens: Optional[int] = None) -> list[dict]:  # fmt: skip
         prompts = [prompt_tokens(self.tokenizer, sample, q) for q in sample.questions]
         head = prompts[0].head
@@ -329,27 +380,20 @@ class Evaluator:
 
         def answer_all(mode, states, scores, tails, tokens):
             full_bytes = kv_bytes(to_mlx_cache(states), with_positions=False)
-            P, memo = len(tokens), {}
+            P, memo, cells = len(tokens), {}, []
+            needles = prompts[tails[0][0]].needles  # the context's: the same for all
             for method in methods:
                 for budget in [None] if method.policy is None else budgets:
-                    rows = rows_for(method, budget, self.head_dim, self.itemsize)
-                    needles = prompts[tails[0][0]].needles  # the context's: the same for all
+                    rows = rows_for(method, self.rows(budget, P), self.head_dim, self.itemsize)
                     kept_states, evicted, kept, seconds = self.compact(
                         states, scores, method, rows, sample.seed, needles, tokens, memo, moments
                     )
-                    for q, tail in tails:  # every question on the one compacted state
-                        if all(isinstance(s, kvfn.PositionPreservingKVCache) for s in kept_states):
-                            caches, nbytes = self.caches(kept_states, method, evicted)
-                            answer = greedy(self.model, tail, caches, n_new, self.eos)
-                        else:  # per-head groups: kvfn decodes them itself
-                            if method.kv_bits is not None:
-                                raise ValueError(
-                                    f"{method.name}: per-head states are not quantized"
-                                )
-                            nbytes = sum(kvfn.eviction.kept(s)[1] for s in kept_states)
-                            answer = kvfn_greedy(self.fm, tail, kept_states, n_new, self.eos)
-                        record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept,
-                               seconds)  # fmt: skip
+                    cells.append((method, budget, rows, kept_states, evicted, kept, seconds))
+            for q, tail in tails:  # every question on the one compacted state
+                for cell, (answer, nbytes) in zip(cells, self.answers(cells, tail, n_new)):
+                    method, budget, rows, _, _, kept, seconds = cell
+                    record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept,
+                           seconds)  # fmt: skip
 
         if "agnostic" in modes:
             states, scores = kvfn.scored_prefill(self.fm, mx.array([head[-w:]]), window=w,

@@ -175,6 +175,12 @@ def _cell(row: Optional[dict]) -> str:
     return f"{_interval(row['score'], row['lo'], row['hi'])} ({100 * row['kv_fraction']:.0f}%)"
 
 
+def _budget_name(budget) -> str:
+    if budget is None:
+        return "all rows"
+    return f"{100 * budget:g}%" if budget < 1 else str(budget)
+
+
 def _table(title: str, rows: Sequence[dict], cell, all_rows: bool) -> list[str]:
     """A table a mode: a row per (length, method), a column per budget (after "all rows")."""
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
@@ -190,7 +196,7 @@ def _table(title: str, rows: Sequence[dict], cell, all_rows: bool) -> list[str]:
                 lines.append(line)
             cells[(*line, r["budget"])] = r
         columns = [None, *budgets] if all_rows else budgets
-        head = ["tokens", "method", *("all rows" if b is None else str(b) for b in columns)]
+        head = ["tokens", "method", *map(_budget_name, columns)]
         out += [title.format(mode=mode), "", "| " + " | ".join(head) + " |",
                 "|" + "---|" * len(head)]  # fmt: skip
         for length, method in lines:

@@ -163,3 +163,48 @@ def test_duo_runs_in_the_evaluator_with_a_head_pattern(smollm2, sample):
     assert 0 < duo[0]["needle_kept"] < 1
     with pytest.raises(ValueError, match="head pattern"):
         Evaluator(model, tokenizer).policy(Method.parse("duo-r50"), 64, 0)
+
+
+def test_many_methods_decode_in_one_batch_as_they_would_alone(smollm2, sample):
+    """kvfn.stack batches every method's compacted states: the same answers as one method at a
+    time (batch 1), and kvfn's decode gives mlx-lm's logits over the same kept rows."""
+    from kvfn_eval.evaluator import greedy, kvfn_greedy
+
+    model, tokenizer = smollm2
+    methods = [Method.parse(m) for m in ["full", "snapkv", "chunkkv", "random", "streaming",
+                                         "pyramidkv", "adakv"]]  # fmt: skip
+    one = Evaluator(model, tokenizer, window=16, batch=1).run(sample, methods, budgets=[40, 72])
+    many = Evaluator(model, tokenizer, window=16, batch=8).run(sample, methods, budgets=[40, 72])
+    key = ("mode", "method", "budget", "question", "prediction", "kv_bytes", "needle_kept")
+    assert [tuple(r[k] for k in key) for r in many] == [tuple(r[k] for k in key) for r in one]
+    assert len({r["prediction"] for r in many}) > 1  # the methods do not all answer alike
+
+    ev = Evaluator(model, tokenizer, window=16)
+    prompt = prompt_tokens(tokenizer, sample, sample.questions[0])
+    states, scores = kvfn.scored_prefill(ev.fm, mx.array([prompt.head]), window=16)
+    kept = [kvfn.compact_states(states, scores, Method.parse(m).make_policy(b, window=16))[0]
+            for m, b in [("snapkv", 40), ("random", 72)]]  # fmt: skip
+    stacked = [kvfn.stack([a, b]) for a, b in zip(*kept)]
+    tail = prompt.tail
+    logits, _ = ev.fm.forward(mx.array([tail, tail]), stacked)
+    for b, states_b in enumerate(kept):
+        caches, _ = ev.caches(states_b, Method.parse("snapkv"), True)
+        reference = model(mx.array([tail]), cache=caches)
+        assert mx.allclose(logits[b], reference[0], atol=1e-4).item()
+        caches, _ = ev.caches(states_b, Method.parse("snapkv"), True)
+        assert kvfn_greedy(ev.fm, tail, stacked, 8, ev.eos, 2)[b] == greedy(
+            model, tail, caches, 8, ev.eos
+        )
+
+
+def test_budgets_below_one_are_fractions_of_the_prompt(smollm2, sample):
+    model, tokenizer = smollm2
+    ev = Evaluator(model, tokenizer, window=16)
+    records = ev.run(sample, [Method.parse("snapkv")], budgets=[0.25, 0.125], modes=["agnostic"])
+    for r in records:
+        tail = prompt_tokens(tokenizer, sample, sample.questions[r["question"]]).tail
+        P = r["prompt_tokens"] - len(tail)  # the context's rows, compacted once
+        assert r["rows"] == max(16 + 4, round(r["budget"] * P))
+    assert {r["budget"] for r in records} == {0.25, 0.125}
+    with pytest.raises(ValueError, match="batch must be >= 1, got 0"):
+        Evaluator(model, tokenizer, batch=0)

@@ -480,7 +480,7 @@ def kvfn_answer(policy, content: str, max_tokens: int) -> str:
                                         add_generation_prompt=True)  # fmt: skip
     policy = policy.for_tokenizer(tokenizer)  # KVzip's instructions, as the server sets them
     states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=max_tokens)
-    out = kvfn_greedy(fm, ids[-1:], states, max_tokens, set(tokenizer.eos_token_ids))
+    (out,) = kvfn_greedy(fm, ids[-1:], states, max_tokens, set(tokenizer.eos_token_ids))
     return tokenizer.decode(out)
 
 
