@@ -12,7 +12,9 @@ difference from snapkv and from streaming at the same budget (kvfn_eval.report).
 """
 
 import argparse
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -45,6 +47,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--first-sample", type=int, default=0,
                    help="the index of the first sample (more samples of an earlier run)")  # fmt: skip
     p.add_argument("--questions", type=int, default=4, help="questions per multi-key sample")
+    p.add_argument("--ask", type=int, help="questions asked of each sample (default: all); "
+                   "the other keys stay as distractors (RULER's multi-key asks one)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=int, default=32, help="SnapKV observation window")
     p.add_argument("--sink-tokens", type=int, default=4)
@@ -83,6 +87,8 @@ def parse(argv=None) -> argparse.Namespace:
     if rows and min(rows) < args.window + args.sink_tokens:
         p.error(f"argument --budgets: must be >= window + sink tokens = "
                 f"{args.window + args.sink_tokens}, got {min(rows)}")  # fmt: skip
+    if args.ask is not None and args.ask < 1:
+        p.error(f"argument --ask: must be >= 1, got {args.ask}")
     if args.first_sample < 0:
         p.error(f"argument --first-sample: must be >= 0, got {args.first_sample}")
     for name in ("samples", "questions", "batch", "workers"):
@@ -113,15 +119,27 @@ def config_of(args) -> dict:
 
 def jobs(args) -> list[tuple]:
     """(sample index, length, task) in the order run: every length and task has its i-th
-    sample before any has its (i+1)-th, so a deadline leaves the cells evenly sampled. A
-    worker of ``--shard K/N`` takes every N-th job from the K-th."""
+    sample before any has its (i+1)-th, so a deadline leaves the cells evenly sampled. With
+    ``--workers``, a warm-up process first runs each length's first job alone (so that the
+    device's kernels are compiled once, into MLX's and CUDA's disk caches, not by every worker
+    at once); worker ``--shard K/N`` then takes every N-th other job from the K-th."""
     first = args.first_sample
     order = [(i, n, t) for i in range(first, first + args.samples) for n in args.lengths
              for t in args.tasks]  # fmt: skip
+    warm = [(first, n, args.tasks[0]) for n in args.lengths]
+    if args.shard == "warm":
+        return warm
     if args.shard:
         k, n = (int(x) for x in args.shard.split("/"))
-        order = order[k::n]
+        return [j for j in order if j not in warm][k::n]
     return order
+
+
+def write_partial(path: Path, config: dict, records: list, errors: list) -> None:
+    """The records so far, replaced whole (a process killed mid-write leaves the last)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(dict(config=config, records=records, errors=errors)))
+    tmp.replace(path)
 
 
 def run(args) -> dict:
@@ -143,18 +161,21 @@ def run(args) -> dict:
             break
         sample = tasks.generate(task, seed=args.seed * 10_000 + i, target_tokens=length,
                                 count_tokens=count, n_questions=args.questions)  # fmt: skip
+        if args.ask is not None:  # the other keys stay in the context as distractors
+            sample = dataclasses.replace(sample, questions=sample.questions[: args.ask])
         try:
             out = ev.run(sample, args.methods, args.budgets, args.modes)
-        except Exception as e:  # a worker goes on; the error travels with the records
+        except Exception as e:
             if not args.shard:
                 raise
+            # a worker stops (after a device error every later step fails too); the error
+            # travels with its records
             errors.append(dict(task=task, length=length, sample=i, error=repr(e)))
-            print(f"error at {length} {task} #{i}: {e!r}", flush=True)
-            continue
+            write_partial(path, config, records, errors)
+            print(f"error at {length} {task} #{i}, worker stops: {e!r}", flush=True)
+            break
         records += out
-        tmp = path.with_name(path.name + ".tmp")  # a worker killed mid-write leaves the last
-        tmp.write_text(json.dumps(dict(config=config, records=records, errors=errors)))
-        tmp.replace(path)
+        write_partial(path, config, records, errors)
         if not args.quiet:
             done = {m.name: [] for m in args.methods}
             for r in out:
@@ -168,18 +189,29 @@ def run(args) -> dict:
 
 
 def run_workers(args, argv: list) -> dict:
-    """``--workers N`` processes, each a shard of the jobs, their records merged."""
-    procs = []
-    for k in range(args.workers):
-        cmd = [sys.executable, __file__, *argv, "--workers", "1", "--shard",
-               f"{k}/{args.workers}", "--out", f"{args.out}.part{k}"]  # fmt: skip
-        procs.append(subprocess.Popen(cmd))
-    codes = [p.wait() for p in procs]
+    """A warm-up process, then ``--workers N`` processes, each a shard of the jobs; their
+    records merged."""
+    env = dict(os.environ)
+    env.setdefault("CUDA_CACHE_MAXSIZE", str(4 << 30))  # the driver's PTX -> SASS cache
+    # The decode kernel's split count, a template parameter, follows the row count: every
+    # sample would compile new variants in every worker. Answers, not speed, are measured
+    # here, so decode takes MLX's own attention unless the caller sets KVFN_DECODE_KERNEL.
+    env.setdefault("KVFN_DECODE_KERNEL", "0")
+
+    def start(shard: str):
+        cmd = [sys.executable, __file__, *argv, "--workers", "1", "--shard", shard,
+               "--out", f"{args.out}.part-{shard.replace('/', '-')}"]  # fmt: skip
+        return shard, subprocess.Popen(cmd, env=env)
+
+    done = [start("warm")]
+    done[0][1].wait()
+    done += [start(f"{k}/{args.workers}") for k in range(args.workers)]
     records, errors = [], []
-    for k, code in enumerate(codes):
-        part = Path(f"{args.out}.part{k}.json")
+    for shard, proc in done:
+        code = proc.wait()
+        part = Path(f"{args.out}.part-{shard.replace('/', '-')}.json")
         if code != 0:
-            errors.append(dict(worker=k, exit_code=code))
+            errors.append(dict(shard=shard, exit_code=code))
         if part.is_file():
             got = json.loads(part.read_text())
             records += got["records"]

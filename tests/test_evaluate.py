@@ -134,6 +134,10 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
         (["--budgets", "20"], "--budgets: must be >= window \\+ sink tokens = 36, got 20"),
         (["--lengths", "50"], "--lengths: must be >= 128 tokens, got 50"),
         (["--samples", "0"], "--samples: must be >= 1, got 0"),
+        (["--ask", "0"], "--ask: must be >= 1, got 0"),
+        (["--workers", "0"], "--workers: must be >= 1, got 0"),
+        (["--first-sample", "-1"], "--first-sample: must be >= 0, got -1"),
+        (["--budgets", "1.5"], "a fraction in (0, 1) or a whole number of rows, got 1.5"),
         (
             ["--lengths", "130", "--tasks", "common_words"],
             "error: a common_words sample does not fit in 130 tokens",
@@ -208,3 +212,29 @@ def test_budgets_below_one_are_fractions_of_the_prompt(smollm2, sample):
     assert {r["budget"] for r in records} == {0.25, 0.125}
     with pytest.raises(ValueError, match="batch must be >= 1, got 0"):
         Evaluator(model, tokenizer, batch=0)
+
+
+def test_workers_share_the_jobs_and_give_one_process_records(tmp_path):
+    """A warm-up process and two workers: every job once (sample-major, so a deadline leaves
+    cells evenly sampled), and the merged records equal one process's."""
+    argv = ["--lengths", "200", "--budgets", "48", "--tasks", "passkey", "niah_multikey",
+            "--samples", "2", "--questions", "2", "--ask", "1", "--methods", "full", "snapkv",
+            "streaming", "--quiet"]  # fmt: skip
+    args = evaluate_example.parse(argv)
+    order = evaluate_example.jobs(args)
+    assert order == [(0, 200, "passkey"), (0, 200, "niah_multikey"), (1, 200, "passkey"),
+                     (1, 200, "niah_multikey")]  # fmt: skip
+    shares = [evaluate_example.jobs(evaluate_example.parse(argv + ["--shard", s]))
+              for s in ("warm", "0/2", "1/2")]  # fmt: skip
+    assert shares[0] == [(0, 200, "passkey")]
+    assert sorted(j for share in shares for j in share) == sorted(order)
+    one = evaluate_example.main(argv + ["--out", str(tmp_path / "one")])
+    many = evaluate_example.main(argv + ["--workers", "2", "--out", str(tmp_path / "many")])
+    key = ("task", "seed", "mode", "method", "budget", "question", "prediction", "score")
+
+    def rows(result):
+        return sorted(tuple(r[k] for k in key) for r in result["records"])
+
+    assert rows(many) == rows(one) and many["errors"] == []
+    assert {r["question"] for r in one["records"]} == {0}  # --ask 1: one key asked
+    assert not list(tmp_path.glob("many.part*"))  # the workers' parts are merged away

@@ -187,3 +187,28 @@ def test_the_example_joins_and_names_what_is_wrong(chunks, tmp_path, capsys):
     with pytest.raises(SystemExit):
         ship_model.main(["--join", str(stage)])
     assert "--join STAGE takes --out FOLDER and no model" in capsys.readouterr().err
+
+
+def test_a_gguf_ships_as_it_is_and_the_check_loads_it(tmp_path, capsys):
+    """--as-is cuts the GGUF file itself; joined, it is the same bytes, and the join's check
+    loads it (the embedded SmolLM2) and answers."""
+    from examples import ship_model
+
+    gguf = kvfn_models.embedded_model_path()
+    out = tmp_path / "stage"
+    ship_model.main([str(gguf), "--as-is", "--limit-mib", "40", "--out", str(out)])
+    said = capsys.readouterr().out
+    assert f"{gguf.stem}-gguf:" in said and "in 3 chunks" in said  # 98 MB in 40 MiB chunks
+    assert not (out / "model").exists()  # the link to the file is gone; the file is not
+    assert gguf.is_file()
+    ship_model.main(["--join", str(out), "--out", str(tmp_path / "joined")])
+    joined = tmp_path / "joined" / gguf.name
+    assert joined.read_bytes() == gguf.read_bytes()
+    assert "Paris" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        ship_model.main([str(gguf), "--as-is", "--bits", "4", "--out", str(tmp_path / "x")])
+    assert "--as-is ships the GGUF unchanged: it takes no --bits" in capsys.readouterr().err
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with pytest.raises(SystemExit, match="--as-is ships a GGUF file; .* is not one"):
+        ship_model.main([str(folder), "--as-is", "--out", str(tmp_path / "y")])
