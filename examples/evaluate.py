@@ -193,9 +193,10 @@ def run_workers(args, argv: list) -> dict:
     records merged."""
     env = dict(os.environ)
     env.setdefault("CUDA_CACHE_MAXSIZE", str(4 << 30))  # the driver's PTX -> SASS cache
-    # The decode kernel's split count, a template parameter, follows the row count: every
-    # sample would compile new variants in every worker. Answers, not speed, are measured
-    # here, so decode takes MLX's own attention unless the caller sets KVFN_DECODE_KERNEL.
+    # The decode kernel's split count, a template parameter, follows the row count
+    # (kernels.plan): samples of new lengths can compile new variants in every worker. Answers,
+    # not speed, are measured here, so decode takes MLX's own attention unless the caller sets
+    # KVFN_DECODE_KERNEL.
     env.setdefault("KVFN_DECODE_KERNEL", "0")
 
     def start(shard: str):

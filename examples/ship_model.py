@@ -37,7 +37,7 @@ except ImportError:  # a bare checkout (the GPU machine): the package is the fol
     spec.loader.exec_module(kvfn_models)
 
 import mlx.core as mx  # noqa: E402
-from kvfn_models import parts, ship  # noqa: E402
+from kvfn_models import ship  # noqa: E402
 
 DTYPES = ("bfloat16", "float16", "float32")
 CHECK_QUESTION = "What is the capital of France?"
@@ -118,9 +118,7 @@ def print_calls(dirs: list, name: str) -> None:
 
 def gguf_folder(model: str | None, folder: Path) -> Path:
     """A folder holding (a link to) the model's GGUF file as it is."""
-    path = kvfn_models.embedded_model_path() if model is None else Path(model)
-    if not path.exists() and parts.split_model(model):
-        path = parts.assemble(parts.split_model(model))
+    path = kvfn_models.model_path(model)
     if path.suffix != ".gguf" or not path.is_file():
         raise ValueError(f"--as-is ships a GGUF file; {model!r} is not one")
     folder.mkdir(parents=True)

@@ -213,11 +213,6 @@ def kvfn_greedy(fm, prompt: list[int], states, max_tokens: int, eos: set,
     return out
 
 
-def stackable(states: Sequence) -> bool:
-    """Whether ``kvfn.stack`` batches these layer states (plain ones, not quantized)."""
-    return all(type(s) is kvfn.PositionPreservingKVCache for s in states)
-
-
 def kv_bytes(caches: Sequence, with_positions: bool) -> int:
     total = 0
     for c in caches:
@@ -316,31 +311,36 @@ class Evaluator:
             return budget
         return max(self.window + self.sink_tokens, round(budget * prompt_rows))
 
-    def answers(self, cells: Sequence[tuple], tail: list[int], n_new: int) -> list[tuple]:
-        """Each cell's greedy answer to ``tail`` and its KV bytes. A method that keeps every
-        row is decoded by mlx-lm; evicted plain states by kvfn, up to ``self.batch`` methods'
-        at once (``kvfn.stack``: each its own rows, the same computation as one at a time);
-        per-head states one at a time."""
+    def answers(self, cells: Sequence[tuple], tails: Sequence[list], n_new: int) -> list[tuple]:
+        """Each cell's greedy answers, one a question ``tail``, and its KV bytes. A method
+        that keeps every row is decoded by mlx-lm; evicted plain states by kvfn, up to
+        ``self.batch`` methods' at once (``kvfn.stack``: each its own rows, the same computation
+        as one at a time; stacked once for all the questions); per-head states one at a time."""
         out: list = [None] * len(cells)
         batched = []
         for i, (method, _, _, states, evicted, _, _) in enumerate(cells):
-            if evicted and method.kv_bits is None and stackable(states):
+            plain = all(isinstance(s, kvfn.PositionPreservingKVCache) for s in states)
+            if plain and evicted and method.kv_bits is None:
                 batched.append(i)
-            elif all(isinstance(s, kvfn.PositionPreservingKVCache) for s in states):
-                caches, nbytes = self.caches(states, method, evicted)
-                out[i] = greedy(self.model, tail, caches, n_new, self.eos), nbytes
+            elif plain:
+                got = []
+                for tail in tails:  # fresh caches a question: mlx-lm's decode appends to them
+                    caches, nbytes = self.caches(states, method, evicted)
+                    got.append(greedy(self.model, tail, caches, n_new, self.eos))
+                out[i] = got, nbytes
             else:
                 if method.kv_bits is not None:
                     raise ValueError(f"{method.name}: per-head states are not quantized")
                 nbytes = sum(kvfn.eviction.kept(s)[1] for s in states)
-                out[i] = kvfn_greedy(self.fm, tail, states, n_new, self.eos)[0], nbytes
+                got = [kvfn_greedy(self.fm, t, states, n_new, self.eos)[0] for t in tails]
+                out[i] = got, nbytes
         for start in range(0, len(batched), self.batch):
             group = batched[start : start + self.batch]
             layers = zip(*(cells[i][3] for i in group))
             stacked = [kvfn.stack(list(layer)) if len(group) > 1 else layer[0] for layer in layers]
-            answers = kvfn_greedy(self.fm, tail, stacked, n_new, self.eos, len(group))
-            for i, answer in zip(group, answers):
-                out[i] = answer, self.caches(cells[i][3], cells[i][0], True)[1]
+            got = [kvfn_greedy(self.fm, t, stacked, n_new, self.eos, len(group)) for t in tails]
+            for b, i in enumerate(group):
+                out[i] = [a[b] for a in got], self.caches(cells[i][3], cells[i][0], True)[1]
         return out
 
     # -- one sample -------------------------------------------------------------------------------
@@ -389,9 +389,10 @@ class Evaluator:
                         states, scores, method, rows, sample.seed, needles, tokens, memo, moments
                     )
                     cells.append((method, budget, rows, kept_states, evicted, kept, seconds))
-            for q, tail in tails:  # every question on the one compacted state
-                for cell, (answer, nbytes) in zip(cells, self.answers(cells, tail, n_new)):
-                    method, budget, rows, _, _, kept, seconds = cell
+            # every question on the one compacted state
+            answered = self.answers(cells, [tail for _, tail in tails], n_new)
+            for (method, budget, rows, _, _, kept, seconds), (got, nbytes) in zip(cells, answered):
+                for (q, _), answer in zip(tails, got):
                     record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept,
                            seconds)  # fmt: skip
 

@@ -8,6 +8,6 @@ from kvfn.blas import use_openblas
 use_openblas()  # before mlx.core is imported anywhere below
 
 from .gguf import GGUFError, read_header  # noqa: E402
-from .load import embedded_model_path, load, load_gguf  # noqa: E402
+from .load import embedded_model_path, load, load_gguf, model_path  # noqa: E402
 
-__all__ = ["GGUFError", "embedded_model_path", "load", "load_gguf", "read_header"]
+__all__ = ["GGUFError", "embedded_model_path", "load", "load_gguf", "model_path", "read_header"]

@@ -252,6 +252,15 @@ def _is_float_param(name: str, value: mx.array) -> bool:
     return name.endswith((".weight", ".bias")) and mx.issubdtype(value.dtype, mx.floating)
 
 
+def model_path(path: str | Path | None = None) -> Path:
+    """The file or folder ``load`` reads for ``path``: the embedded SmolLM2 (None), a model
+    name from ``SPLIT_MODELS`` (joined from its installed part packages into the cache), else
+    the path itself."""
+    if isinstance(path, str) and not Path(path).exists() and split_model(path):
+        return assemble(split_model(path))
+    return embedded_model_path() if path is None else Path(path)
+
+
 def load(
     path: str | Path | None = None, *, dequantize: bool | None = None, bits: int | None = None
 ):
@@ -259,9 +268,7 @@ def load(
     ``SPLIT_MODELS`` (joined from its installed part packages into the cache), a ``.gguf`` file,
     or a local mlx-lm model folder. Never touches the network.
     """
-    if isinstance(path, str) and not Path(path).exists() and split_model(path):
-        path = assemble(split_model(path))
-    path = embedded_model_path() if path is None else Path(path)
+    path = model_path(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not an mlx-lm model folder (no config.json)")
