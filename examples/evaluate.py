@@ -221,6 +221,10 @@ def run_workers(args, argv: list) -> dict:
     return save(Path(f"{args.out}.json"), config_of(args), records, errors)
 
 
+# one answer: a sample (task, length, seed), a cell and a question
+ANSWER_KEY = ("task", "target_tokens", "seed", "mode", "method", "budget", "question")
+
+
 def merge(args) -> dict:
     runs = []
     for path in args.merge:
@@ -229,6 +233,14 @@ def merge(args) -> dict:
         except (OSError, ValueError) as e:
             raise SystemExit(f"error: --merge {path!r}: {e}")
     records = [r for run_ in runs for r in run_["records"]]
+    seen: dict = {}
+    for path, run_ in zip(args.merge, runs):
+        for r in run_["records"]:
+            key = tuple(r.get(k) for k in ANSWER_KEY)
+            if r.get("seed") is not None and key in seen:
+                raise SystemExit(f"error: --merge: {path!r} and {seen[key]!r} both answer "
+                                 f"{dict(zip(ANSWER_KEY, key))}")  # fmt: skip
+            seen[key] = path
     errors = [e for run_ in runs for e in run_.get("errors", [])]
     args.tasks = sorted({r["task"] for r in records}, key=list(tasks.TASKS).index)
     return save(Path(f"{args.out}.json"), dict(merged=args.merge, configs=[r["config"] for r in runs]),

@@ -315,13 +315,19 @@ class Evaluator:
         """Each cell's greedy answers, one a question ``tail``, and its KV bytes. A method
         that keeps every row is decoded by mlx-lm; evicted plain states by kvfn, up to
         ``self.batch`` methods' at once (``kvfn.stack``: each its own rows, the same computation
-        as one at a time; stacked once for all the questions); per-head states one at a time."""
+        as one at a time; stacked once for all the questions); ragged states (Ada-KV's) likewise
+        among themselves (``kvfn.ragged.stack``); head-partitioned states one at a time."""
         out: list = [None] * len(cells)
-        batched = []
+        batched: dict = {kvfn.stack: [], kvfn.ragged.stack: []}
         for i, (method, _, _, states, evicted, _, _) in enumerate(cells):
             plain = all(isinstance(s, kvfn.PositionPreservingKVCache) for s in states)
+            ragged = all(isinstance(s, kvfn.RaggedKVCache) for s in states)
+            if method.kv_bits is not None and not plain:
+                raise ValueError(f"{method.name}: per-head states are not quantized")
             if plain and evicted and method.kv_bits is None:
-                batched.append(i)
+                batched[kvfn.stack].append(i)
+            elif ragged:
+                batched[kvfn.ragged.stack].append(i)
             elif plain:
                 got = []
                 for tail in tails:  # fresh caches a question: mlx-lm's decode appends to them
@@ -329,19 +335,25 @@ class Evaluator:
                     got.append(greedy(self.model, tail, caches, n_new, self.eos))
                 out[i] = got, nbytes
             else:
-                if method.kv_bits is not None:
-                    raise ValueError(f"{method.name}: per-head states are not quantized")
-                nbytes = sum(kvfn.eviction.kept(s)[1] for s in states)
                 got = [kvfn_greedy(self.fm, t, states, n_new, self.eos)[0] for t in tails]
-                out[i] = got, nbytes
-        for start in range(0, len(batched), self.batch):
-            group = batched[start : start + self.batch]
-            layers = zip(*(cells[i][3] for i in group))
-            stacked = [kvfn.stack(list(layer)) if len(group) > 1 else layer[0] for layer in layers]
-            got = [kvfn_greedy(self.fm, t, stacked, n_new, self.eos, len(group)) for t in tails]
-            for b, i in enumerate(group):
-                out[i] = [a[b] for a in got], self.caches(cells[i][3], cells[i][0], True)[1]
+                out[i] = got, self.kept_bytes(states)
+        for stack, indices in batched.items():
+            for start in range(0, len(indices), self.batch):
+                group = indices[start : start + self.batch]
+                layers = zip(*(cells[i][3] for i in group))
+                stacked = [stack(list(layer)) if len(group) > 1 else layer[0] for layer in layers]
+                got = [kvfn_greedy(self.fm, t, stacked, n_new, self.eos, len(group)) for t in tails]
+                for b, i in enumerate(group):
+                    states = cells[i][3]
+                    nbytes = (self.caches(states, cells[i][0], True)[1] if stack is kvfn.stack
+                              else self.kept_bytes(states))  # fmt: skip
+                    out[i] = [a[b] for a in got], nbytes
         return out
+
+    @staticmethod
+    def kept_bytes(states) -> int:
+        """The bytes a per-head state's kept rows hold (with their positions)."""
+        return sum(kvfn.eviction.kept(s)[1] for s in states)
 
     # -- one sample -------------------------------------------------------------------------------
     def run(self, sample: Sample, methods: Sequence[Method], budgets: Sequence[Union[int, float]],

@@ -120,10 +120,25 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
     for mode in ("aware", "agnostic"):
         assert (tmp_path / f"smoke-{mode}-200.png").stat().st_size > 10_000
     assert "| 200 | full |" in capsys.readouterr().out
-    merged = evaluate_example.main(["--merge", str(tmp_path / "smoke.json"), str(tmp_path / "smoke.json"),
-                                    "--out", str(tmp_path / "both")])  # fmt: skip
-    assert merged["records"] == saved["records"] * 2
-    assert (tmp_path / "both.md").read_text() == table  # the same answers twice: the same means
+    later = evaluate_example.main(["--lengths", "200", "--budgets", "48", "--tasks", "passkey",
+                                   "niah_single", "--samples", "1", "--first-sample", "1",
+                                   "--methods", "full", "snapkv", "streaming", "kv4",
+                                   "--out", str(tmp_path / "later"), "--quiet"])  # fmt: skip
+    merged = evaluate_example.main(
+        [
+            "--merge",
+            str(tmp_path / "smoke.json"),
+            str(tmp_path / "later.json"),
+            "--out",
+            str(tmp_path / "both"),
+        ]
+    )
+    assert merged["records"] == saved["records"] + later["records"]
+    per_task = [c for c in merged["summary"] if c["task"] != "average"]
+    assert {c["samples"] for c in per_task} == {2}  # a sample from each run, every cell
+    with pytest.raises(SystemExit, match="both answer"):  # the same samples twice: refused
+        evaluate_example.main(["--merge", str(tmp_path / "smoke.json"), str(tmp_path / "smoke.json"),
+                               "--out", str(tmp_path / "twice")])  # fmt: skip
 
 
 @pytest.mark.parametrize(

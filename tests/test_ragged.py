@@ -116,6 +116,38 @@ def test_a_batch_compacts_row_for_row_as_each_prompt_alone():
     assert result.total_rows_after == 18 * len(together)
 
 
+def test_stacked_states_of_several_policies_decode_as_each_alone():
+    """``ragged.stack`` joins one prompt's ragged states from different budgets (buffers of
+    different sizes): a chunk and decode steps over the batch give each state's own logits, and
+    layers that cannot share a batch are refused by name."""
+    fm = kvfn.FunctionalModel(tiny_model("qwen2"))
+    rng = np.random.default_rng(9)
+    ids = rng.integers(0, 97, 60).tolist()
+    states, scores = kvfn.scored_prefill(fm, mx.array([ids]), window=4)
+    kept = [kvfn.compact_states(states, scores, kvfn.AdaKV(budget=b, window=4, sink_tokens=2))[0]
+            for b in (12, 30)]  # fmt: skip
+    assert kept[0][0].slots < kept[1][0].slots
+    stacked = [ragged.stack([a, b]) for a, b in zip(*kept)]
+    tail = rng.integers(0, 97, 5).tolist()
+    logits, after = fm.forward(mx.array([tail, tail]), stacked)
+    for _ in range(3):  # decode steps write past each sequence's own rows
+        token = mx.argmax(logits[:, -1:], axis=-1)
+        step, after = fm.forward(token, after)
+        logits = mx.concatenate([logits, step], axis=1)
+    for b, one in enumerate(kept):
+        want, one = fm.forward(mx.array([tail]), one)
+        for t in range(3):
+            token = mx.argmax(logits[b : b + 1, len(tail) - 1 + t :][:, :1], axis=-1)
+            step, one = fm.forward(token, one)
+            want = mx.concatenate([want, step], axis=1)
+        assert mx.abs(logits[b] - want[0]).max().item() < TOL
+    narrow = kept[0][0].replace(keys=kept[0][0].keys[..., :2])  # another head size
+    with pytest.raises(ValueError, match="cannot stack ragged layers"):
+        ragged.stack([kept[1][0], narrow])
+    with pytest.raises(ValueError, match="at least one"):
+        ragged.stack([])
+
+
 def test_a_batchs_compaction_reads_no_host_value(monkeypatch):
     """Ada-KV's allocation, the ragged gather and the eviction result of a batch are computed
     without reading an array on the host (no sync between the prefill and the first decode),

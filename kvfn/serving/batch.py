@@ -243,29 +243,6 @@ class BatchHeadGroupsKVCache:
 
 
 # -- ragged states (Ada-KV, AdaKVzip) ------------------------------------------------------------
-def _padded(state, slots: int):
-    """A ragged layer's buffer grown to ``slots`` (the last head's free room grows)."""
-    extra = slots - state.slots
-    if extra == 0:
-        return state
-    B = state.keys.shape[0]
-    pad = lambda x: mx.concatenate([x, mx.zeros((B, extra, *x.shape[2:]), x.dtype)], axis=1)  # noqa
-    positions = ragged._free_positions(pad(state.positions), state.starts, state.lengths,
-                                       state.offset)  # fmt: skip
-    return state.replace(keys=pad(state.keys), values=pad(state.values), positions=positions)
-
-
-def _joined(states):
-    """One batch from ragged layers of several sequences (each buffer padded to the longest)."""
-    slots = max(s.slots for s in states)
-    states = [_padded(s, slots) for s in states]
-    rooms = [s.room for s in states]
-    kept = {s.kept for s in states}
-    joined = {f: mx.concatenate([getattr(s, f) for s in states]) for f in ragged.ARRAY_FIELDS}
-    return ragged.RaggedKVCache(**joined, room=None if None in rooms else min(rooms),
-                                kept=kept.pop() if len(kept) == 1 else None)  # fmt: skip
-
-
 class RaggedLayerCache:
     """One sequence's ragged layer (``kvfn.RaggedKVCache``, batch 1) as mlx-lm's
     ``BatchGenerator`` takes it: it is only merged into a batch (``BatchRaggedKVCache``) or
@@ -328,10 +305,7 @@ class BatchRaggedKVCache:
             if not isinstance(c, RaggedLayerCache):
                 raise TypeError(f"sequence {i}: cannot batch a {type(c).__name__} with ragged "
                                 "layers")  # fmt: skip
-        heads = {c.ragged.n_kv_heads for c in caches}
-        if len(heads) != 1:
-            raise ValueError(f"cannot batch ragged layers of {sorted(heads)} KV heads")
-        return cls(_joined([c.ragged for c in caches]))
+        return cls(ragged.stack([c.ragged for c in caches]))
 
     # -- mlx-lm protocol ----------------------------------------------------------------------
     @property
@@ -387,7 +361,7 @@ class BatchRaggedKVCache:
     def extend(self, other):
         if not isinstance(other, BatchRaggedKVCache):
             raise TypeError(f"cannot extend a ragged batch cache with {type(other).__name__}")
-        self.ragged = _joined([self.ragged, other.ragged])
+        self.ragged = ragged.stack([self.ragged, other.ragged])
 
     def extract(self, idx: int) -> RaggedLayerCache:
         arrays = {f: getattr(self.ragged, f)[idx : idx + 1] for f in ragged.ARRAY_FIELDS}

@@ -278,14 +278,44 @@ def reserve(state: RaggedKVCache, room: int) -> RaggedKVCache:
     )
 
 
+ARRAY_FIELDS = ("keys", "values", "positions", "starts", "lengths", "offset")
+
+
+def grown(state: RaggedKVCache, slots: int) -> RaggedKVCache:
+    """``state``'s buffer grown to ``slots`` (the last head's free room grows)."""
+    extra = slots - state.slots
+    if extra < 0:
+        raise ValueError(f"cannot shrink a ragged layer of {state.slots} slots to {slots}")
+    if extra == 0:
+        return state
+    B = state.keys.shape[0]
+    pad = lambda x: mx.concatenate([x, mx.zeros((B, extra, *x.shape[2:]), x.dtype)], axis=1)  # noqa
+    positions = _free_positions(pad(state.positions), state.starts, state.lengths, state.offset)
+    return state.replace(keys=pad(state.keys), values=pad(state.values), positions=positions)
+
+
+def stack(states: list) -> RaggedKVCache:
+    """One batch from ragged layers of several sequences (e.g. one prompt compacted by several
+    policies), each buffer grown to the longest; each sequence keeps its own ranges."""
+    if not states:
+        raise ValueError("stack needs at least one ragged state")
+    shapes = {(s.n_kv_heads, s.keys.shape[2:], s.values.shape[2:], s.keys.dtype) for s in states}
+    if len(shapes) > 1:
+        raise ValueError(f"cannot stack ragged layers of different heads or dtypes: {shapes}")
+    slots = max(s.slots for s in states)
+    states = [grown(s, slots) for s in states]
+    rooms = [s.room for s in states]
+    kept = {s.kept for s in states}
+    joined = {f: mx.concatenate([getattr(s, f) for s in states]) for f in ARRAY_FIELDS}
+    return RaggedKVCache(**joined, room=None if None in rooms else min(rooms),
+                         kept=kept.pop() if len(kept) == 1 else None)  # fmt: skip
+
+
 def head_rows(state: RaggedKVCache, b: int, h: int) -> tuple[mx.array, mx.array, mx.array]:
     """Eagerly, sequence b's KV head h: its keys (n, D), values (n, Dv) and positions (n,)."""
     start, n = int(state.starts[b, h].item()), int(state.lengths[b, h].item())
     return (state.keys[b, start : start + n], state.values[b, start : start + n],
             state.positions[b, start : start + n])  # fmt: skip
-
-
-ARRAY_FIELDS = ("keys", "values", "positions", "starts", "lengths", "offset")
 
 
 def flatten(state: RaggedKVCache) -> tuple[dict, tuple]:
