@@ -120,13 +120,14 @@ def config_of(args) -> dict:
 def jobs(args) -> list[tuple]:
     """(sample index, length, task) in the order run: every length and task has its i-th
     sample before any has its (i+1)-th, so a deadline leaves the cells evenly sampled. With
-    ``--workers``, a warm-up process first runs each length's first job alone (so that the
-    device's kernels are compiled once, into MLX's and CUDA's disk caches, not by every worker
-    at once); worker ``--shard K/N`` then takes every N-th other job from the K-th."""
+    ``--workers``, a warm-up process first runs the first job alone (so that the device's
+    kernels are compiled once, into MLX's and CUDA's disk caches, not by every worker at once;
+    one job: the scoring kernels' templates do not depend on its length); worker ``--shard K/N`` then takes every N-th other job from the K-th.
+    """
     first = args.first_sample
     order = [(i, n, t) for i in range(first, first + args.samples) for n in args.lengths
              for t in args.tasks]  # fmt: skip
-    warm = [(first, n, args.tasks[0]) for n in args.lengths]
+    warm = [order[0]]
     if args.shard == "warm":
         return warm
     if args.shard:
