@@ -60,8 +60,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="eval", help="output path prefix (default: ./eval)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="run nothing: tables and plots from the records of earlier runs")  # fmt: skip
-    p.add_argument("--batch", type=int, default=32,
-                   help="decode up to this many methods' compacted states at once")  # fmt: skip
+    p.add_argument("--batch", type=int, default=8,
+                   help="decode up to this many methods' compacted states at once (states of "
+                   "similar rows together; each padded to the batch's longest)")  # fmt: skip
     p.add_argument("--workers", type=int, default=1,
                    help="processes sharing the device, each a share of the samples")  # fmt: skip
     p.add_argument("--shard", help=argparse.SUPPRESS)  # K/N: a worker's share
@@ -164,6 +165,7 @@ def run(args) -> dict:
                                 count_tokens=count, n_questions=args.questions)  # fmt: skip
         if args.ask is not None:  # the other keys stay in the context as distractors
             sample = dataclasses.replace(sample, questions=sample.questions[: args.ask])
+        mx.reset_peak_memory()
         try:
             out = ev.run(sample, args.methods, args.budgets, args.modes)
         except Exception as e:
@@ -175,7 +177,8 @@ def run(args) -> dict:
             write_partial(path, config, records, errors)
             print(f"error at {length} {task} #{i}, worker stops: {e!r}", flush=True)
             break
-        records += out
+        peak = mx.get_peak_memory() / 2**30  # what a worker needs: --workers sizes by it
+        records += [dict(r, peak_gib=round(peak, 2)) for r in out]
         write_partial(path, config, records, errors)
         if not args.quiet:
             done = {m.name: [] for m in args.methods}
@@ -183,7 +186,7 @@ def run(args) -> dict:
                 done[r["method"]].append(r["score"])
             line = " ".join(f"{k}={100 * sum(v) / len(v):.0f}" for k, v in done.items())
             print(f"[{time.perf_counter() - t0:7.1f}s{' ' + args.shard if args.shard else ''}] "
-                  f"{length} {task} #{i}: {line}", flush=True)  # fmt: skip
+                  f"{length} {task} #{i} (peak {peak:.1f} GiB): {line}", flush=True)  # fmt: skip
     if args.shard:
         return dict(config=config, records=records, errors=errors)
     return save(path, config, records, errors)
@@ -208,7 +211,7 @@ def run_workers(args, argv: list) -> dict:
     done = [start("warm")]
     done[0][1].wait()
     done += [start(f"{k}/{args.workers}") for k in range(args.workers)]
-    records, errors = [], []
+    records, errors, parts = [], [], []
     for shard, proc in done:
         code = proc.wait()
         part = Path(f"{args.out}.part-{shard.replace('/', '-')}.json")
@@ -218,8 +221,11 @@ def run_workers(args, argv: list) -> dict:
             got = json.loads(part.read_text())
             records += got["records"]
             errors += got["errors"]
-            part.unlink()
-    return save(Path(f"{args.out}.json"), config_of(args), records, errors)
+            parts.append(part)
+    result = save(Path(f"{args.out}.json"), config_of(args), records, errors)
+    for part in parts:  # only once merged: a run killed while waiting keeps every part
+        part.unlink()
+    return result
 
 
 # one answer: a sample (task, length, seed), a cell and a question

@@ -213,6 +213,11 @@ def kvfn_greedy(fm, prompt: list[int], states, max_tokens: int, eos: set,
     return out
 
 
+def rows_of(state) -> int:
+    """The rows a plain state holds (its host bound if known)."""
+    return state.max_rows if state.max_rows is not None else int(state.rows.item())
+
+
 def kv_bytes(caches: Sequence, with_positions: bool) -> int:
     total = 0
     for c in caches:
@@ -226,7 +231,7 @@ class Evaluator:
     def __init__(self, model, tokenizer, *, window: int = 32, sink_tokens: int = 4,
                  prefill_step_size: int = 512, dtype: Optional[mx.Dtype] = None, seed: int = 0,
                  compiled: bool = False, head_pattern: Optional[kvfn.HeadPattern] = None,
-                 batch: int = 32):  # fmt: skip
+                 batch: int = 8):  # fmt: skip
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         self.model, self.tokenizer, self.batch = model, tokenizer, batch
@@ -337,10 +342,17 @@ class Evaluator:
             else:
                 got = [kvfn_greedy(self.fm, t, states, n_new, self.eos)[0] for t in tails]
                 out[i] = got, self.kept_bytes(states)
+        # each state gets the room its questions and answers take (decoding would otherwise
+        # double its capacity), and a batch holds states of similar rows: each is padded to the
+        # batch's longest
+        room = max(len(t) for t in tails) + n_new
+        fits = {kvfn.stack: lambda s: kvfn.reserve(s, max(s.capacity, rows_of(s) + room)),
+                kvfn.ragged.stack: lambda s: kvfn.ragged.reserve(s, room)}  # fmt: skip
         for stack, indices in batched.items():
+            indices = sorted(indices, key=lambda i: cells[i][2])
             for start in range(0, len(indices), self.batch):
                 group = indices[start : start + self.batch]
-                layers = zip(*(cells[i][3] for i in group))
+                layers = zip(*([fits[stack](s) for s in cells[i][3]] for i in group))
                 stacked = [stack(list(layer)) if len(group) > 1 else layer[0] for layer in layers]
                 got = [kvfn_greedy(self.fm, t, stacked, n_new, self.eos, len(group)) for t in tails]
                 for b, i in enumerate(group):

@@ -115,6 +115,7 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
     saved = json.loads((tmp_path / "smoke.json").read_text())
     assert len(saved["records"]) == len(result["records"]) == 2 * 2 * 4
     assert saved["config"]["methods"] == ["full", "snapkv", "streaming", "kv4"]
+    assert all(r["peak_gib"] > 0 for r in saved["records"])  # a sample's peak, to size workers
     table = (tmp_path / "smoke.md").read_text()
     assert "**average, query-agnostic**" in table and "**passkey, query-aware**" in table
     for mode in ("aware", "agnostic"):
