@@ -36,6 +36,21 @@ def test_pooling_spreads_a_peak_to_its_neighbours():
     assert np.allclose(np.array(pool1d(mx.array([[0.0, 3.0, 0.0]]), 3, "avg")), [[1, 1, 1]])
 
 
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+def test_the_window_lends_no_score_to_the_rows_before_it(pooling):
+    """As SnapKV pools: the rows before the window only; the window's own (always kept) rows'
+    attention does not spill onto its neighbours (kvpress's SnapKVPress keeps the same rows)."""
+    s = np.zeros((1, 1, 30))
+    s[0, 0, 26:] = 100.0  # the window's rows, attended by its own queries
+    s[0, 0, 12] = 1.0
+    policy = SnapKV(budget=8, window=4, sink_tokens=1, kernel_size=7, pooling=pooling)
+    row = np.array(policy.row_scores(mx.array(s, mx.float32), prompt_length=30, n_kv_heads=1,
+                                     batch=1, layer=0))[0, 0]  # fmt: skip
+    assert np.all(row[20:26] == 0) and row[12] > 0 and np.all(row[26:] == 100.0)
+    got = keep(s, 8, n_kv_heads=1, window=4, sink_tokens=1, kernel_size=7, pooling=pooling)
+    assert set(got[0][0]) - {0, 26, 27, 28, 29} <= set(range(9, 16))  # the peak's neighbours
+
+
 def test_gqa_reduce_and_per_head_selection():
     s = np.zeros((1, 4, 12))  # 4 query heads over 2 KV heads
     s[0, 0, 4], s[0, 1, 4] = 1.0, 1.0  # KV head 0's group likes row 4

@@ -74,7 +74,11 @@ class SnapKV(Policy):
         s = mx.mean(grouped, axis=2) if self.group_reduce == "mean" else mx.max(grouped, axis=2)
         if not self.per_head:
             s = mx.mean(s, axis=1, keepdims=True)
-        return pool1d(s, self.kernel_size, self.pooling)
+        # pool the rows before the window only (as SnapKV does): the window, always kept, would
+        # lend its own rows' attention to the rows just before it
+        split = prompt_length - self.observation_window(prompt_length)
+        head = pool1d(s[..., :split], self.kernel_size, self.pooling)
+        return mx.concatenate([head, s[..., split:]], axis=-1)
 
 
 def snapkv_keep_indices(
