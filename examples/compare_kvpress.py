@@ -49,11 +49,11 @@ How each side runs, per sample (a context and its questions):
   ``kvfn_eval.evaluator.kvfn_greedy`` (kvfn's own steps, as the evaluator decodes evicted
   states).
 
-Settings that cannot match (the table's notes say what each costs): kvfn's average pooling
-runs over every prompt column, the window's too, where kvpress pools only the columns before
-the window (zero padding at its edge), so the two rows before the window score differently;
-kvfn marks the window kept with +inf, kvpress with max + 1 (the same rows); kvfn selects with
-argpartition, kvpress with topk (only exact ties could differ).
+Settings that cannot match (the table's notes say what each costs): kvfn marks the window kept
+with +inf, kvpress with max + 1 (the same rows); kvfn selects with argpartition, kvpress with
+topk (only exact ties could differ). Before 8525781 kvfn also pooled every prompt column, the
+window's too, where kvpress pools only the columns before the window: the results in
+examples/results/kvpress-compare.md were made then and show that difference.
 """
 
 import argparse
@@ -460,8 +460,7 @@ SETTINGS = [  # (setting, kvpress SnapKVPress, kvfn SnapKV here, matched)
      "`budget=int(P * (1 - ratio))`, window included", "yes"),
     ("selection", "`topk`", "`argpartition`, sorted", "but for exact ties"),
     ("pooled columns", "the P - 64 columns before the window only (zero padding at their end)",
-     "all P columns, the window's too (`SnapKV.row_scores` pools the whole prompt)",
-     "**no**: the 2 rows just before the window score higher in kvfn"),
+     "the same since 8525781 (before: all P columns, the window's too)", "yes"),
     ("decode", "`KVPressTextGenerationPipeline.generate_answer` (torch), stops at 151645",
      "`kvfn_eval.evaluator.kvfn_greedy` (kvfn's steps, MLX), stops at 151645", "greedy, same"),
     ("prompt", "token ids of `kvfn_eval.evaluator.prompt_tokens` (chat template; question and "
@@ -501,9 +500,8 @@ def diagnostics(records: list, compressions: list) -> str:
         edge = sum(c["rows_differing_at_boundary"] for c in cells)
         lines += [
             f"- ratio {ratio}: rows kept by one side only {differ} of {kept} kept "
-            f"({100 * differ / kept:.4f}%); {edge} of them are the 2 rows just before the window "
-            f"(kvfn keeps them: its pooling sees the window's columns), most others are the "
-            f"marginal rows they displace (kvpress's score within "
+            f"({100 * differ / kept:.4f}%); {edge} of them within the kernel's reach of the window, "
+            f"most others the marginal rows they displace (kvpress's score within "
             f"{100 * max(c['inner_gap_to_cut'] for c in cells):.2f}% of its own cut); lowest "
             f"Jaccard of one (sample, layer, head) {jac.min():.4f}; with kvpress's pooling "
             f"applied to kvfn's own window scores the kept sets match at Jaccard "

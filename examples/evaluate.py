@@ -123,8 +123,8 @@ def jobs(args) -> list[tuple]:
     sample before any has its (i+1)-th, so a deadline leaves the cells evenly sampled. With
     ``--workers``, a warm-up process first runs the first job alone (so that the device's
     kernels are compiled once, into MLX's and CUDA's disk caches, not by every worker at once;
-    one job: the scoring kernels' templates do not depend on its length); worker ``--shard K/N`` then takes every N-th other job from the K-th.
-    """
+    one job: the scoring kernels' templates do not depend on its length); worker
+    ``--shard K/N`` then takes every N-th other job from the K-th."""
     first = args.first_sample
     order = [(i, n, t) for i in range(first, first + args.samples) for n in args.lengths
              for t in args.tasks]  # fmt: skip
@@ -203,9 +203,12 @@ def run_workers(args, argv: list) -> dict:
     # KVFN_DECODE_KERNEL.
     env.setdefault("KVFN_DECODE_KERNEL", "0")
 
+    def part(shard: str) -> str:
+        return f"{args.out}.part-{shard.replace('/', '-')}"
+
     def start(shard: str):
         cmd = [sys.executable, __file__, *argv, "--workers", "1", "--shard", shard,
-               "--out", f"{args.out}.part-{shard.replace('/', '-')}"]  # fmt: skip
+               "--out", part(shard)]  # fmt: skip
         return shard, subprocess.Popen(cmd, env=env)
 
     done = [start("warm")]
@@ -214,17 +217,17 @@ def run_workers(args, argv: list) -> dict:
     records, errors, parts = [], [], []
     for shard, proc in done:
         code = proc.wait()
-        part = Path(f"{args.out}.part-{shard.replace('/', '-')}.json")
+        path = Path(f"{part(shard)}.json")
         if code != 0:
             errors.append(dict(shard=shard, exit_code=code))
-        if part.is_file():
-            got = json.loads(part.read_text())
+        if path.is_file():
+            got = json.loads(path.read_text())
             records += got["records"]
             errors += got["errors"]
-            parts.append(part)
+            parts.append(path)
     result = save(Path(f"{args.out}.json"), config_of(args), records, errors)
-    for part in parts:  # only once merged: a run killed while waiting keeps every part
-        part.unlink()
+    for path in parts:  # only once merged: a run killed while waiting keeps every part
+        path.unlink()
     return result
 
 

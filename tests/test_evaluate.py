@@ -125,15 +125,9 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
                                    "niah_single", "--samples", "1", "--first-sample", "1",
                                    "--methods", "full", "snapkv", "streaming", "kv4",
                                    "--out", str(tmp_path / "later"), "--quiet"])  # fmt: skip
-    merged = evaluate_example.main(
-        [
-            "--merge",
-            str(tmp_path / "smoke.json"),
-            str(tmp_path / "later.json"),
-            "--out",
-            str(tmp_path / "both"),
-        ]
-    )
+    merged = evaluate_example.main(["--merge", str(tmp_path / "smoke.json"),
+                                    str(tmp_path / "later.json"), "--out",
+                                    str(tmp_path / "both")])  # fmt: skip
     assert merged["records"] == saved["records"] + later["records"]
     per_task = [c for c in merged["summary"] if c["task"] != "average"]
     assert {c["samples"] for c in per_task} == {2}  # a sample from each run, every cell

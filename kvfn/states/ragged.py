@@ -281,8 +281,8 @@ def reserve(state: RaggedKVCache, room: int) -> RaggedKVCache:
 ARRAY_FIELDS = ("keys", "values", "positions", "starts", "lengths", "offset")
 
 
-def grown(state: RaggedKVCache, slots: int) -> RaggedKVCache:
-    """``state``'s buffer grown to ``slots`` (the last head's free room grows)."""
+def _padded(state: RaggedKVCache, slots: int) -> RaggedKVCache:
+    """``state``'s buffer padded to ``slots`` (the last head's free room grows)."""
     extra = slots - state.slots
     if extra < 0:
         raise ValueError(f"cannot shrink a ragged layer of {state.slots} slots to {slots}")
@@ -303,7 +303,7 @@ def stack(states: list) -> RaggedKVCache:
     if len(shapes) > 1:
         raise ValueError(f"cannot stack ragged layers of different heads or dtypes: {shapes}")
     slots = max(s.slots for s in states)
-    states = [grown(s, slots) for s in states]
+    states = [_padded(s, slots) for s in states]
     rooms = [s.room for s in states]
     kept = {s.kept for s in states}
     joined = {f: mx.concatenate([getattr(s, f) for s in states]) for f in ARRAY_FIELDS}
