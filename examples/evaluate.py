@@ -4,20 +4,24 @@
 
 Per sample the context is prefilled once; every method and question reuses that state. Methods:
 full; any policy name kvfn.parse_policy takes (snapkv, snapkv-k15-avg-layer, streaming, random,
-...: evict to a budget of rows; duo-r25 with --head-pattern: DuoAttention, 25% retrieval heads); kvB (mlx-lm KV quantization to B bits, every row kept);
-POLICY+kvB (evict, then quantize, keeping as many rows as fit in the budget's bytes). Writes OUT.json (records + summary; rewritten after every sample), OUT.md
-(tables) and OUT-MODE-LENGTH.png. --merge a.json b.json makes them from earlier runs' records.
+...: evict to a budget of rows; duo-r25 with --head-pattern: DuoAttention, 25% retrieval heads);
+kvB (mlx-lm KV quantization to B bits, every row kept); POLICY+kvB (evict, then quantize, keeping
+as many rows as fit in the budget's bytes). Writes OUT.json (records + summary; rewritten after
+every sample; OUT.json.gz with --gzip), OUT.md (tables) and OUT-MODE-LENGTH.png. --merge a.json
+b.json.gz makes them from earlier runs' records.
 Each mean comes with its 95% bootstrap interval over samples, and every policy with its paired
 difference from snapkv and from streaming at the same budget (kvfn_eval.report).
 """
 
 import argparse
 import dataclasses
+import gzip
 import json
 import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -46,6 +50,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=2, help="samples per task and length")
     p.add_argument("--first-sample", type=int, default=0,
                    help="the index of the first sample (more samples of an earlier run)")  # fmt: skip
+    p.add_argument("--fill", type=int, metavar="N",
+                   help="run a (length, task) cell's samples only until it has N, counting the "
+                   "samples the --have results hold (theirs are not run again)")  # fmt: skip
+    p.add_argument("--have", nargs="+", default=[], metavar="JSON",
+                   help="earlier results (.json or .json.gz) that --fill counts")  # fmt: skip
     p.add_argument("--questions", type=int, default=4, help="questions per multi-key sample")
     p.add_argument("--ask", type=int, help="questions asked of each sample (default: all); "
                    "the other keys stay as distractors (RULER's multi-key asks one)")  # fmt: skip
@@ -59,7 +68,10 @@ def parse(argv=None) -> argparse.Namespace:
                    help="cast the model's floating-point weights (and so its KV cache)")  # fmt: skip
     p.add_argument("--out", default="eval", help="output path prefix (default: ./eval)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
-                   help="run nothing: tables and plots from the records of earlier runs")  # fmt: skip
+                   help="run nothing: tables and plots from the records of earlier runs "
+                   "(.json or .json.gz)")  # fmt: skip
+    p.add_argument("--gzip", action="store_true",
+                   help="write OUT.json.gz, not OUT.json (results to commit: a tenth the size)")  # fmt: skip
     p.add_argument("--batch", type=int, default=8,
                    help="decode up to this many methods' compacted states at once (states of "
                    "similar rows together; each padded to the batch's longest)")  # fmt: skip
@@ -92,8 +104,14 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"argument --ask: must be >= 1, got {args.ask}")
     if args.first_sample < 0:
         p.error(f"argument --first-sample: must be >= 0, got {args.first_sample}")
-    for name in ("samples", "questions", "batch", "workers"):
-        if getattr(args, name) < 1:
+    if args.have and args.fill is None:
+        p.error("argument --have: counts samples for --fill N; give --fill")
+    try:
+        have_samples(args.have)
+    except ValueError as e:
+        p.error(f"argument {e}")
+    for name in ("samples", "questions", "batch", "workers", "fill"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"argument --{name}: must be >= 1, got {getattr(args, name)}")
     return args
 
@@ -106,10 +124,25 @@ LEGEND = (
 
 
 def save(path: Path, config: dict, records: list, errors: list = ()) -> dict:
+    """Records, summary and paired differences as JSON (gzipped when ``path`` ends in .gz)."""
     result = dict(config=config, records=records, summary=report.summarize(records),
                   differences=report.differences(records), errors=list(errors))  # fmt: skip
-    path.write_text(json.dumps(result, indent=1))
+    path.write_bytes(encode(path, json.dumps(result, indent=1)))
     return result
+
+
+def encode(path: Path, text: str) -> bytes:
+    """``text``'s bytes for ``path``: gzipped if its name ends in .gz."""
+    return gzip.compress(text.encode(), mtime=0) if path.suffix == ".gz" else text.encode()
+
+
+def load(path: Path) -> dict:
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+
+
+def result_path(args) -> Path:
+    return Path(f"{args.out}.json" + (".gz" if args.gzip else ""))
 
 
 def config_of(args) -> dict:
@@ -128,7 +161,9 @@ def jobs(args) -> list[tuple]:
     first = args.first_sample
     order = [(i, n, t) for i in range(first, first + args.samples) for n in args.lengths
              for t in args.tasks]  # fmt: skip
-    warm = [order[0]]
+    if args.fill is not None:
+        order = fill(order, args.fill, have_samples(args.have), args.seed)
+    warm = order[:1]
     if args.shard == "warm":
         return warm
     if args.shard:
@@ -137,10 +172,40 @@ def jobs(args) -> list[tuple]:
     return order
 
 
+def sample_seed(seed: int, i: int) -> int:
+    """The i-th sample's seed under ``--seed``."""
+    return seed * 10_000 + i
+
+
+def have_samples(paths: list) -> set:
+    """The samples, (seed, length, task), that earlier results hold."""
+    got = set()
+    for path in paths:
+        try:
+            records = load(Path(path))["records"]
+        except (OSError, ValueError, EOFError, KeyError) as e:
+            raise ValueError(f"--have {path!r}: {e!r}") from None
+        got |= {(r["seed"], r["target_tokens"], r["task"]) for r in records}
+    return got
+
+
+def fill(order: list, n: int, have: set, seed: int) -> list:
+    """The jobs of ``order`` that bring each (length, task) cell to ``n`` samples, those in
+    ``have`` counted (and not run again), in ``order``'s order."""
+    held = Counter((length, task) for _, length, task in have)
+    need = {(length, task): n - held[length, task] for _, length, task in order}
+    out = []
+    for i, length, task in order:
+        if need[length, task] > 0 and (sample_seed(seed, i), length, task) not in have:
+            out.append((i, length, task))
+            need[length, task] -= 1
+    return out
+
+
 def write_partial(path: Path, config: dict, records: list, errors: list) -> None:
     """The records so far, replaced whole (a process killed mid-write leaves the last)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(dict(config=config, records=records, errors=errors)))
+    tmp.write_bytes(encode(path, json.dumps(dict(config=config, records=records, errors=errors))))
     tmp.replace(path)
 
 
@@ -156,16 +221,17 @@ def run(args) -> dict:
                    head_pattern=pattern, batch=args.batch)  # fmt: skip
     count = token_counter(tokenizer)
     records, errors, t0 = [], [], time.perf_counter()
-    path, config = Path(f"{args.out}.json"), config_of(args)
+    path, config = result_path(args), config_of(args)
     for i, length, task in jobs(args):
         if args.deadline is not None and time.perf_counter() - t0 > args.deadline:
             print(f"deadline: stopped before {length} {task} #{i}", flush=True)
             break
-        sample = tasks.generate(task, seed=args.seed * 10_000 + i, target_tokens=length,
+        sample = tasks.generate(task, seed=sample_seed(args.seed, i), target_tokens=length,
                                 count_tokens=count, n_questions=args.questions)  # fmt: skip
         if args.ask is not None:  # the other keys stay in the context as distractors
             sample = dataclasses.replace(sample, questions=sample.questions[: args.ask])
         mx.reset_peak_memory()
+        started = time.perf_counter()
         try:
             out = ev.run(sample, args.methods, args.budgets, args.modes)
         except Exception as e:
@@ -178,7 +244,8 @@ def run(args) -> dict:
             print(f"error at {length} {task} #{i}, worker stops: {e!r}", flush=True)
             break
         peak = mx.get_peak_memory() / 2**30  # what a worker needs: --workers sizes by it
-        records += [dict(r, peak_gib=round(peak, 2)) for r in out]
+        seconds = round(time.perf_counter() - started, 2)  # with --workers, sharing the device
+        records += [dict(r, peak_gib=round(peak, 2), sample_seconds=seconds) for r in out]
         write_partial(path, config, records, errors)
         if not args.quiet:
             done = {m.name: [] for m in args.methods}
@@ -217,15 +284,15 @@ def run_workers(args, argv: list) -> dict:
     records, errors, parts = [], [], []
     for shard, proc in done:
         code = proc.wait()
-        path = Path(f"{part(shard)}.json")
+        path = Path(f"{part(shard)}.json" + (".gz" if args.gzip else ""))
         if code != 0:
             errors.append(dict(shard=shard, exit_code=code))
         if path.is_file():
-            got = json.loads(path.read_text())
+            got = load(path)
             records += got["records"]
             errors += got["errors"]
             parts.append(path)
-    result = save(Path(f"{args.out}.json"), config_of(args), records, errors)
+    result = save(result_path(args), config_of(args), records, errors)
     for path in parts:  # only once merged: a run killed while waiting keeps every part
         path.unlink()
     return result
@@ -239,8 +306,8 @@ def merge(args) -> dict:
     runs = []
     for path in args.merge:
         try:
-            runs.append(json.loads(Path(path).read_text()))
-        except (OSError, ValueError) as e:
+            runs.append(load(Path(path)))
+        except (OSError, ValueError, EOFError) as e:
             raise SystemExit(f"error: --merge {path!r}: {e}")
     records = [r for run_ in runs for r in run_["records"]]
     seen: dict = {}
@@ -253,7 +320,7 @@ def merge(args) -> dict:
             seen[key] = path
     errors = [e for run_ in runs for e in run_.get("errors", [])]
     args.tasks = sorted({r["task"] for r in records}, key=list(tasks.TASKS).index)
-    return save(Path(f"{args.out}.json"), dict(merged=args.merge, configs=[r["config"] for r in runs]),
+    return save(result_path(args), dict(merged=args.merge, configs=[r["config"] for r in runs]),
                 records, errors)  # fmt: skip
 
 
@@ -281,7 +348,7 @@ def main(argv=None) -> dict:
     Path(f"{out}.md").write_text("\n".join([LEGEND, *tables, *diffs]))
     pngs = report.plot(result["summary"], str(out))
     print(tables[0])
-    print(f"wrote {out}.json, {out}.md, {', '.join(pngs)}")
+    print(f"wrote {result_path(args)}, {out}.md, {', '.join(pngs)}")
     return result
 
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -54,8 +55,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--as-is", action="store_true",
                    help="ship the model's GGUF file unchanged (the published weights, no "
                    "conversion); there, --model FOLDER/FILE.gguf")  # fmt: skip
-    p.add_argument("--limit-mib", type=float, default=ship.DEFAULT_LIMIT / 2**20,
-                   help="a chunk's size limit (default 56: a device call carries 64 MiB)")  # fmt: skip
+    p.add_argument("--limit-mib", type=float,
+                   help="a chunk's size limit (default: a device call's 64 MiB less the working "
+                   "tree that travels with it, less 1 MiB; 56 outside a git checkout)")  # fmt: skip
     p.add_argument("--out", help="chunks go to OUT/c001, ... (default: .ship/NAME); with --join "
                    "the model folder to write")  # fmt: skip
     p.add_argument("--keep-folder", action="store_true", help="keep OUT/model, the folder cut")
@@ -67,9 +69,40 @@ def parse(argv=None) -> argparse.Namespace:
         p.error("--join STAGE takes --out FOLDER and no model")
     if args.as_is and args.bits:
         p.error("--as-is ships the GGUF unchanged: it takes no --bits")
-    if args.limit_mib <= 0:
+    if args.limit_mib is not None and args.limit_mib <= 0:
         p.error(f"argument --limit-mib: must be > 0, got {args.limit_mib}")
     return args
+
+
+CALL_LIMIT = 64 << 20  # what one device call carries: the working tree and the carried chunk
+MARGIN = 1 << 20
+
+
+def travelling_bytes(root: Path) -> Optional[int]:
+    """Bytes of the files a device call sends from the checkout at ``root``: tracked files and
+    untracked ones git does not ignore (None outside a git checkout)."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                                 "--exclude-standard"], cwd=root, capture_output=True)  # fmt: skip
+    except OSError:  # no git
+        return None
+    if listed.returncode != 0:
+        return None
+    paths = (root / name for name in listed.stdout.decode().split("\0") if name)
+    return sum(p.stat().st_size for p in paths if p.is_file())
+
+
+def default_limit(root: Path = ROOT) -> int:
+    """A chunk's size limit: what a call carries besides the working tree at ``root``."""
+    tree = travelling_bytes(root)
+    if tree is None:
+        return ship.DEFAULT_LIMIT
+    limit = CALL_LIMIT - tree - MARGIN
+    if limit < 8 << 20:
+        raise ValueError(f"the working tree at {root} sends {tree / 2**20:.1f} MiB with every "
+                         f"device call: under 8 MiB is left for a chunk; ignore what the device "
+                         f"does not need")  # fmt: skip
+    return limit
 
 
 def default_name(args) -> str:
@@ -130,6 +163,7 @@ def gguf_folder(model: str | None, folder: Path) -> Path:
 
 
 def make_chunks(args) -> None:
+    limit = int(args.limit_mib * 2**20) if args.limit_mib else default_limit()
     name = default_name(args)
     out = Path(args.out or ROOT / ".ship" / name)
     if out.exists() and any(out.iterdir()):
@@ -143,7 +177,7 @@ def make_chunks(args) -> None:
         converted = ship.convert(model, dtype=getattr(mx, args.dtype), bits=args.bits)
         del model
         folder = ship.save(converted, tokenizer, out / "model")
-    dirs = ship.chunk(folder, out, limit=int(args.limit_mib * 2**20))
+    dirs = ship.chunk(folder, out, limit=limit)
     total = sum(f.stat().st_size for f in folder.iterdir())
     if not args.keep_folder:
         shutil.rmtree(folder)

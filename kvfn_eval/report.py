@@ -232,6 +232,16 @@ def markdown_differences(diffs: Sequence[dict], task: str = "average") -> str:
     return "\n".join(out)
 
 
+def styles(methods: Sequence[str]) -> dict:
+    """A (colour, marker, line style) per method, distinct for up to 30 methods and the same in
+    every panel: ten colours, then the ten again with other markers and lines."""
+    from matplotlib import colormaps
+
+    colours = colormaps["tab10"].colors
+    shapes = [("o", "-"), ("^", ":"), ("s", "--")]
+    return {m: (colours[i % 10], *shapes[(i // 10) % 3]) for i, m in enumerate(methods)}
+
+
 def plot(summary: Sequence[dict], path_prefix: str) -> list[str]:
     """One PNG per (mode, length): a panel per task, accuracy vs KV bytes (% of the full
     cache, log scale), a line per evicting method, a point per method that keeps every row
@@ -243,6 +253,7 @@ def plot(summary: Sequence[dict], path_prefix: str) -> list[str]:
     from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
 
     written = []
+    style = styles(sorted({r["method"] for r in summary} - {"full"}))
     for mode, length in sorted({(r["mode"], r["target_tokens"]) for r in summary}):
         rows = [r for r in summary if r["mode"] == mode and r["target_tokens"] == length]
         tasks = sorted({r["task"] for r in rows}, key=lambda t: (t == "average", t))
@@ -259,9 +270,11 @@ def plot(summary: Sequence[dict], path_prefix: str) -> list[str]:
                 if method == "full":
                     ax.axhline(y[0], color="black", linestyle="--", linewidth=1, label="full")
                 elif len(pts) == 1:  # keeps every row (KV quantization alone): one point
-                    ax.plot(x, y, marker="s", markersize=8, linestyle="", zorder=3, label=method)
+                    ax.plot(x, y, marker="s", markersize=8, linestyle="", zorder=3,
+                            color=style[method][0], label=method)  # fmt: skip
                 else:
-                    ax.plot(x, y, marker="o", label=method)
+                    colour, marker, line = style[method]
+                    ax.plot(x, y, color=colour, marker=marker, linestyle=line, label=method)
             ax.set_xscale("log")
             ax.xaxis.set_major_locator(FixedLocator([1, 3, 6, 12, 25, 50, 100]))
             ax.xaxis.set_major_formatter(ScalarFormatter())

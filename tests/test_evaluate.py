@@ -1,5 +1,6 @@
 """The evaluator on SmolLM2: prompts, equal-memory accounting, reuse, and the example script."""
 
+import gzip
 import json
 import re
 
@@ -116,6 +117,7 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
     assert len(saved["records"]) == len(result["records"]) == 2 * 2 * 4
     assert saved["config"]["methods"] == ["full", "snapkv", "streaming", "kv4"]
     assert all(r["peak_gib"] > 0 for r in saved["records"])  # a sample's peak, to size workers
+    assert all(r["sample_seconds"] > 0 for r in saved["records"])  # and its time, to plan calls
     table = (tmp_path / "smoke.md").read_text()
     assert "**average, query-agnostic**" in table and "**passkey, query-aware**" in table
     for mode in ("aware", "agnostic"):
@@ -129,6 +131,19 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
                                     str(tmp_path / "later.json"), "--out",
                                     str(tmp_path / "both")])  # fmt: skip
     assert merged["records"] == saved["records"] + later["records"]
+    filling = ["--lengths", "200", "--tasks", "passkey", "niah_single", "--samples", "9",
+               "--fill", "3", "--have", str(tmp_path / "smoke.json"),
+               str(tmp_path / "later.json")]  # fmt: skip
+    had = [(2, 200, "passkey"), (2, 200, "niah_single")]  # samples 0 and 1 are had
+    assert evaluate_example.jobs(evaluate_example.parse(filling)) == had
+    zipped = evaluate_example.main(["--merge", str(tmp_path / "smoke.json"), "--gzip", "--out",
+                                    str(tmp_path / "zipped")])  # fmt: skip
+    assert not (tmp_path / "zipped.json").exists()
+    assert gzip.decompress((tmp_path / "zipped.json.gz").read_bytes()).startswith(b"{")
+    again = evaluate_example.main(["--merge", str(tmp_path / "zipped.json.gz"),
+                                   str(tmp_path / "later.json"), "--out",
+                                   str(tmp_path / "again")])  # fmt: skip
+    assert again["records"] == merged["records"]  # a gzipped result merges like its JSON
     per_task = [c for c in merged["summary"] if c["task"] != "average"]
     assert {c["samples"] for c in per_task} == {2}  # a sample from each run, every cell
     with pytest.raises(SystemExit, match="both answer"):  # the same samples twice: refused
@@ -139,6 +154,9 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["--have", "x.json"], "--have: counts samples for --fill N; give --fill"),
+        (["--fill", "2", "--have", "nowhere.json"], "--have 'nowhere.json': FileNotFoundError"),
+        (["--fill", "0"], "--fill: must be >= 1, got 0"),
         (["--tasks", "nope"], "--tasks: unknown task 'nope'"),
         (["--methods", "snapkv+kv5"], "--methods: unknown method 'snapkv\\+kv5'"),
         (["--budgets", "20"], "--budgets: must be >= window \\+ sink tokens = 36, got 20"),

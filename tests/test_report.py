@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvfn_eval.report import differences, markdown, markdown_differences, plot, summarize
+from kvfn_eval.report import differences, markdown, markdown_differences, plot, styles, summarize
 
 
 def rec(task, method, budget, score, frac, kept=None, mode="aware", tokens=1000, seed=None):
@@ -167,3 +167,12 @@ def test_plot_writes_one_png_per_mode_and_length(tmp_path):
                                                         "run-aware-1000.png"]  # fmt: skip
     for f in files:
         assert open(f, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_method_has_its_own_style_in_every_panel():
+    """Twelve methods (the registry's): no two share a line's look (matplotlib's default cycle
+    repeats after ten), and a method's look does not depend on the panel."""
+    methods = [f"m{i}" for i in range(12)]
+    looks = styles(methods)
+    assert len(set(looks.values())) == 12
+    assert styles(methods)["m11"] == looks["m11"] != looks["m1"]

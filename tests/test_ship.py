@@ -212,3 +212,28 @@ def test_a_gguf_ships_as_it_is_and_the_check_loads_it(tmp_path, capsys):
     folder.mkdir()
     with pytest.raises(SystemExit, match="--as-is ships a GGUF file; .* is not one"):
         ship_model.main([str(folder), "--as-is", "--out", str(tmp_path / "y")])
+
+
+def test_the_default_chunk_leaves_room_for_the_tree_that_travels(tmp_path):
+    """A chunk and the working tree travel in one 64 MiB call: the default limit is what the
+    tree's tracked and unignored files leave; ignored files do not count."""
+    import subprocess
+
+    from examples import ship_model
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    (repo / ".gitignore").write_text("/.ship/\n")
+    (repo / "tracked.bin").write_bytes(b"x" * (3 << 20))
+    (repo / ".ship").mkdir()
+    (repo / ".ship" / "c001").write_bytes(b"x" * (40 << 20))  # ignored: not counted
+    subprocess.run(["git", "add", "tracked.bin"], cwd=repo, check=True)
+    (repo / "untracked.bin").write_bytes(b"x" * (2 << 20))  # sent too
+    tree = ship_model.travelling_bytes(repo)
+    assert tree == (5 << 20) + len("/.ship/\n")
+    assert ship_model.default_limit(repo) == ship_model.CALL_LIMIT - tree - ship_model.MARGIN
+    assert ship_model.travelling_bytes(tmp_path) is None  # not a git checkout
+    (repo / "big.bin").write_bytes(b"x" * (56 << 20))
+    with pytest.raises(ValueError, match=r"sends 61\.0 MiB with every device call"):
+        ship_model.default_limit(repo)

@@ -108,9 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline", action="store_true")
     flags.add_arguments(p, "none, or a policy: chunkkv (recommended: a request's prompt ends "
                         "with its question, and chunkkv kept the full cache's answers at 12.5%% "
-                        "of the rows there, 90 [85, 94] of 92 at 4K and 84 [81, 86] of 88 at 8K "
-                        "tokens; docs/evaluation.md), snapkv, adakvzip-global (for prompts "
-                        "cached before their questions), streaming, ...")  # fmt: skip
+                        "of the rows there, 88 [85, 91] of 89 at 4K and 8K tokens and 79 "
+                        "[74, 84] of 79 at 32K; docs/evaluation.md), snapkv, adakvzip-global "
+                        "(for prompts cached before their questions), streaming, ...")  # fmt: skip
     return p
 
 
