@@ -182,7 +182,8 @@ def _budget_name(budget) -> str:
 
 
 def _table(title: str, rows: Sequence[dict], cell, all_rows: bool) -> list[str]:
-    """A table a mode: a row per (length, method), a column per budget (after "all rows")."""
+    """A table a mode: a row per (length, method) with its samples (the most of any budget's),
+    a column per budget (after "all rows")."""
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
     out = []
     for mode in sorted({r["mode"] for r in rows}):
@@ -196,12 +197,14 @@ def _table(title: str, rows: Sequence[dict], cell, all_rows: bool) -> list[str]:
                 lines.append(line)
             cells[(*line, r["budget"])] = r
         columns = [None, *budgets] if all_rows else budgets
-        head = ["tokens", "method", *map(_budget_name, columns)]
+        head = ["tokens", "method", "samples", *map(_budget_name, columns)]
         out += [title.format(mode=mode), "", "| " + " | ".join(head) + " |",
                 "|" + "---|" * len(head)]  # fmt: skip
         for length, method in lines:
+            got = [cells[length, method, b] for b in columns if (length, method, b) in cells]
             values = [cell(cells.get((length, method, b))) for b in columns]
-            out.append(f"| {length} | {method} | " + " | ".join(values) + " |")
+            n = max(r["samples"] for r in got)
+            out.append(f"| {length} | {method} | {n} | " + " | ".join(values) + " |")
         out.append("")
     return out
 

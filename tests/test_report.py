@@ -39,15 +39,15 @@ def test_markdown_puts_methods_in_rows_and_budgets_in_columns():
     table = markdown(summarize(RECORDS))
     lines = table.splitlines()
     assert lines[0] == "**average, query-aware**"
-    assert lines[2] == "| tokens | method | all rows | 128 |"
+    assert lines[2] == "| tokens | method | samples | all rows | 128 |"
     # common_words has one sample (a record without a seed is a sample of its own): the
-    # average has no interval
-    assert "| 1000 | full | 50.0 (100%) |  |" in lines
-    assert "| 1000 | snapkv |  | 62.5 (14%) |" in lines
+    # average (3 samples: passkey's 2 and that one) has no interval
+    assert "| 1000 | full | 3 | 50.0 (100%) |  |" in lines
+    assert "| 1000 | snapkv | 3 |  | 62.5 (14%) |" in lines
     passkey = {(r["method"]): r for r in summarize(RECORDS) if r["task"] == "passkey"}
     full = passkey["full"]  # two samples, 1 and 0
     assert full["samples"] == 2 and full["lo"] == 0.0 and full["hi"] == 100.0
-    assert f"| 1000 | full | 50.0 [{full['lo']:.1f}, {full['hi']:.1f}] (100%) |  |" in (
+    assert f"| 1000 | full | 2 | 50.0 [{full['lo']:.1f}, {full['hi']:.1f}] (100%) |  |" in (
         markdown(summarize(RECORDS), task="passkey").splitlines()
     )
 
@@ -127,8 +127,8 @@ def test_a_method_always_one_point_better_differs_by_one_with_no_spread():
     assert unpaired["hi"] - unpaired["lo"] > 20  # the samples' own spread, paired away
     table = markdown_differences(rows).splitlines()
     assert table[0] == "**average, query-aware: points over snapkv, paired by sample**"
-    assert table[2] == "| tokens | method | 128 |"
-    assert table[4:] == ["| 1000 | chunkkv | +1.0 [+1.0, +1.0] |"]  # not snapkv's own
+    assert table[2] == "| tokens | method | samples | 128 |"
+    assert table[4:] == ["| 1000 | chunkkv | 12 | +1.0 [+1.0, +1.0] |"]  # 6 a task; not snapkv
 
 
 def test_records_without_a_seed_pair_by_their_order():
