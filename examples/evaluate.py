@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -51,8 +52,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--first-sample", type=int, default=0,
                    help="the index of the first sample (more samples of an earlier run)")  # fmt: skip
     p.add_argument("--fill", type=int, metavar="N",
-                   help="run a (length, task) cell's samples only until it has N, counting the "
-                   "samples the --have results hold (theirs are not run again)")  # fmt: skip
+                   help="run a (length, task) cell's samples (of --first-sample's --samples) only "
+                   "until it has N, counting the samples the --have results hold (theirs are "
+                   "not run again)")  # fmt: skip
     p.add_argument("--have", nargs="+", default=[], metavar="JSON",
                    help="earlier results (.json or .json.gz) that --fill counts")  # fmt: skip
     p.add_argument("--questions", type=int, default=4, help="questions per multi-key sample")
@@ -104,22 +106,26 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"argument --ask: must be >= 1, got {args.ask}")
     if args.first_sample < 0:
         p.error(f"argument --first-sample: must be >= 0, got {args.first_sample}")
-    if args.have and args.fill is None:
-        p.error("argument --have: counts samples for --fill N; give --fill")
-    try:
-        have_samples(args.have)
-    except ValueError as e:
-        p.error(f"argument {e}")
     for name in ("samples", "questions", "batch", "workers", "fill"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"argument --{name}: must be >= 1, got {getattr(args, name)}")
+    if args.have and args.fill is None:
+        p.error("argument --have: counts samples for --fill N; give --fill")
+    out = result_path(args.out, args.gzip).resolve()
+    if any(Path(h).resolve() == out for h in args.have):
+        p.error(f"argument --have: {out} is also this run's output (--out): it would be replaced")
+    try:
+        args.had = have_samples(args.have) if not args.merge else set()
+    except ValueError as e:
+        p.error(f"argument --have: {e}")
     return args
 
 
 LEGEND = (
     "Accuracy % [95% bootstrap interval over samples, none with one sample] (KV bytes, % of "
-    "the full cache); then each policy's paired difference in points from snapkv and from "
-    "streaming at the same budget, over the samples both answered.\n"
+    "the full cache), after each row's samples (an average's: its tasks' together); then each "
+    "policy's paired difference in points from snapkv and from streaming at the same budget, "
+    "over the samples both answered.\n"
 )
 
 
@@ -137,16 +143,24 @@ def encode(path: Path, text: str) -> bytes:
 
 
 def load(path: Path) -> dict:
-    data = path.read_bytes()
-    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+    """A result written by ``save`` (or a part by ``write_partial``): a dict with records."""
+    try:
+        data = path.read_bytes()
+        result = json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+    except (OSError, EOFError, zlib.error, ValueError) as e:
+        raise ValueError(f"{str(path)!r} is not a readable result ({e})") from None
+    if not isinstance(result, dict) or not isinstance(result.get("records"), list):
+        raise ValueError(f"{str(path)!r} is not a result: no list of records")
+    return result
 
 
-def result_path(args) -> Path:
-    return Path(f"{args.out}.json" + (".gz" if args.gzip else ""))
+def result_path(prefix: str, gzipped: bool) -> Path:
+    """Where a run's JSON goes: PREFIX.json, or PREFIX.json.gz."""
+    return Path(f"{prefix}.json" + (".gz" if gzipped else ""))
 
 
 def config_of(args) -> dict:
-    config = {k: v for k, v in vars(args).items() if k != "methods"}
+    config = {k: v for k, v in vars(args).items() if k not in ("methods", "had")}
     config.update(methods=[m.name for m in args.methods], device=str(mx.default_device()))
     return config
 
@@ -162,7 +176,7 @@ def jobs(args) -> list[tuple]:
     order = [(i, n, t) for i in range(first, first + args.samples) for n in args.lengths
              for t in args.tasks]  # fmt: skip
     if args.fill is not None:
-        order = fill(order, args.fill, have_samples(args.have), args.seed)
+        order = fill(order, args.fill, args.had, args.seed)
     warm = order[:1]
     if args.shard == "warm":
         return warm
@@ -181,11 +195,10 @@ def have_samples(paths: list) -> set:
     """The samples, (seed, length, task), that earlier results hold."""
     got = set()
     for path in paths:
-        try:
-            records = load(Path(path))["records"]
-        except (OSError, ValueError, EOFError, KeyError) as e:
-            raise ValueError(f"--have {path!r}: {e!r}") from None
-        got |= {(r["seed"], r["target_tokens"], r["task"]) for r in records}
+        for r in load(Path(path))["records"]:
+            if r.get("seed") is None:
+                raise ValueError(f"{path!r} has records without a seed: they match no sample")
+            got.add((r["seed"], r["target_tokens"], r["task"]))
     return got
 
 
@@ -221,17 +234,17 @@ def run(args) -> dict:
                    head_pattern=pattern, batch=args.batch)  # fmt: skip
     count = token_counter(tokenizer)
     records, errors, t0 = [], [], time.perf_counter()
-    path, config = result_path(args), config_of(args)
+    path, config = result_path(args.out, args.gzip), config_of(args)
     for i, length, task in jobs(args):
         if args.deadline is not None and time.perf_counter() - t0 > args.deadline:
             print(f"deadline: stopped before {length} {task} #{i}", flush=True)
             break
+        started = time.perf_counter()
         sample = tasks.generate(task, seed=sample_seed(args.seed, i), target_tokens=length,
                                 count_tokens=count, n_questions=args.questions)  # fmt: skip
         if args.ask is not None:  # the other keys stay in the context as distractors
             sample = dataclasses.replace(sample, questions=sample.questions[: args.ask])
         mx.reset_peak_memory()
-        started = time.perf_counter()
         try:
             out = ev.run(sample, args.methods, args.budgets, args.modes)
         except Exception as e:
@@ -244,7 +257,7 @@ def run(args) -> dict:
             print(f"error at {length} {task} #{i}, worker stops: {e!r}", flush=True)
             break
         peak = mx.get_peak_memory() / 2**30  # what a worker needs: --workers sizes by it
-        seconds = round(time.perf_counter() - started, 2)  # with --workers, sharing the device
+        seconds = round(time.perf_counter() - started, 2)  # its making too; sharing with --workers
         records += [dict(r, peak_gib=round(peak, 2), sample_seconds=seconds) for r in out]
         write_partial(path, config, records, errors)
         if not args.quiet:
@@ -284,7 +297,7 @@ def run_workers(args, argv: list) -> dict:
     records, errors, parts = [], [], []
     for shard, proc in done:
         code = proc.wait()
-        path = Path(f"{part(shard)}.json" + (".gz" if args.gzip else ""))
+        path = result_path(part(shard), args.gzip)
         if code != 0:
             errors.append(dict(shard=shard, exit_code=code))
         if path.is_file():
@@ -292,7 +305,7 @@ def run_workers(args, argv: list) -> dict:
             records += got["records"]
             errors += got["errors"]
             parts.append(path)
-    result = save(result_path(args), config_of(args), records, errors)
+    result = save(result_path(args.out, args.gzip), config_of(args), records, errors)
     for path in parts:  # only once merged: a run killed while waiting keeps every part
         path.unlink()
     return result
@@ -320,14 +333,17 @@ def merge(args) -> dict:
             seen[key] = path
     errors = [e for run_ in runs for e in run_.get("errors", [])]
     args.tasks = sorted({r["task"] for r in records}, key=list(tasks.TASKS).index)
-    return save(result_path(args), dict(merged=args.merge, configs=[r["config"] for r in runs]),
-                records, errors)  # fmt: skip
+    config = dict(merged=args.merge, configs=[r["config"] for r in runs])
+    return save(result_path(args.out, args.gzip), config, records, errors)
 
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
     out = Path(args.out)
+    if args.fill is not None and not (args.merge or args.shard) and not jobs(args):
+        raise SystemExit(f"error: nothing to run: every (length, task) cell has {args.fill} "
+                         f"samples in --have")  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         if args.merge:
@@ -348,7 +364,7 @@ def main(argv=None) -> dict:
     Path(f"{out}.md").write_text("\n".join([LEGEND, *tables, *diffs]))
     pngs = report.plot(result["summary"], str(out))
     print(tables[0])
-    print(f"wrote {result_path(args)}, {out}.md, {', '.join(pngs)}")
+    print(f"wrote {result_path(args.out, args.gzip)}, {out}.md, {', '.join(pngs)}")
     return result
 
 

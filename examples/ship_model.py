@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -76,9 +75,10 @@ def parse(argv=None) -> argparse.Namespace:
 
 CALL_LIMIT = 64 << 20  # what one device call carries: the working tree and the carried chunk
 MARGIN = 1 << 20
+MIN_CHUNK = 8 << 20
 
 
-def travelling_bytes(root: Path) -> Optional[int]:
+def travelling_bytes(root: Path) -> int | None:
     """Bytes of the files a device call sends from the checkout at ``root``: tracked files and
     untracked ones git does not ignore (None outside a git checkout)."""
     try:
@@ -98,10 +98,10 @@ def default_limit(root: Path = ROOT) -> int:
     if tree is None:
         return ship.DEFAULT_LIMIT
     limit = CALL_LIMIT - tree - MARGIN
-    if limit < 8 << 20:
+    if limit < MIN_CHUNK:
         raise ValueError(f"the working tree at {root} sends {tree / 2**20:.1f} MiB with every "
-                         f"device call: under 8 MiB is left for a chunk; ignore what the device "
-                         f"does not need")  # fmt: skip
+                         f"device call: under {MIN_CHUNK >> 20} MiB is left for a chunk; ignore "
+                         f"what the device does not need, or set --limit-mib")  # fmt: skip
     return limit
 
 
@@ -163,7 +163,7 @@ def gguf_folder(model: str | None, folder: Path) -> Path:
 
 
 def make_chunks(args) -> None:
-    limit = int(args.limit_mib * 2**20) if args.limit_mib else default_limit()
+    limit = int(args.limit_mib * 2**20) if args.limit_mib is not None else default_limit()
     name = default_name(args)
     out = Path(args.out or ROOT / ".ship" / name)
     if out.exists() and any(out.iterdir()):
@@ -184,6 +184,11 @@ def make_chunks(args) -> None:
     sizes = [sum(f.stat().st_size for f in d.iterdir()) for d in dirs]
     print(f"{name}: {total / 2**20:.1f} MiB in {len(dirs)} chunks under {out} (largest "
           f"{max(sizes) / 2**20:.1f} MiB) in {time.perf_counter() - t0:.0f} s")  # fmt: skip
+    tree = travelling_bytes(ROOT)
+    if tree is not None:  # past that, every chunk call is refused
+        room = (CALL_LIMIT - max(sizes)) / 2**20
+        print(f"with them, a call has room for a working tree of {room:.1f} MiB; this one's is "
+              f"{tree / 2**20:.1f} MiB")  # fmt: skip
     print_calls(dirs, name)
 
 

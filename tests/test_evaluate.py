@@ -134,8 +134,10 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
     filling = ["--lengths", "200", "--tasks", "passkey", "niah_single", "--samples", "9",
                "--fill", "3", "--have", str(tmp_path / "smoke.json"),
                str(tmp_path / "later.json")]  # fmt: skip
-    had = [(2, 200, "passkey"), (2, 200, "niah_single")]  # samples 0 and 1 are had
-    assert evaluate_example.jobs(evaluate_example.parse(filling)) == had
+    to_run = [(2, 200, "passkey"), (2, 200, "niah_single")]  # samples 0 and 1 are had
+    assert evaluate_example.jobs(evaluate_example.parse(filling)) == to_run
+    with pytest.raises(SystemExit, match="nothing to run: every .* cell has 2 samples"):
+        evaluate_example.main(filling[:-4] + ["2", *filling[-3:]])
     zipped = evaluate_example.main(["--merge", str(tmp_path / "smoke.json"), "--gzip", "--out",
                                     str(tmp_path / "zipped")])  # fmt: skip
     assert not (tmp_path / "zipped.json").exists()
@@ -144,6 +146,8 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
                                    str(tmp_path / "later.json"), "--out",
                                    str(tmp_path / "again")])  # fmt: skip
     assert again["records"] == merged["records"]  # a gzipped result merges like its JSON
+    from_gzip = evaluate_example.parse(filling[:-2] + [str(tmp_path / "zipped.json.gz")])
+    assert evaluate_example.jobs(from_gzip)[:2] == [(1, 200, "passkey"), (1, 200, "niah_single")]
     per_task = [c for c in merged["summary"] if c["task"] != "average"]
     assert {c["samples"] for c in per_task} == {2}  # a sample from each run, every cell
     with pytest.raises(SystemExit, match="both answer"):  # the same samples twice: refused
@@ -155,7 +159,7 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
     "argv, message",
     [
         (["--have", "x.json"], "--have: counts samples for --fill N; give --fill"),
-        (["--fill", "2", "--have", "nowhere.json"], "--have 'nowhere.json': FileNotFoundError"),
+        (["--fill", "2", "--have", "nowhere.json"], "--have: 'nowhere.json' is not a readable"),
         (["--fill", "0"], "--fill: must be >= 1, got 0"),
         (["--tasks", "nope"], "--tasks: unknown task 'nope'"),
         (["--methods", "snapkv+kv5"], "--methods: unknown method 'snapkv\\+kv5'"),
@@ -177,6 +181,29 @@ def test_example_flags_are_checked(argv, message, capsys):
         evaluate_example.main(argv)
     said = capsys.readouterr().err + str(exit_.value.code)  # argparse prints; SystemExit carries
     assert message.replace("\\", "") in said
+
+
+def test_have_files_are_checked(tmp_path, capsys):
+    """--have names a file that is no result, one whose records have no seed, or this run's
+    own output: a clear error before anything runs."""
+    (tmp_path / "text.json").write_text("not json")
+    (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
+    record = dict(task="passkey", target_tokens=200, seed=None)
+    (tmp_path / "seedless.json").write_text(json.dumps(dict(records=[record])))
+    (tmp_path / "out.json.gz").write_bytes(gzip.compress(b'{"records": []}'))
+    for name, message in [
+        ("text.json", "is not a readable result"),
+        ("list.json", "is not a result: no list of records"),
+        ("bad.json.gz", "is not a readable result"),
+        ("seedless.json", "has records without a seed: they match no sample"),
+        ("out.json.gz", "is also this run's output"),
+    ]:
+        argv = ["--fill", "2", "--have", str(tmp_path / name), "--gzip", "--out",
+                str(tmp_path / "out")]  # fmt: skip
+        with pytest.raises(SystemExit):
+            evaluate_example.main(argv)
+        assert message in capsys.readouterr().err
 
 
 def test_duo_runs_in_the_evaluator_with_a_head_pattern(smollm2, sample):

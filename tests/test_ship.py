@@ -4,6 +4,7 @@ logits; a missing, corrupt or foreign chunk is named."""
 import json
 import os
 import shutil
+import subprocess
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -214,11 +215,10 @@ def test_a_gguf_ships_as_it_is_and_the_check_loads_it(tmp_path, capsys):
         ship_model.main([str(folder), "--as-is", "--out", str(tmp_path / "y")])
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_the_default_chunk_leaves_room_for_the_tree_that_travels(tmp_path):
     """A chunk and the working tree travel in one 64 MiB call: the default limit is what the
     tree's tracked and unignored files leave; ignored files do not count."""
-    import subprocess
-
     from examples import ship_model
 
     repo = tmp_path / "repo"
