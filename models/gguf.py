@@ -1,4 +1,4 @@
-"""Read a GGUF file's header: metadata and tensor types, without loading tensor data.
+"""Read a GGUF file's header: metadata, tensor types, shapes and offsets, without tensor data.
 
 Enough to validate a file (magic, architecture, tensor types) and give a clear error before
 ``mx.load`` reads the tensors.
@@ -40,6 +40,8 @@ class GGUFHeader:
     metadata: dict
     tensor_types: dict  # tensor name -> type name ("Q4_1", "F32", ...)
     tensor_shapes: dict = field(default_factory=dict)  # name -> GGML dims, row length first
+    tensor_offsets: dict = field(default_factory=dict)  # name -> bytes after data_start
+    data_start: int = 0  # the tensor data's first byte in the file
 
     @property
     def architecture(self) -> str:
@@ -95,11 +97,13 @@ def read_header(path: str | Path, max_bytes: int = 64 << 20) -> GGUFHeader:
     for _ in range(n_kv):
         key = r.string()
         metadata[key] = r.value(r.take("I"))
-    tensor_types, tensor_shapes = {}, {}
+    tensor_types, tensor_shapes, tensor_offsets = {}, {}, {}
     for _ in range(n_tensors):
         name = r.string()
         tensor_shapes[name] = tuple(r.take("Q") for _ in range(r.take("I")))
         kind = r.take("I")
-        r.take("Q")  # data offset
+        tensor_offsets[name] = r.take("Q")
         tensor_types[name] = TENSOR_TYPES.get(kind, f"type {kind}")
-    return GGUFHeader(version, metadata, tensor_types, tensor_shapes)
+    align = metadata.get("general.alignment", 32)
+    data_start = -(-r.pos // align) * align
+    return GGUFHeader(version, metadata, tensor_types, tensor_shapes, tensor_offsets, data_start)

@@ -2,6 +2,7 @@
 model published as PyPI part packages), or an mlx-lm folder."""
 
 import importlib.util
+import math
 import os
 from pathlib import Path
 
@@ -146,23 +147,35 @@ def _check_supported(header: GGUFHeader, path: Path) -> None:
             )
 
 
-def _dequantized_tensors(path: Path, dtype) -> dict:
-    """Every tensor of the file as ``dtype``, read and dequantized by the gguf package."""
+def _dequantized_tensors(path: Path, header: GGUFHeader, dtype) -> dict:
+    """Every tensor of the file as ``dtype``: its bytes, at the header's offsets, dequantized by
+    the gguf package (whose own reader would parse the metadata again: half the load)."""
     import gguf  # needed only for files that mx.load cannot read
+    import numpy as np
 
-    plain = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = {}
-    for t in gguf.GGUFReader(path).tensors:
-        data = t.data if t.tensor_type in plain else gguf.quants.dequantize(t.data, t.tensor_type)
-        tensors[t.name] = mx.array(data).astype(dtype)
-        mx.eval(tensors[t.name])  # frees the float32 copy before the next tensor
+    for name, kind in header.tensor_types.items():
+        qtype = gguf.GGMLQuantizationType[kind]
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        shape = tuple(reversed(header.tensor_shapes[name]))  # numpy's order: a row last
+        start = header.data_start + header.tensor_offsets[name]
+        data = raw[start : start + math.prod(shape) // block * size]
+        if len(data) * block != math.prod(shape) * size:
+            raise GGUFError(f"{path}: truncated: tensor {name!r} ends past the file")
+        if kind in ("F32", "F16"):
+            values = data.view(np.float32 if kind == "F32" else np.float16).reshape(shape)
+        else:
+            values = gguf.quants.dequantize(data.reshape(*shape[:-1], -1), qtype)
+        tensors[name] = mx.array(values).astype(dtype)
+        mx.eval(tensors[name])  # frees the float32 copy before the next tensor
     return tensors
 
 
 def _read_tensors(path: Path, header: GGUFHeader, dtype) -> dict:
     if set(header.tensor_types.values()) <= set(MLX_TENSOR_TYPES):
         return mx.load(str(path))
-    return _dequantized_tensors(path, dtype)
+    return _dequantized_tensors(path, header, dtype)
 
 
 def _check_bits(bits: int | None, dequantize: bool | None) -> None:

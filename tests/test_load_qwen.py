@@ -372,3 +372,20 @@ def test_known_names_and_unknown_names():
     assert len(parts.split_model("qwen2.5-coder-1.5b").packages) == 22
     with pytest.raises(FileNotFoundError, match="no such model file or folder: qwen9"):
         models.load("qwen9")
+
+
+def test_tensor_data_is_read_where_the_gguf_reader_finds_it(tmp_path, reference):
+    """The header's offsets (no second parse of the metadata) are the gguf package's; a file
+    cut short is named, not read past its end."""
+    ref_model, _ = reference
+    kinds = {**matrices(ref_model, T.Q8_0), "blk.0.ffn_down.weight": T.Q4_K}
+    write_qwen(tmp_path / "m.gguf", ref_model, kinds)
+    header = models.read_header(tmp_path / "m.gguf")
+    tensors = gguf.GGUFReader(tmp_path / "m.gguf").tensors
+    found = {t.name: int(t.data_offset) for t in tensors}
+    del tensors  # the reader maps the file
+    assert {n: header.data_start + o for n, o in header.tensor_offsets.items()} == found
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: max(found.values()) + 10])
+    with pytest.raises(GGUFError, match="cut.gguf: truncated: tensor .* ends past the file"):
+        models.load(tmp_path / "cut.gguf")
