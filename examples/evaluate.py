@@ -320,8 +320,8 @@ def merge(args) -> dict:
     for path in args.merge:
         try:
             runs.append(load(Path(path)))
-        except (OSError, ValueError, EOFError) as e:
-            raise SystemExit(f"error: --merge {path!r}: {e}")
+        except ValueError as e:
+            raise SystemExit(f"error: --merge {e}")
     records = [r for run_ in runs for r in run_["records"]]
     seen: dict = {}
     for path, run_ in zip(args.merge, runs):

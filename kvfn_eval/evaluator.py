@@ -23,6 +23,7 @@ import numpy as np
 from mlx_lm.generate import generate_step
 
 import kvfn
+from kvfn.passes import with_room
 from kvfn.serving.interop import to_mlx_cache
 
 from . import answers
@@ -213,11 +214,6 @@ def kvfn_greedy(fm, prompt: list[int], states, max_tokens: int, eos: set,
     return out
 
 
-def rows_of(state) -> int:
-    """The rows a plain state holds (its host bound if known)."""
-    return state.max_rows if state.max_rows is not None else int(state.rows.item())
-
-
 def kv_bytes(caches: Sequence, with_positions: bool) -> int:
     total = 0
     for c in caches:
@@ -346,7 +342,7 @@ class Evaluator:
         # double its capacity), and a batch holds states of similar rows: each is padded to the
         # batch's longest
         room = max(len(t) for t in tails) + n_new
-        fits = {kvfn.stack: lambda s: kvfn.reserve(s, max(s.capacity, rows_of(s) + room)),
+        fits = {kvfn.stack: lambda s: with_room(s, room),
                 kvfn.ragged.stack: lambda s: kvfn.ragged.reserve(s, room)}  # fmt: skip
         for stack, indices in batched.items():
             indices = sorted(indices, key=lambda i: cells[i][2])

@@ -160,13 +160,11 @@ def _dequantized_tensors(path: Path, header: GGUFHeader, dtype) -> dict:
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         shape = tuple(reversed(header.tensor_shapes[name]))  # numpy's order: a row last
         start = header.data_start + header.tensor_offsets[name]
-        data = raw[start : start + math.prod(shape) // block * size]
-        if len(data) * block != math.prod(shape) * size:
+        nbytes = math.prod(shape) // block * size
+        data = raw[start : start + nbytes]
+        if len(data) != nbytes:
             raise GGUFError(f"{path}: truncated: tensor {name!r} ends past the file")
-        if kind in ("F32", "F16"):
-            values = data.view(np.float32 if kind == "F32" else np.float16).reshape(shape)
-        else:
-            values = gguf.quants.dequantize(data.reshape(*shape[:-1], -1), qtype)
+        values = gguf.quants.dequantize(data.reshape(*shape[:-1], -1), qtype)  # F32, F16 too
         tensors[name] = mx.array(values).astype(dtype)
         mx.eval(tensors[name])  # frees the float32 copy before the next tensor
     return tensors
