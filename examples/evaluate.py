@@ -81,7 +81,10 @@ def parse(argv=None) -> argparse.Namespace:
                    help="processes sharing the device, each a share of the samples")  # fmt: skip
     p.add_argument("--shard", help=argparse.SUPPRESS)  # K/N: a worker's share
     p.add_argument("--deadline", type=float,
-                   help="seconds after which no new sample is started (the rest are left out)")  # fmt: skip
+                   help="seconds after this command's start (its model load and --workers' "
+                   "warm-up included) past which no new sample starts: the rest are left out, "
+                   "and each worker's last sample still runs to its end")  # fmt: skip
+    p.add_argument("--stop-at", type=float, help=argparse.SUPPRESS)  # a worker's: the parent's
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     for t in args.tasks:
@@ -106,6 +109,8 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"argument --ask: must be >= 1, got {args.ask}")
     if args.first_sample < 0:
         p.error(f"argument --first-sample: must be >= 0, got {args.first_sample}")
+    if args.deadline is not None and not args.deadline > 0:
+        p.error(f"argument --deadline: must be > 0 seconds, got {args.deadline:g}")
     for name in ("samples", "questions", "batch", "workers", "fill"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"argument --{name}: must be >= 1, got {getattr(args, name)}")
@@ -236,7 +241,7 @@ def run(args) -> dict:
     records, errors, t0 = [], [], time.perf_counter()
     path, config = result_path(args.out, args.gzip), config_of(args)
     for i, length, task in jobs(args):
-        if args.deadline is not None and time.perf_counter() - t0 > args.deadline:
+        if args.stop_at is not None and time.time() > args.stop_at:
             print(f"deadline: stopped before {length} {task} #{i}", flush=True)
             break
         started = time.perf_counter()
@@ -289,6 +294,8 @@ def run_workers(args, argv: list) -> dict:
     def start(shard: str):
         cmd = [sys.executable, __file__, *argv, "--workers", "1", "--shard", shard,
                "--out", part(shard)]  # fmt: skip
+        if args.stop_at is not None:  # one deadline for all, from the parent's start
+            cmd += ["--stop-at", repr(args.stop_at)]
         return shard, subprocess.Popen(cmd, env=env)
 
     done = [start("warm")]
@@ -338,8 +345,11 @@ def merge(args) -> dict:
 
 
 def main(argv=None) -> dict:
+    started = time.time()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
+    if args.stop_at is None and args.deadline is not None:
+        args.stop_at = started + args.deadline
     out = Path(args.out)
     if args.fill is not None and not (args.merge or args.shard) and not jobs(args):
         raise SystemExit(f"error: nothing to run: every (length, task) cell has {args.fill} "

@@ -169,6 +169,8 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
         (["--ask", "0"], "--ask: must be >= 1, got 0"),
         (["--workers", "0"], "--workers: must be >= 1, got 0"),
         (["--first-sample", "-1"], "--first-sample: must be >= 0, got -1"),
+        (["--deadline", "0"], "--deadline: must be > 0 seconds, got 0"),
+        (["--deadline", "nan"], "--deadline: must be > 0 seconds, got nan"),
         (["--budgets", "1.5"], "a fraction in (0, 1) or a whole number of rows, got 1.5"),
         (
             ["--lengths", "130", "--tasks", "common_words"],
@@ -293,3 +295,15 @@ def test_workers_share_the_jobs_and_give_one_process_records(tmp_path):
     assert rows(many) == rows(one) and many["errors"] == []
     assert {r["question"] for r in one["records"]} == {0}  # --ask 1: one key asked
     assert not list(tmp_path.glob("many.part*"))  # the workers' parts are merged away
+
+
+def test_a_deadline_counts_from_the_commands_start_for_every_worker(tmp_path, capfd):
+    """--deadline counts from the command's start, the model's load included: a deadline
+    shorter than the load starts no sample, in the warm-up process or a worker (counted from
+    after the load, as it was, each ran one past it)."""
+    argv = ["--lengths", "200", "--budgets", "48", "--tasks", "passkey", "--samples", "2",
+            "--methods", "full", "snapkv", "--quiet", "--deadline", "0.001"]  # fmt: skip
+    result = evaluate_example.main(argv + ["--workers", "2", "--out", str(tmp_path / "w")])
+    assert result["records"] == [] and result["errors"] == []
+    assert not list(tmp_path.glob("w.part*"))
+    assert "deadline: stopped before 200 passkey #0" in capfd.readouterr().out  # the warm-up
