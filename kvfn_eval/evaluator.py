@@ -387,7 +387,8 @@ class Evaluator:
         n_new = max_new_tokens or ANSWER_TOKENS.get(sample.task, 32)
         records = []
 
-        def record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept, seconds):
+        def record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept, seconds,
+                   spent):  # fmt: skip
             prediction = self.tokenizer.decode(answer)
             records.append(dict(
                 task=sample.task, seed=sample.seed, target_tokens=sample.target_tokens,
@@ -395,13 +396,14 @@ class Evaluator:
                 budget=budget, rows=min(rows, P) if rows is not None else P, kv_bytes=nbytes,
                 kv_fraction=nbytes / full_bytes, needle_kept=kept, score_seconds=seconds,
                 prefill_seconds=prefill_seconds, question=q, prediction=prediction,
-                score=answers.match_all(prediction, sample.questions[q].answers),
+                score=answers.match_all(prediction, sample.questions[q].answers), **spent,
             ))  # fmt: skip
 
         def answer_all(mode, states, scores, tails, tokens):
             full_bytes = kv_bytes(to_mlx_cache(states), with_positions=False)
             P, memo, cells = len(tokens), {}, []
             needles = prompts[tails[0][0]].needles  # the context's: the same for all
+            t0 = time.perf_counter()
             for method in methods:
                 for budget in [None] if method.policy is None else budgets:
                     rows = rows_for(method, self.rows(budget, P), self.head_dim, self.itemsize)
@@ -409,12 +411,16 @@ class Evaluator:
                         states, scores, method, rows, sample.seed, needles, tokens, memo, moments
                     )
                     cells.append((method, budget, rows, kept_states, evicted, kept, seconds))
+            t1 = time.perf_counter()
             # every question on the one compacted state
             answered = self.answers(cells, [tail for _, tail in tails], n_new)
+            # shared by the records of this call: every cell's compaction (own scoring passes
+            # included; gathers left lazy are paid in the answers) and every cell's answers
+            spent = dict(compact_seconds=t1 - t0, answer_seconds=time.perf_counter() - t1)
             for (method, budget, rows, _, _, kept, seconds), (got, nbytes) in zip(cells, answered):
                 for (q, _), answer in zip(tails, got):
                     record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept,
-                           seconds)  # fmt: skip
+                           seconds, spent)  # fmt: skip
 
         if "agnostic" in modes:
             states, scores = kvfn.scored_prefill(self.fm, mx.array([head[-w:]]), window=w,

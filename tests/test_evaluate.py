@@ -3,6 +3,7 @@
 import gzip
 import json
 import re
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -62,12 +63,26 @@ def test_prompt_shares_the_context_and_finds_the_needles(smollm2, sample):
         assert q.answers[0] in tokenizer.decode([a.head[i] for i in needle])
 
 
-def test_evaluator_accounts_memory_and_keeps_whole_prompts_exact(smollm2, sample):
+def test_evaluator_accounts_memory_and_time_and_keeps_whole_prompts_exact(smollm2, sample):
     model, tokenizer = smollm2
     ev = Evaluator(model, tokenizer, window=16)
     methods = [Method.parse(m) for m in ["full", "snapkv", "random", "kv8", "snapkv+kv8"]]
+    t0 = time.perf_counter()
     records = ev.run(sample, methods, budgets=[40, 4096])
+    elapsed = time.perf_counter() - t0
     by = {(r["mode"], r["method"], r["budget"], r["question"]): r for r in records}
+    # where the time went: the context's prefill once, then a compaction and an answering of
+    # every cell a call (agnostic: one for both questions; aware: one a question), within the run
+    calls = {(r["mode"], r["question"] if r["mode"] == "aware" else None): r for r in records}
+    assert len(calls) == 3 and all(r["answer_seconds"] > 0 for r in calls.values())
+    spent = sum(r["compact_seconds"] + r["answer_seconds"] for r in calls.values())
+    assert records[0]["prefill_seconds"] + spent <= elapsed
+    for r in records:
+        call = calls[r["mode"], r["question"] if r["mode"] == "aware" else None]
+        assert (r["compact_seconds"], r["answer_seconds"]) == (
+            call["compact_seconds"],
+            call["answer_seconds"],
+        )
     assert len(records) == 2 * 2 * (1 + 2 + 2 + 1 + 2)  # modes x questions x (method, budget)
     for mode in ("aware", "agnostic"):
         for q in (0, 1):
