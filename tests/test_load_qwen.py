@@ -15,7 +15,7 @@ from mlx_lm.models import qwen2
 from tokenizers import pre_tokenizers
 
 import models
-from models import parts
+from models import parts, ship
 from models.gguf import GGUFError
 from tests.conftest import write_gguf
 
@@ -389,3 +389,23 @@ def test_tensor_data_is_read_where_the_gguf_reader_finds_it(tmp_path, reference)
     (tmp_path / "cut.gguf").write_bytes(data[: max(found.values()) + 10])
     with pytest.raises(GGUFError, match="cut.gguf: truncated: tensor .* ends past the file"):
         models.load(tmp_path / "cut.gguf")
+
+
+def test_a_k_quant_file_converts_to_a_bf16_folder_of_the_same_weights(tmp_path, reference):
+    """What the H200 grid's workers load instead of the GGUF (every process dequantized it on
+    the CPU): the folder's weights are the GGUF's load cast to bf16, bit for bit, so its
+    logits are the same as the GGUF model's in bf16."""
+    ref_model, _ = reference
+    kinds = {**matrices(ref_model, T.Q4_K), "blk.1.attn_q.weight": T.Q5_0}
+    kinds.update({"blk.0.ffn_down.weight": T.Q6_K, "blk.0.attn_v.weight": T.Q8_0})
+    write_qwen(tmp_path / "m.gguf", ref_model, kinds)
+    model, tokenizer = models.load(tmp_path / "m.gguf")
+    folder = ship.save(ship.convert(model, dtype=mx.bfloat16), tokenizer, tmp_path / "model")
+    loaded, _ = models.load(folder)
+    model.set_dtype(mx.bfloat16)  # what evaluate.py --dtype bfloat16 does to the GGUF's load
+    want, got = dict(tree_flatten(model.parameters())), dict(tree_flatten(loaded.parameters()))
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype and mx.array_equal(got[name], value).item(), name
+    x = mx.array([[5, 60, 7, 99, 100, 3]])
+    assert mx.array_equal(loaded(x), model(x)).item()
