@@ -81,10 +81,11 @@ def parse(argv=None) -> argparse.Namespace:
                    help="processes sharing the device, each a share of the samples")  # fmt: skip
     p.add_argument("--shard", help=argparse.SUPPRESS)  # K/N: a worker's share
     p.add_argument("--deadline", type=float,
-                   help="seconds after this command's start (its model load and --workers' "
-                   "warm-up included) past which no new sample starts: the rest are left out, "
-                   "and each worker's last sample still runs to its end")  # fmt: skip
-    p.add_argument("--stop-at", type=float, help=argparse.SUPPRESS)  # a worker's: the parent's
+                   help="seconds after main() starts (the model load and --workers' warm-up "
+                   "included; Python's imports, a second or two, not) past which no new sample "
+                   "or worker starts (the rest left out; a started sample ends)")  # fmt: skip
+    # a worker's: the parent's end time, epoch seconds (time.time())
+    p.add_argument("--stop-at", type=float, help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     for t in args.tasks:
@@ -238,7 +239,9 @@ def run(args) -> dict:
                    prefill_step_size=args.prefill_step_size, seed=args.seed,
                    head_pattern=pattern, batch=args.batch)  # fmt: skip
     count = token_counter(tokenizer)
-    records, errors, t0 = [], [], time.perf_counter()
+    records, errors = [], []
+    # progress stamps count from where --deadline counts (a worker: from its parent's start)
+    t0 = time.time() if None in (args.stop_at, args.deadline) else args.stop_at - args.deadline
     path, config = result_path(args.out, args.gzip), config_of(args)
     for i, length, task in jobs(args):
         if args.stop_at is not None and time.time() > args.stop_at:
@@ -270,7 +273,7 @@ def run(args) -> dict:
             for r in out:
                 done[r["method"]].append(r["score"])
             line = " ".join(f"{k}={100 * sum(v) / len(v):.0f}" for k, v in done.items())
-            print(f"[{time.perf_counter() - t0:7.1f}s{' ' + args.shard if args.shard else ''}] "
+            print(f"[{time.time() - t0:7.1f}s{' ' + args.shard if args.shard else ''}] "
                   f"{length} {task} #{i} (peak {peak:.1f} GiB): {line}", flush=True)  # fmt: skip
     if args.shard:
         return dict(config=config, records=records, errors=errors)
@@ -298,9 +301,17 @@ def run_workers(args, argv: list) -> dict:
             cmd += ["--stop-at", repr(args.stop_at)]
         return shard, subprocess.Popen(cmd, env=env)
 
-    done = [start("warm")]
-    done[0][1].wait()
-    done += [start(f"{k}/{args.workers}") for k in range(args.workers)]
+    def due() -> bool:  # past --deadline: no more processes (each would load the model first)
+        return args.stop_at is not None and time.time() > args.stop_at
+
+    done = []
+    if not due():
+        done.append(start("warm"))
+        done[0][1].wait()
+    if due():
+        print("deadline: passed before the workers started", flush=True)
+    else:
+        done += [start(f"{k}/{args.workers}") for k in range(args.workers)]
     records, errors, parts = [], [], []
     for shard, proc in done:
         code = proc.wait()

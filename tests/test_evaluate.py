@@ -312,13 +312,35 @@ def test_workers_share_the_jobs_and_give_one_process_records(tmp_path):
     assert not list(tmp_path.glob("many.part*"))  # the workers' parts are merged away
 
 
-def test_a_deadline_counts_from_the_commands_start_for_every_worker(tmp_path, capfd):
-    """--deadline counts from the command's start, the model's load included: a deadline
-    shorter than the load starts no sample, in the warm-up process or a worker (counted from
-    after the load, as it was, each ran one past it)."""
+def test_a_deadline_counts_from_the_start_and_binds_every_worker(tmp_path, capfd, monkeypatch):
+    """--deadline counts from main()'s start, the model's load included: a deadline shorter than
+    the load starts no sample (counted from after the load, as it was, one ran); with workers,
+    none is started past it, and each gets the parent's end time, not its own start's."""
     argv = ["--lengths", "200", "--budgets", "48", "--tasks", "passkey", "--samples", "2",
-            "--methods", "full", "snapkv", "--quiet", "--deadline", "0.001"]  # fmt: skip
-    result = evaluate_example.main(argv + ["--workers", "2", "--out", str(tmp_path / "w")])
-    assert result["records"] == [] and result["errors"] == []
-    assert not list(tmp_path.glob("w.part*"))
-    assert "deadline: stopped before 200 passkey #0" in capfd.readouterr().out  # the warm-up
+            "--methods", "full", "snapkv", "--quiet"]  # fmt: skip
+    one = evaluate_example.main(argv + ["--deadline", "0.001", "--out", str(tmp_path / "one")])
+    assert (
+        one["records"] == [] and "deadline: stopped before 200 passkey #0" in capfd.readouterr().out
+    )
+    late = evaluate_example.main(argv + ["--deadline", "0.001", "--workers", "2",
+                                         "--out", str(tmp_path / "late")])  # fmt: skip
+    assert late["records"] == [] and not list(tmp_path.glob("late.part*"))
+    assert "deadline: passed before the workers started" in capfd.readouterr().out
+
+    commands = []
+
+    class Started:  # a worker that is started and ends at once, with nothing to merge
+        def __init__(self, cmd, env):
+            commands.append(cmd)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(evaluate_example.subprocess, "Popen", Started)
+    parent = evaluate_example.main(argv + ["--deadline", "600", "--workers", "2",
+                                           "--out", str(tmp_path / "w")])  # fmt: skip
+    stop_at = parent["config"]["stop_at"]
+    assert stop_at > time.time() + 500
+    shards = [evaluate_example.parse(cmd[2:]) for cmd in commands]
+    assert [a.shard for a in shards] == ["warm", "0/2", "1/2"]
+    assert all(a.stop_at == stop_at for a in shards)
