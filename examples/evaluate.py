@@ -221,6 +221,11 @@ def fill(order: list, n: int, have: set, seed: int) -> list:
     return out
 
 
+def past_deadline(args) -> bool:
+    """Whether --deadline has passed: no sample or worker starts after it."""
+    return args.stop_at is not None and time.time() > args.stop_at
+
+
 def write_partial(path: Path, config: dict, records: list, errors: list) -> None:
     """The records so far, replaced whole (a process killed mid-write leaves the last)."""
     tmp = path.with_name(path.name + ".tmp")
@@ -244,7 +249,7 @@ def run(args) -> dict:
     t0 = time.time() if None in (args.stop_at, args.deadline) else args.stop_at - args.deadline
     path, config = result_path(args.out, args.gzip), config_of(args)
     for i, length, task in jobs(args):
-        if args.stop_at is not None and time.time() > args.stop_at:
+        if past_deadline(args):
             print(f"deadline: stopped before {length} {task} #{i}", flush=True)
             break
         started = time.perf_counter()
@@ -301,14 +306,11 @@ def run_workers(args, argv: list) -> dict:
             cmd += ["--stop-at", repr(args.stop_at)]
         return shard, subprocess.Popen(cmd, env=env)
 
-    def due() -> bool:  # past --deadline: no more processes (each would load the model first)
-        return args.stop_at is not None and time.time() > args.stop_at
-
-    done = []
-    if not due():
+    done = []  # none started past --deadline: each would load the model only to stop
+    if not past_deadline(args):
         done.append(start("warm"))
         done[0][1].wait()
-    if due():
+    if past_deadline(args):
         print("deadline: passed before the workers started", flush=True)
     else:
         done += [start(f"{k}/{args.workers}") for k in range(args.workers)]
