@@ -214,6 +214,12 @@ def kvfn_greedy(fm, prompt: list[int], states, max_tokens: int, eos: set,
     return out
 
 
+def peak_gib() -> float:
+    """MLX's peak memory so far (since the caller's ``mx.reset_peak_memory()``), in GiB: read
+    after each phase of a sample, it says which phase set the sample's peak."""
+    return round(mx.get_peak_memory() / 2**30, 3)
+
+
 def kv_bytes(caches: Sequence, with_positions: bool) -> int:
     total = 0
     for c in caches:
@@ -384,6 +390,7 @@ class Evaluator:
             start = kvfn.prefill(self.fm, context, capacity=capacity, **opts)
         mx.eval(kvfn.tree.arrays(start), moments)
         prefill_seconds = time.perf_counter() - t0  # the context's, shared by every method
+        prefill_peak = peak_gib()
         n_new = max_new_tokens or ANSWER_TOKENS.get(sample.task, 32)
         records = []
 
@@ -395,14 +402,15 @@ class Evaluator:
                 prompt_tokens=len(head) + len(prompts[q].tail), mode=mode, method=method.name,
                 budget=budget, rows=min(rows, P) if rows is not None else P, kv_bytes=nbytes,
                 kv_fraction=nbytes / full_bytes, needle_kept=kept, score_seconds=seconds,
-                prefill_seconds=prefill_seconds, question=q, prediction=prediction,
+                prefill_seconds=prefill_seconds, prefill_peak_gib=prefill_peak, question=q,
+                prediction=prediction,
                 score=answers.match_all(prediction, sample.questions[q].answers), **spent,
             ))  # fmt: skip
 
         def answer_all(mode, states, scores, tails, tokens):
             t0 = time.perf_counter()
             mx.eval(kvfn.tree.arrays(states), scores)  # the mode's scored pass, left lazy
-            t1 = time.perf_counter()
+            t1, p1 = time.perf_counter(), peak_gib()
             full_bytes = kv_bytes(to_mlx_cache(states), with_positions=False)
             P, memo, cells = len(tokens), {}, []
             needles = prompts[tails[0][0]].needles  # the context's: the same for all
@@ -413,14 +421,16 @@ class Evaluator:
                         states, scores, method, rows, sample.seed, needles, tokens, memo, moments
                     )
                     cells.append((method, budget, rows, kept_states, evicted, kept, seconds))
-            t2 = time.perf_counter()
+            t2, p2 = time.perf_counter(), peak_gib()
             # every question on the one compacted state
             answered = self.answers(cells, [tail for _, tail in tails], n_new)
             # shared by the records of this call: the mode's scored pass over the context's last
             # tokens (and, asked, the question), every cell's compaction (own scoring passes
-            # included; gathers left lazy are paid in the answers) and every cell's answers
+            # included; gathers left lazy are paid in the answers) and every cell's answers, each
+            # with its seconds and the peak memory so far after it
             spent = dict(window_seconds=t1 - t0, compact_seconds=t2 - t1,
-                         answer_seconds=time.perf_counter() - t2)  # fmt: skip
+                         answer_seconds=time.perf_counter() - t2, window_peak_gib=p1,
+                         compact_peak_gib=p2, answer_peak_gib=peak_gib())  # fmt: skip
             for (method, budget, rows, _, _, kept, seconds), (got, nbytes) in zip(cells, answered):
                 for (q, _), answer in zip(tails, got):
                     record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept,

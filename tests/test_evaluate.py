@@ -67,9 +67,11 @@ def test_evaluator_accounts_memory_and_time_and_keeps_whole_prompts_exact(smollm
     model, tokenizer = smollm2
     ev = Evaluator(model, tokenizer, window=16)
     methods = [Method.parse(m) for m in ["full", "snapkv", "random", "kv8", "snapkv+kv8"]]
+    mx.reset_peak_memory()
     t0 = time.perf_counter()
     records = ev.run(sample, methods, budgets=[40, 4096])
     elapsed = time.perf_counter() - t0
+    peak = mx.get_peak_memory() / 2**30
     by = {(r["mode"], r["method"], r["budget"], r["question"]): r for r in records}
     # where the time went: the context's prefill once, then a call's scored pass, compaction
     # and answering of every cell (agnostic: one call for both questions; aware: one a
@@ -82,6 +84,13 @@ def test_evaluator_accounts_memory_and_time_and_keeps_whole_prompts_exact(smollm
     for r in records:
         call = calls[r["mode"], r["question"] if r["mode"] == "aware" else None]
         assert [r[k] for k in parts] == [call[k] for k in parts]
+    # and the memory: the peak so far after each phase, rising through the calls (agnostic,
+    # then each question asked) to the run's own peak, which the last answers set
+    phases = ("window_peak_gib", "compact_peak_gib", "answer_peak_gib")
+    order = [calls["agnostic", None], calls["aware", 0], calls["aware", 1]]
+    seen = [records[0]["prefill_peak_gib"]] + [c[k] for c in order for k in phases]
+    assert 0 < seen[0] and seen == sorted(seen) and abs(seen[-1] - peak) < 1e-3
+    assert seen[-1] > seen[0]  # the cells' states and answers take memory beyond the prefill
     assert len(records) == 2 * 2 * (1 + 2 + 2 + 1 + 2)  # modes x questions x (method, budget)
     for mode in ("aware", "agnostic"):
         for q in (0, 1):
@@ -104,6 +113,32 @@ def test_evaluator_accounts_memory_and_time_and_keeps_whole_prompts_exact(smollm
         by[("agnostic", "full", None, 0)]["prediction"]
         == by[("aware", "full", None, 0)]["prediction"]
     )
+
+
+def test_records_name_the_phase_that_set_the_memory_peak(smollm2, sample, monkeypatch):
+    model, tokenizer = smollm2
+    ev = Evaluator(model, tokenizer, window=16)
+    held = 0.25  # GiB that a phase holds for a moment, over what it needs
+
+    def holding(phase):
+        def run(*args, **kwargs):
+            mx.eval(mx.zeros((int(held * 2**30) // 4,), mx.float32))
+            return phase(*args, **kwargs)
+
+        return run
+
+    methods, budgets = [Method.parse("full"), Method.parse("snapkv")], [40]
+    peaks = {}
+    for phase in ("compact", "answers"):
+        with monkeypatch.context() as m:
+            m.setattr(ev, phase, holding(getattr(ev, phase)))
+            mx.reset_peak_memory()
+            r = ev.run(sample, methods, budgets, modes=["agnostic"])[0]
+        peaks[phase] = [r[k] for k in ("window_peak_gib", "compact_peak_gib", "answer_peak_gib")]
+    window, compact, answer = peaks["compact"]
+    assert compact - window > 0.8 * held and answer - compact < 0.2 * held
+    window, compact, answer = peaks["answers"]
+    assert compact - window < 0.2 * held and answer - compact > 0.8 * held
 
 
 def test_a_policy_of_ones_own_runs_in_the_evaluator_unchanged(smollm2, sample):
