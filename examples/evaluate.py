@@ -32,7 +32,7 @@ import kvfn_models  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from kvfn_eval import report, tasks  # noqa: E402
-from kvfn_eval.evaluator import MODES, Evaluator, Method, token_counter  # noqa: E402
+from kvfn_eval.evaluator import MODES, Evaluator, Method, peak_gib, token_counter  # noqa: E402
 
 DEFAULT_METHODS = ["full", "snapkv", "streaming", "random", "kv8", "kv4", "snapkv+kv8",
                    "snapkv+kv4"]  # fmt: skip
@@ -269,7 +269,7 @@ def run(args) -> dict:
             write_partial(path, config, records, errors)
             print(f"error at {length} {task} #{i}, worker stops: {e!r}", flush=True)
             break
-        peak = mx.get_peak_memory() / 2**30  # what a worker needs: --workers sizes by it
+        peak = peak_gib()  # what a worker needs: --workers sizes by it
         seconds = round(time.perf_counter() - started, 2)  # its making too; sharing with --workers
         records += [dict(r, peak_gib=round(peak, 2), sample_seconds=seconds) for r in out]
         write_partial(path, config, records, errors)
