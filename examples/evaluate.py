@@ -75,8 +75,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--gzip", action="store_true",
                    help="write OUT.json.gz, not OUT.json (results to commit: a tenth the size)")  # fmt: skip
     p.add_argument("--batch", type=int, default=8,
-                   help="decode up to this many methods' compacted states at once (states of "
-                   "similar rows together; each padded to the batch's longest)")  # fmt: skip
+                   help="decode up to this many questions at once, a sample's calls together "
+                   "(a question asked of a cell's compacted states; states of similar rows "
+                   "together, each padded to the batch's longest)")  # fmt: skip
     p.add_argument("--workers", type=int, default=1,
                    help="processes sharing the device, each a share of the samples")  # fmt: skip
     p.add_argument("--shard", help=argparse.SUPPRESS)  # K/N: a worker's share

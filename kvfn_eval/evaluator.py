@@ -16,6 +16,7 @@ attention, and the full cache is exactly mlx-lm's computation.
 import dataclasses
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -106,6 +107,22 @@ class Prompt:
     needles: tuple[tuple[int, ...], ...] = ()
 
 
+@dataclass(frozen=True)
+class Cell:
+    """One method at one budget on one call's states (a mode, and in query-aware mode a
+    question): its rows, whether it evicted, the needle rows it kept, its own scoring pass's
+    seconds, its KV bytes, and whether mlx-lm decodes it (it keeps every row, or is quantized)."""
+
+    method: Method
+    budget: Optional[Union[int, float]]
+    rows: Optional[int]
+    evicted: bool
+    kept: Optional[float]
+    seconds: float
+    nbytes: int
+    by_mlx: bool
+
+
 def _needle_tokens(tokenizer, text: str, start: int, spans, special: bool) -> tuple:
     """Token indices of ``text`` overlapping each character span (shifted by ``start``)."""
     fast = getattr(tokenizer, "_tokenizer", None)
@@ -193,16 +210,23 @@ def needle_fraction(states: Sequence, tokens) -> float:
     return float(np.mean(fractions))
 
 
-def kvfn_greedy(fm, prompt: list[int], states, max_tokens: int, eos: set,
-                batch: int = 1) -> list[list[int]]:  # fmt: skip
-    """Greedy answers decoded by kvfn itself (eager steps), one a sequence of the ``batch``
-    that ``states`` hold (for states mlx-lm cannot hold, and for many methods' states at once);
-    every sequence is given the same ``prompt``."""
-    logits, states = fm.forward(mx.array([prompt] * batch), states)
-    out: list[list[int]] = [[] for _ in range(batch)]
-    live = [True] * batch
-    for _ in range(max_tokens):
-        tokens = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
+def decode(fm, first: Callable, max_tokens: int, eos: set) -> list[list[int]]:
+    """Greedy continuations, one a sequence of a batch, by kvfn's eager steps. ``first()``
+    gives the logits (B, vocab) at the prompts' ends and the states after them; it makes them,
+    so that no caller's frame holds the states (a held buffer is copied, not written in place,
+    and stays in memory). A step is queued before the last step's tokens are read, as mlx-lm's
+    generate loop does."""
+    logits, states = first()
+    tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+    mx.async_eval(tokens)
+    out: list[list[int]] = [[] for _ in range(tokens.shape[0])]
+    live = [True] * len(out)
+    for step in range(max_tokens):
+        following = None
+        if step + 1 < max_tokens:
+            logits, states = fm.forward(tokens[:, None], states)
+            following = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
+            mx.async_eval(following)
         for b, token in enumerate(tokens.tolist()):
             if live[b] and token in eos:
                 live[b] = False
@@ -210,8 +234,59 @@ def kvfn_greedy(fm, prompt: list[int], states, max_tokens: int, eos: set,
                 out[b].append(token)
         if not any(live):
             break
-        logits, states = fm.forward(tokens[:, None], states)
+        tokens = following
     return out
+
+
+def kvfn_greedy(fm, prompt: list[int], states, max_tokens: int, eos: set,
+                batch: int = 1) -> list[list[int]]:  # fmt: skip
+    """Greedy answers decoded by kvfn itself (``decode``), one a sequence of the ``batch`` that
+    ``states`` hold (for states mlx-lm cannot hold, and for many methods' states at once);
+    every sequence is given the same ``prompt``."""
+
+    def first():
+        logits, after = fm.forward(mx.array([prompt] * batch), states)
+        return logits[:, -1], after
+
+    return decode(fm, first, max_tokens, eos)
+
+
+STACKS = {
+    kvfn.PositionPreservingKVCache: kvfn.stack,
+    kvfn.RaggedKVCache: kvfn.ragged.stack,
+    kvfn.HeadPartitionedKVCache: kvfn.partitioned.stack,
+}
+
+
+def batch_key(states) -> Optional[tuple]:
+    """What a cell's layer states must share with another's to decode in one batch: per layer,
+    the kind and its shape (a partitioned layer's head groups and ring sizes); None for states
+    of a kind that does not stack."""
+    key = []
+    for s in states:
+        if type(s) not in STACKS:
+            return None
+        shape = getattr(s, "sliding_window", None)
+        if isinstance(s, kvfn.HeadPartitionedKVCache):
+            sizes = tuple((type(g).__name__, getattr(g, "sink", None), getattr(g, "recent", None))
+                          for g in s.groups)  # fmt: skip
+            shape = (s.heads, sizes)
+        key.append((type(s).__name__, shape))
+    return tuple(key)
+
+
+def stack_layer(states: list):
+    return states[0] if len(states) == 1 else STACKS[type(states[0])](states)
+
+
+def fitted(state, room: int):
+    """``state`` with room for ``room`` more rows (a partitioned state: its plain groups), so
+    that decoding does not grow it."""
+    if isinstance(state, kvfn.RaggedKVCache):
+        return kvfn.ragged.reserve(state, room)
+    if isinstance(state, kvfn.HeadPartitionedKVCache):
+        return state.replace(groups=tuple(with_room(g, room) for g in state.groups))
+    return with_room(state, room)
 
 
 def peak_gib() -> float:
@@ -318,51 +393,85 @@ class Evaluator:
             return budget
         return max(self.window + self.sink_tokens, round(budget * prompt_rows))
 
-    def answers(self, cells: Sequence[tuple], tails: Sequence[list], n_new: int) -> list[tuple]:
-        """Each cell's greedy answers, one a question ``tail``, and its KV bytes. A method
-        that keeps every row is decoded by mlx-lm; evicted plain states by kvfn, up to
-        ``self.batch`` methods' at once (``kvfn.stack``: each its own rows, the same computation
-        as one at a time; stacked once for all the questions); ragged states (Ada-KV's) likewise
-        among themselves (``kvfn.ragged.stack``); head-partitioned states one at a time."""
-        out: list = [None] * len(cells)
-        batched: dict = {kvfn.stack: [], kvfn.ragged.stack: []}
-        for i, (method, _, _, states, evicted, _, _) in enumerate(cells):
-            plain = all(isinstance(s, kvfn.PositionPreservingKVCache) for s in states)
-            ragged = all(isinstance(s, kvfn.RaggedKVCache) for s in states)
-            if method.kv_bits is not None and not plain:
-                raise ValueError(f"{method.name}: per-head states are not quantized")
-            if plain and evicted and method.kv_bits is None:
-                batched[kvfn.stack].append(i)
-            elif ragged:
-                batched[kvfn.ragged.stack].append(i)
-            elif plain:
-                got = []
-                for tail in tails:  # fresh caches a question: mlx-lm's decode appends to them
-                    caches, nbytes = self.caches(states, method, evicted)
-                    got.append(greedy(self.model, tail, caches, n_new, self.eos))
-                out[i] = got, nbytes
+    def cell(self, method: Method, budget, rows: Optional[int], states, evicted: bool,
+             kept: Optional[float], seconds: float) -> Cell:  # fmt: skip
+        """A compacted cell's record: its KV bytes (with the positions that an evicted cache
+        must keep) and the decoder it takes."""
+        plain = all(isinstance(s, kvfn.PositionPreservingKVCache) for s in states)
+        if method.kv_bits is not None and not plain:
+            raise ValueError(f"{method.name}: per-head states are not quantized")
+        by_mlx = plain and (not evicted or method.kv_bits is not None)
+        nbytes = self.caches(states, method, evicted)[1] if plain else self.kept_bytes(states)
+        return Cell(method, budget, rows, evicted, kept, seconds, nbytes, by_mlx)
+
+    def answers(self, cells: Sequence[Cell], held: list, asks: Sequence[tuple],
+                n_new: int) -> tuple[list, int]:  # fmt: skip
+        """The greedy answers to ``asks``, (cell, question tail) pairs: cell c's states are
+        ``held[c]``; and the decode loops they took. mlx-lm decodes a cell that keeps every row
+        or is quantized, a question at a time (fresh caches each: its decode appends to them).
+        kvfn decodes the others, up to ``self.batch`` questions at once among cells whose states
+        stack (``batch_key``: each its own rows, the same computation as one at a time), in
+        order of rows, so that a batch pads little. ``held[c]`` is dropped once the batch of
+        c's last question is formed: a batch's rows are freed when it is answered."""
+        groups: list = []
+        batched: dict = {}
+        for a, (c, _) in enumerate(asks):
+            if cells[c].by_mlx:
+                groups.append([a])
             else:
-                got = [kvfn_greedy(self.fm, t, states, n_new, self.eos)[0] for t in tails]
-                out[i] = got, self.kept_bytes(states)
-        # each state gets the room its questions and answers take (decoding would otherwise
-        # double its capacity), and a batch holds states of similar rows: each is padded to the
-        # batch's longest
-        room = max(len(t) for t in tails) + n_new
-        fits = {kvfn.stack: lambda s: with_room(s, room),
-                kvfn.ragged.stack: lambda s: kvfn.ragged.reserve(s, room)}  # fmt: skip
-        for stack, indices in batched.items():
-            indices = sorted(indices, key=lambda i: cells[i][2])
-            for start in range(0, len(indices), self.batch):
-                group = indices[start : start + self.batch]
-                layers = zip(*([fits[stack](s) for s in cells[i][3]] for i in group))
-                stacked = [stack(list(layer)) if len(group) > 1 else layer[0] for layer in layers]
-                got = [kvfn_greedy(self.fm, t, stacked, n_new, self.eos, len(group)) for t in tails]
-                for b, i in enumerate(group):
-                    states = cells[i][3]
-                    nbytes = (self.caches(states, cells[i][0], True)[1] if stack is kvfn.stack
-                              else self.kept_bytes(states))  # fmt: skip
-                    out[i] = [a[b] for a in got], nbytes
-        return out
+                key = batch_key(held[c])
+                batched.setdefault(("alone", a) if key is None else key, []).append(a)
+        for key, members in batched.items():
+            members.sort(key=lambda a: (cells[asks[a][0]].rows or 0, asks[a][0]))
+            size = 1 if key[0] == "alone" else self.batch
+            for start in range(0, len(members), size):  # a batch's questions by length
+                groups.append(sorted(members[start : start + size], key=lambda a: len(asks[a][1])))
+        last = {asks[a][0]: g for g, members in enumerate(groups) for a in members}
+        out: list = [None] * len(asks)
+        for g, members in enumerate(groups):
+            pairs = [(held[asks[a][0]], asks[a][1]) for a in members]
+            for c in {asks[a][0] for a in members}:
+                if last[c] == g:
+                    held[c] = None
+            cell = cells[asks[members[0]][0]]
+            if cell.by_mlx:
+                states, tail = pairs.pop()
+                caches = self.caches(states, cell.method, cell.evicted)[0]
+                del states
+                got = [greedy(self.model, tail, caches, n_new, self.eos)]
+            else:
+                got = decode(self.fm, partial(self.prompted, pairs, n_new), n_new, self.eos)
+            for a, answer in zip(members, got):
+                out[a] = answer
+        return out, len(groups)
+
+    def prompted(self, pairs: list, n_new: int) -> tuple:
+        """From ``pairs`` of (a cell's states, a question tail), sorted by tail length: the
+        logits (B, vocab) at each question's end and the batch's states after it. ``pairs`` is
+        emptied (see ``decode``). Each state gets the room its question and answer take; tails
+        of one length run as one chunk over their states stacked, then the chunks' states
+        stack."""
+        taken = list(pairs)
+        pairs.clear()
+        room = max(len(tail) for _, tail in taken) + n_new
+        room_made = {}
+        for states, _ in taken:  # a cell asked two questions is made room for once
+            if id(states) not in room_made:
+                room_made[id(states)] = [fitted(s, room) for s in states]
+        chunks = {}
+        for states, tail in taken:
+            chunks.setdefault(len(tail), []).append((room_made[id(states)], tail))
+        del taken, room_made
+        parts = []
+        for members in chunks.values():
+            layers = [stack_layer(list(layer)) for layer in zip(*(s for s, _ in members))]
+            logits, after = self.fm.forward(mx.array([tail for _, tail in members]), layers)
+            parts.append((logits[:, -1], after))
+        del chunks, members, layers
+        if len(parts) == 1:
+            return parts[0]
+        logits = mx.concatenate([p[0] for p in parts])
+        return logits, [stack_layer(list(layer)) for layer in zip(*(p[1] for p in parts))]
 
     @staticmethod
     def kept_bytes(states) -> int:
@@ -392,27 +501,17 @@ class Evaluator:
         prefill_seconds = time.perf_counter() - t0  # the context's, shared by every method
         prefill_peak = peak_gib()
         n_new = max_new_tokens or ANSWER_TOKENS.get(sample.task, 32)
-        records = []
+        cells: list[Cell] = []
+        held: list = []  # each cell's states, until its answers' batch is formed
+        calls = []
 
-        def record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept, seconds,
-                   spent):  # fmt: skip
-            prediction = self.tokenizer.decode(answer)
-            records.append(dict(
-                task=sample.task, seed=sample.seed, target_tokens=sample.target_tokens,
-                prompt_tokens=len(head) + len(prompts[q].tail), mode=mode, method=method.name,
-                budget=budget, rows=min(rows, P) if rows is not None else P, kv_bytes=nbytes,
-                kv_fraction=nbytes / full_bytes, needle_kept=kept, score_seconds=seconds,
-                prefill_seconds=prefill_seconds, prefill_peak_gib=prefill_peak, question=q,
-                prediction=prediction,
-                score=answers.match_all(prediction, sample.questions[q].answers), **spent,
-            ))  # fmt: skip
-
-        def answer_all(mode, states, scores, tails, tokens):
+        def compact_all(mode, states, scores, tails, tokens):
+            """A call: the mode's scored pass, then every (method, budget) cell compacted."""
             t0 = time.perf_counter()
             mx.eval(kvfn.tree.arrays(states), scores)  # the mode's scored pass, left lazy
             t1, p1 = time.perf_counter(), peak_gib()
             full_bytes = kv_bytes(to_mlx_cache(states), with_positions=False)
-            P, memo, cells = len(tokens), {}, []
+            P, memo, first = len(tokens), {}, len(cells)
             needles = prompts[tails[0][0]].needles  # the context's: the same for all
             for method in methods:
                 for budget in [None] if method.policy is None else budgets:
@@ -420,32 +519,51 @@ class Evaluator:
                     kept_states, evicted, kept, seconds = self.compact(
                         states, scores, method, rows, sample.seed, needles, tokens, memo, moments
                     )
-                    cells.append((method, budget, rows, kept_states, evicted, kept, seconds))
-            t2, p2 = time.perf_counter(), peak_gib()
-            # every question on the one compacted state
-            answered = self.answers(cells, [tail for _, tail in tails], n_new)
-            # shared by the records of this call: the mode's scored pass over the context's last
-            # tokens (and, asked, the question), every cell's compaction (own scoring passes
-            # included; gathers left lazy are paid in the answers) and every cell's answers, each
-            # with its seconds and the peak memory so far after it
-            spent = dict(window_seconds=t1 - t0, compact_seconds=t2 - t1,
-                         answer_seconds=time.perf_counter() - t2, window_peak_gib=p1,
-                         compact_peak_gib=p2, answer_peak_gib=peak_gib())  # fmt: skip
-            for (method, budget, rows, _, _, kept, seconds), (got, nbytes) in zip(cells, answered):
-                for (q, _), answer in zip(tails, got):
-                    record(mode, method, budget, q, rows, nbytes, full_bytes, P, answer, kept,
-                           seconds, spent)  # fmt: skip
+                    cells.append(self.cell(method, budget, rows, kept_states, evicted, kept,
+                                           seconds))  # fmt: skip
+                    held.append(kept_states)
+            # the scored pass over the context's last tokens (and, asked, the question) and every
+            # cell's compaction (own scoring passes included; gathers left lazy are paid in the
+            # answers), each with its seconds and the peak memory so far after it
+            spent = dict(window_seconds=t1 - t0, compact_seconds=time.perf_counter() - t1,
+                         window_peak_gib=p1, compact_peak_gib=peak_gib())  # fmt: skip
+            calls.append((mode, tails, range(first, len(cells)), full_bytes, P, spent))
 
-        if "agnostic" in modes:
+        if "agnostic" in modes:  # every question on the one compacted state
             states, scores = kvfn.scored_prefill(self.fm, mx.array([head[-w:]]), window=w,
                                                  states=start, **opts)  # fmt: skip
             tails = [(q, p.tail) for q, p in enumerate(prompts)]
-            answer_all("agnostic", states, scores, tails, head)
+            compact_all("agnostic", states, scores, tails, head)
         if "aware" in modes:
             for q, p in enumerate(prompts):
                 ask = head[-w:] + p.tail[:-1]
                 window = min(self.window, len(ask))
                 states, scores = kvfn.scored_prefill(self.fm, mx.array([ask]), window=window,
                                                      states=start, **opts)  # fmt: skip
-                answer_all("aware", states, scores, [(q, p.tail[-1:])], head + p.tail[:-1])
+                compact_all("aware", states, scores, [(q, p.tail[-1:])], head + p.tail[:-1])
+        del start, moments  # the cells' states are what the answers read
+        # every call's cells answered together: a batch of questions may span calls
+        asks = [(c, tail) for _, tails, span, *_ in calls for c in span for _, tail in tails]
+        t0 = time.perf_counter()
+        got, loops = self.answers(cells, held, asks, n_new)
+        answered = dict(sample_answer_seconds=time.perf_counter() - t0,
+                        sample_answer_peak_gib=peak_gib(), sample_decode_loops=loops)  # fmt: skip
+        records, got = [], iter(got)
+        for mode, tails, span, full_bytes, P, spent in calls:
+            for c in span:
+                cell = cells[c]
+                for q, _ in tails:
+                    prediction = self.tokenizer.decode(next(got))
+                    rows = min(cell.rows, P) if cell.rows is not None else P
+                    records.append(dict(
+                        task=sample.task, seed=sample.seed, target_tokens=sample.target_tokens,
+                        prompt_tokens=len(head) + len(prompts[q].tail), mode=mode,
+                        method=cell.method.name, budget=cell.budget, rows=rows,
+                        kv_bytes=cell.nbytes, kv_fraction=cell.nbytes / full_bytes,
+                        needle_kept=cell.kept, score_seconds=cell.seconds,
+                        prefill_seconds=prefill_seconds, prefill_peak_gib=prefill_peak,
+                        question=q, prediction=prediction,
+                        score=answers.match_all(prediction, sample.questions[q].answers),
+                        **spent, **answered,
+                    ))  # fmt: skip
         return records

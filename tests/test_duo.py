@@ -11,7 +11,7 @@ from kvfn import cache as kv
 from kvfn import partitioned as part
 from kvfn import ring as rg
 from kvfn.policies.duo import Duo, HeadPattern
-from tests.tiny import tiny_model
+from tests.tiny import stacked_gap, tiny_model
 
 TOL = 1e-4
 
@@ -560,6 +560,39 @@ def test_rings_saved_with_a_position_per_slot_load_as_they_were(tmp_path):
         (again,), _ = kvfn.tree.load(tmp_path / "old.safetensors")
         assert mx.array_equal(again.groups[1].positions, ring.positions)
         assert again.groups[1].offset.tolist() == ring.offset.tolist()
+
+
+def test_stacked_partitioned_states_decode_as_each_alone():
+    """``partitioned.stack`` joins the Duo states of prompts of different lengths (plain groups
+    of different rows, rings at different offsets): a chunk and decode steps over the batch give
+    each its own logits; layers that cannot share a batch are refused by name."""
+    fm = kvfn.FunctionalModel(tiny_model("qwen2"))
+    rng = np.random.default_rng(11)
+    pattern = PATTERN[: len(fm.n_kv_heads)]
+    policy = Duo(retrieval=pattern, sink_tokens=2, recent=6, budget=20, window=4, compress=True)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (60, 41)]
+    kept = [kvfn.compact(fm, ids, policy)[0] for ids in prompts]
+    assert isinstance(kept[0][0], part.HeadPartitionedKVCache)
+    offsets = [int(k[0].offset.item()) for k in kept]
+    assert offsets[0] != offsets[1]
+    stack = {kv.State: kv.stack, part.HeadPartitionedKVCache: part.stack}
+    stacked = [stack[type(a)]([a, b]) for a, b in zip(*kept)]
+    tail = rng.integers(0, 97, 3).tolist()
+    # 8 steps: past the rings' 6 recent slots, so each ring wraps at its own offset
+    assert stacked_gap(fm, stacked, kept, tail, steps=8) < TOL
+    _, after = fm.forward(mx.array([tail, tail]), stacked)
+    assert after[0].groups[1].offset.tolist() == [o + 3 for o in offsets]
+    wider = Duo(retrieval=pattern, sink_tokens=2, recent=7, budget=20, window=4, compress=True)
+    other = kvfn.compact(fm, prompts[1], wider)[0]
+    with pytest.raises(ValueError, match="cannot stack rings of different sizes"):
+        part.stack([kept[0][0], other[0]])
+    flipped = Duo(retrieval=((False, True),) * len(pattern), sink_tokens=2, recent=6)
+    with pytest.raises(ValueError, match="different head groups"):
+        part.stack([kept[0][0], kvfn.compact(fm, prompts[1], flipped)[0][0]])
+    with pytest.raises(ValueError, match="at least one"):
+        part.stack([])
+    with pytest.raises(ValueError, match="at least one"):
+        rg.stack([])
 
 
 def test_partitioned_states_trim_exactly():

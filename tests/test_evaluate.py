@@ -73,22 +73,25 @@ def test_evaluator_accounts_memory_and_time_and_keeps_whole_prompts_exact(smollm
     elapsed = time.perf_counter() - t0
     peak = mx.get_peak_memory() / 2**30
     by = {(r["mode"], r["method"], r["budget"], r["question"]): r for r in records}
-    # where the time went: the context's prefill once, then a call's scored pass, compaction
-    # and answering of every cell (agnostic: one call for both questions; aware: one a
-    # question), within the run
+    # where the time went: the context's prefill once, then a call's scored pass and compaction
+    # of every cell (agnostic: one call for both questions; aware: one a question), then every
+    # call's cells answered together, within the run
     calls = {(r["mode"], r["question"] if r["mode"] == "aware" else None): r for r in records}
-    assert len(calls) == 3 and all(r["answer_seconds"] > 0 for r in calls.values())
-    parts = ("window_seconds", "compact_seconds", "answer_seconds")
-    spent = sum(r[k] for r in calls.values() for k in parts)
+    parts = ("window_seconds", "compact_seconds")
+    answered = ("sample_answer_seconds", "sample_answer_peak_gib", "sample_decode_loops")
+    assert len(calls) == 3 and records[0]["sample_answer_seconds"] > 0
+    spent = sum(r[k] for r in calls.values() for k in parts) + records[0]["sample_answer_seconds"]
     assert records[0]["prefill_seconds"] + spent <= elapsed
     for r in records:
         call = calls[r["mode"], r["question"] if r["mode"] == "aware" else None]
         assert [r[k] for k in parts] == [call[k] for k in parts]
+        assert [r[k] for k in answered] == [records[0][k] for k in answered]
     # and the memory: the peak so far after each phase, rising through the calls (agnostic,
-    # then each question asked) to the run's own peak, which the last answers set
-    phases = ("window_peak_gib", "compact_peak_gib", "answer_peak_gib")
+    # then each question asked) to the run's own peak, which the answers set
+    phases = ("window_peak_gib", "compact_peak_gib")
     order = [calls["agnostic", None], calls["aware", 0], calls["aware", 1]]
     seen = [records[0]["prefill_peak_gib"]] + [c[k] for c in order for k in phases]
+    seen.append(records[0]["sample_answer_peak_gib"])
     assert 0 < seen[0] and seen == sorted(seen) and abs(seen[-1] - peak) < 1e-3
     assert seen[-1] > seen[0]  # the cells' states and answers take memory beyond the prefill
     assert len(records) == 2 * 2 * (1 + 2 + 2 + 1 + 2)  # modes x questions x (method, budget)
@@ -134,7 +137,9 @@ def test_records_name_the_phase_that_set_the_memory_peak(smollm2, sample, monkey
             m.setattr(ev, phase, holding(getattr(ev, phase)))
             mx.reset_peak_memory()
             r = ev.run(sample, methods, budgets, modes=["agnostic"])[0]
-        peaks[phase] = [r[k] for k in ("window_peak_gib", "compact_peak_gib", "answer_peak_gib")]
+        peaks[phase] = [
+            r[k] for k in ("window_peak_gib", "compact_peak_gib", "sample_answer_peak_gib")
+        ]
     window, compact, answer = peaks["compact"]
     assert compact - window > 0.8 * held and answer - compact < 0.2 * held
     window, compact, answer = peaks["answers"]
@@ -276,18 +281,35 @@ def test_duo_runs_in_the_evaluator_with_a_head_pattern(smollm2, sample):
 
 
 def test_many_methods_decode_in_one_batch_as_they_would_alone(smollm2, sample):
-    """kvfn.stack batches every method's compacted states: the same answers as one method at a
-    time (batch 1), and kvfn's decode gives mlx-lm's logits over the same kept rows."""
+    """Every call's cells decode together, batched by kind (``kvfn.stack``, ``ragged.stack``,
+    ``partitioned.stack``: each its own rows): the same answers as one question at a time
+    (batch 1), in fewer loops; and kvfn's decode gives mlx-lm's logits over the same kept
+    rows."""
     from kvfn_eval.evaluator import greedy, kvfn_greedy
 
     model, tokenizer = smollm2
     methods = [Method.parse(m) for m in ["full", "snapkv", "chunkkv", "random", "streaming",
-                                         "pyramidkv", "adakv"]]  # fmt: skip
-    one = Evaluator(model, tokenizer, window=16, batch=1).run(sample, methods, budgets=[40, 72])
-    many = Evaluator(model, tokenizer, window=16, batch=8).run(sample, methods, budgets=[40, 72])
+                                         "pyramidkv", "adakv", "duo-r50-snapkv"]]  # fmt: skip
+    pattern = kvfn.HeadPattern(scores=np.random.default_rng(0).random((30, 3)), sink_size=8,
+                               recent_size=32)  # fmt: skip
+    runs = {
+        batch: Evaluator(model, tokenizer, window=16, batch=batch, head_pattern=pattern).run(
+            sample, methods, budgets=[40, 72]
+        )
+        for batch in (1, 3, 64)
+    }
     key = ("mode", "method", "budget", "question", "prediction", "kv_bytes", "needle_kept")
-    assert [tuple(r[k] for k in key) for r in many] == [tuple(r[k] for k in key) for r in one]
-    assert len({r["prediction"] for r in many}) > 1  # the methods do not all answer alike
+    for batch in (3, 64):
+        assert [tuple(r[k] for k in key) for r in runs[batch]] == [
+            tuple(r[k] for k in key) for r in runs[1]
+        ]
+    assert len({r["prediction"] for r in runs[1]}) > 1  # the methods do not all answer alike
+    loops = {batch: records[0]["sample_decode_loops"] for batch, records in runs.items()}
+    asks = len(runs[1])  # a record a question asked of a cell: 2 modes x 2 questions x 15 cells
+    # batch 64: mlx-lm's full cache a question (4), then one batch each of the plain states (5
+    # methods x 2 budgets x 4), of the ragged ones (Ada-KV's 8) and of Duo's at each budget
+    # (its rings' sizes follow the budget)
+    assert asks == 60 and loops == {1: 60, 3: 4 + 14 + 3 + 2 * 2, 64: 4 + 1 + 1 + 2}
 
     ev = Evaluator(model, tokenizer, window=16)
     prompt = prompt_tokens(tokenizer, sample, sample.questions[0])
@@ -305,6 +327,22 @@ def test_many_methods_decode_in_one_batch_as_they_would_alone(smollm2, sample):
         assert kvfn_greedy(ev.fm, tail, stacked, 8, ev.eos, 2)[b] == greedy(
             model, tail, caches, 8, ev.eos
         )
+
+
+def test_a_cells_rows_are_freed_once_answered(smollm2, sample):
+    """The answers hold one batch's rows at a time, not every cell's: 16 cells of 20-95% of the
+    rows, answered one question at a time, raise the peak by a fraction of their bytes (each
+    cell kept until answered: more than all of them)."""
+    model, tokenizer = smollm2
+    budgets = [round(0.95 - 0.05 * i, 2) for i in range(16)]
+    mx.reset_peak_memory()
+    records = Evaluator(model, tokenizer, window=16, batch=1).run(
+        sample, [Method.parse("random")], budgets, modes=["agnostic"]
+    )
+    rise = records[0]["sample_answer_peak_gib"] - records[0]["compact_peak_gib"]
+    cells = sum(r["kv_bytes"] for r in records if r["question"] == 0) / 2**30
+    assert records[0]["sample_decode_loops"] == 2 * 16
+    assert 0 < rise < 0.5 * cells
 
 
 def test_budgets_below_one_are_fractions_of_the_prompt(smollm2, sample):

@@ -13,7 +13,7 @@ import kvfn
 from kvfn import cache as kv
 from kvfn import ragged
 from tests.test_duo import TOL, greedy_logits, kept_sets_gap, kept_visibility, reference_logits
-from tests.tiny import tiny_model
+from tests.tiny import stacked_gap, tiny_model
 
 CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="the ragged kernel runs on MLX's CUDA backend")
@@ -129,18 +129,7 @@ def test_stacked_states_of_several_policies_decode_as_each_alone():
     assert kept[0][0].slots < kept[1][0].slots
     stacked = [ragged.stack([a, b]) for a, b in zip(*kept)]
     tail = rng.integers(0, 97, 5).tolist()
-    logits, after = fm.forward(mx.array([tail, tail]), stacked)
-    for _ in range(3):  # decode steps write past each sequence's own rows
-        token = mx.argmax(logits[:, -1:], axis=-1)
-        step, after = fm.forward(token, after)
-        logits = mx.concatenate([logits, step], axis=1)
-    for b, one in enumerate(kept):
-        want, one = fm.forward(mx.array([tail]), one)
-        for t in range(3):
-            token = mx.argmax(logits[b : b + 1, len(tail) - 1 + t :][:, :1], axis=-1)
-            step, one = fm.forward(token, one)
-            want = mx.concatenate([want, step], axis=1)
-        assert mx.abs(logits[b] - want[0]).max().item() < TOL
+    assert stacked_gap(fm, stacked, kept, tail, steps=3) < TOL
     narrow = kept[0][0].replace(keys=kept[0][0].keys[..., :2])  # another head size
     with pytest.raises(ValueError, match="cannot stack ragged layers"):
         ragged.stack([kept[1][0], narrow])

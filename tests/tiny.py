@@ -32,3 +32,23 @@ def tiny_model(family: str, seed: int = 0):
     model.update({"model": {"embed_tokens": {"weight": mx.random.normal((97, 64)) * 2.0}}})
     mx.eval(model.parameters())
     return model
+
+
+def stacked_gap(fm, stacked: list, alone: list, tail: list, steps: int) -> float:
+    """Max |logit gap| between a batch and each of its sequences alone: ``tail`` then ``steps``
+    greedy tokens (the batch's own) decoded over the ``stacked`` states and over each sequence's
+    states in ``alone``."""
+    logits, after = fm.forward(mx.array([tail] * len(alone)), stacked)
+    for _ in range(steps):  # decode steps write past each sequence's own rows
+        token = mx.argmax(logits[:, -1:], axis=-1)
+        step, after = fm.forward(token, after)
+        logits = mx.concatenate([logits, step], axis=1)
+    gap = 0.0
+    for b, one in enumerate(alone):
+        want, one = fm.forward(mx.array([tail]), one)
+        for t in range(steps):
+            token = mx.argmax(logits[b : b + 1, len(tail) - 1 + t :][:, :1], axis=-1)
+            step, one = fm.forward(token, one)
+            want = mx.concatenate([want, step], axis=1)
+        gap = max(gap, mx.abs(logits[b] - want[0]).max().item())
+    return gap

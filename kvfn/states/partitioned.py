@@ -229,6 +229,28 @@ def _group_rows(before, after, keys, values, n: int):
     return after.keys, after.values, kv.mask(after, n)
 
 
+@typechecked
+def stack(states: list[HeadPartitionedKVCache]) -> HeadPartitionedKVCache:
+    """One batch from partitioned layers of several sequences with the same head groups: each
+    plain group stacked as ``cache.stack`` does (shorter ones padded with EMPTY slots), each
+    ring beside rings of its size (``ring.stack``)."""
+    if not states:
+        raise ValueError("stack needs at least one partitioned state")
+    heads = {s.heads for s in states}
+    if len(heads) > 1:
+        raise ValueError(
+            f"cannot stack partitioned layers of different head groups {sorted(heads)}"
+        )
+    groups = []
+    for g, members in enumerate(zip(*(s.groups for s in states))):
+        kinds = {type(m) for m in members}
+        if len(kinds) > 1:
+            names = sorted(k.__name__ for k in kinds)
+            raise ValueError(f"cannot stack head group {g} of different kinds {names}")
+        groups.append(_module(members[0]).stack(list(members)))
+    return states[0].replace(groups=tuple(groups))
+
+
 @lru_cache(maxsize=None)
 def _head_map(heads: tuple) -> mx.array:
     """For two groups of KV heads: per KV head its group and its index there, flat (int32)."""

@@ -210,6 +210,21 @@ def from_state(state: State, rows: int, *, sink: int, recent: int) -> StreamingR
 ARRAY_FIELDS = ("keys", "values", "offset", "since")
 
 
+@typechecked
+def stack(rings: list[StreamingRing]) -> StreamingRing:
+    """One batch from rings of several sequences of one size (``sink``, ``recent``, heads and
+    head size): side by side, each with its own ``offset`` and ``since``."""
+    if not rings:
+        raise ValueError("stack needs at least one ring")
+    shapes = {(r.sink, r.recent, r.keys.shape[1:], r.values.shape[1:], r.keys.dtype) for r in rings}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"cannot stack rings of different sizes or dtypes: {sorted(map(str, shapes))}"
+        )
+    joined = {f: mx.concatenate([getattr(r, f) for r in rings]) for f in ARRAY_FIELDS}
+    return rings[0].replace(**joined, full=all(r.full for r in rings))
+
+
 def since_of(positions: mx.array, offset: mx.array, sink: int) -> mx.array:
     """A ring's ``since`` (B,) from the positions its slots hold (B, n_heads, sink + recent)
     (EMPTY where none), as rings recorded them before ``since`` existed: the lowest recent
