@@ -186,11 +186,21 @@ def greedy(model, prompt: list[int], caches: list, max_tokens: int, eos: set) ->
     return out
 
 
+def head_arrays(state) -> list:
+    """The arrays ``head_positions`` reads of a layer state: evaluated together, for many
+    states at once, they cost one wait for the device, not one a read."""
+    if isinstance(state, kvfn.RaggedKVCache):
+        return [state.positions, state.starts, state.lengths]
+    return [a for g in getattr(state, "groups", (state,))
+            for a in ((g.positions, g.rows) if hasattr(g, "rows") else (g.offset, g.since))]  # fmt: skip
+
+
 def head_positions(state) -> list:
     """The kept positions of each KV head of the first sequence (any layer state): its stored
     rows' (a plain state's slots past ``rows`` are free)."""
     if isinstance(state, kvfn.RaggedKVCache):
-        return [np.array(kvfn.ragged.head_rows(state, 0, h)[2]) for h in range(state.n_kv_heads)]
+        positions, starts, lengths = (np.array(a[0]) for a in head_arrays(state))
+        return [positions[a : a + n] for a, n in zip(starts.tolist(), lengths.tolist())]
     out = []
     for g in getattr(state, "groups", (state,)):
         rows = int(g.rows.item()) if hasattr(g, "rows") else g.positions.shape[-1]
@@ -354,22 +364,19 @@ class Evaluator:
         return memo[key]
 
     def compact(self, states, scores, method: Method, rows: Optional[int], sample_seed: int,
-                needles=(), tokens=(), memo=None, moments=None):  # fmt: skip
+                tokens=(), memo=None, moments=None):  # fmt: skip
         """States after ``method``'s eviction to ``rows`` rows (unchanged when it keeps them
-        all), whether it evicted, the fraction of needle rows kept (over full-attention layers
-        and KV heads; None without needles) and the seconds of the policy's own scoring pass
-        over the prompt ``tokens`` (0 without one)."""
+        all; the K/V gathers left lazy), whether it evicted, and the seconds of the policy's
+        own scoring pass over the prompt ``tokens`` (0 without one)."""
         P = states[0].max_rows
         if method.policy is None or rows is None or rows >= P:
-            return states, False, 1.0 if needles else None, 0.0
+            return states, False, 0.0
         policy = self.policy(method, rows, sample_seed)
         own, seconds = self.own_scores(policy, tokens, states, {} if memo is None else memo,
                                        moments)  # fmt: skip
         states, _ = kvfn.compact_states(states, scores if own is None else own, policy,
                                         compiled=self.compiled)  # fmt: skip
-        needle_rows = [t for n in needles for t in n]
-        kept = needle_fraction(states, needle_rows) if needles else None
-        return states, True, kept, seconds
+        return states, True, seconds
 
     @staticmethod
     def caches(states, method: Method, evicted: bool) -> tuple[list, int]:
@@ -396,12 +403,16 @@ class Evaluator:
     def cell(self, method: Method, budget, rows: Optional[int], states, evicted: bool,
              kept: Optional[float], seconds: float) -> Cell:  # fmt: skip
         """A compacted cell's record: its KV bytes (with the positions that an evicted cache
-        must keep) and the decoder it takes."""
+        must keep: the kept rows' bytes, known on the host) and the decoder it takes."""
         plain = all(isinstance(s, kvfn.PositionPreservingKVCache) for s in states)
         if method.kv_bits is not None and not plain:
             raise ValueError(f"{method.name}: per-head states are not quantized")
         by_mlx = plain and (not evicted or method.kv_bits is not None)
-        nbytes = self.caches(states, method, evicted)[1] if plain else self.kept_bytes(states)
+        bounded = all(getattr(s, "max_rows", 0) is not None for s in states)
+        if by_mlx or not bounded:
+            nbytes = self.caches(states, method, evicted)[1]
+        else:
+            nbytes = self.kept_bytes(states)
         return Cell(method, budget, rows, evicted, kept, seconds, nbytes, by_mlx)
 
     def answers(self, cells: Sequence[Cell], held: list, asks: Sequence[tuple],
@@ -511,17 +522,24 @@ class Evaluator:
             mx.eval(kvfn.tree.arrays(states), scores)  # the mode's scored pass, left lazy
             t1, p1 = time.perf_counter(), peak_gib()
             full_bytes = kv_bytes(to_mlx_cache(states), with_positions=False)
-            P, memo, first = len(tokens), {}, len(cells)
-            needles = prompts[tails[0][0]].needles  # the context's: the same for all
+            P, memo, first, made = len(tokens), {}, len(cells), []
             for method in methods:
                 for budget in [None] if method.policy is None else budgets:
                     rows = rows_for(method, self.rows(budget, P), self.head_dim, self.itemsize)
-                    kept_states, evicted, kept, seconds = self.compact(
-                        states, scores, method, rows, sample.seed, needles, tokens, memo, moments
-                    )
-                    cells.append(self.cell(method, budget, rows, kept_states, evicted, kept,
-                                           seconds))  # fmt: skip
-                    held.append(kept_states)
+                    made.append((method, budget, rows, *self.compact(
+                        states, scores, method, rows, sample.seed, tokens, memo, moments
+                    )))  # fmt: skip
+            # every cell's kept positions read at once (one wait for the device, not one a read)
+            mx.eval([a for *_, kept, _, _ in made for s in kept for a in head_arrays(s)])
+            spans = prompts[tails[0][0]].needles  # the context's: the same for all
+            needles = [t for n in spans for t in n]
+            for method, budget, rows, kept_states, evicted, seconds in made:
+                kept = None  # without needle offsets
+                if spans:
+                    kept = needle_fraction(kept_states, needles) if evicted else 1.0
+                cells.append(self.cell(method, budget, rows, kept_states, evicted, kept, seconds))
+                held.append(kept_states)
+            del made
             # the scored pass over the context's last tokens (and, asked, the question) and every
             # cell's compaction (own scoring passes included; gathers left lazy are paid in the
             # answers), each with its seconds and the peak memory so far after it

@@ -154,7 +154,7 @@ def test_a_policy_of_ones_own_runs_in_the_evaluator_unchanged(smollm2, sample):
     records = ev.run(sample, [Method.parse("everyother")], budgets=[40], modes=["agnostic"])
     assert len(records) == 2 and all(r["rows"] == 40 for r in records)
     states = kvfn.prefill(ev.fm, mx.array([list(range(100))]))
-    kept, evicted, _, seconds = ev.compact(states, None, Method.parse("everyother"), 40, 0)
+    kept, evicted, seconds = ev.compact(states, None, Method.parse("everyother"), 40, 0)
     positions = np.array(kept[0].positions)[0, 0].tolist()
     middle = [p for p in positions if 4 <= p < 84]  # sinks 0-3 and window 84-99 kept
     assert evicted and positions[:4] == [0, 1, 2, 3] and positions[-16:] == list(range(84, 100))
@@ -343,6 +343,31 @@ def test_a_cells_rows_are_freed_once_answered(smollm2, sample):
     cells = sum(r["kv_bytes"] for r in records if r["question"] == 0) / 2**30
     assert records[0]["sample_decode_loops"] == 2 * 16
     assert 0 < rise < 0.5 * cells
+
+
+def test_head_positions_read_from_the_host_are_each_heads_rows():
+    """The needle fraction's reading of a state's kept positions (its arrays evaluated once,
+    then sliced on the host) gives each KV head's own rows, as ``ragged.head_rows`` does one
+    head at a time, and a plain state's stored rows."""
+    from kvfn_eval.evaluator import head_arrays, head_positions
+    from tests.tiny import tiny_model
+
+    fm = kvfn.FunctionalModel(tiny_model("qwen2"))
+    ids = mx.array([np.random.default_rng(5).integers(0, 97, 60).tolist()])
+    states, scores = kvfn.scored_prefill(fm, ids, window=4)
+    ada = kvfn.compact_states(states, scores, kvfn.AdaKV(budget=12, window=4, sink_tokens=2))[0]
+    snap = kvfn.compact_states(states, scores, SnapKV(budget=12, window=4, sink_tokens=2))[0]
+    mx.eval([a for s in (*ada, *snap) for a in head_arrays(s)])
+    for layer in ada:
+        got = head_positions(layer)
+        want = [np.array(kvfn.ragged.head_rows(layer, 0, h)[2]) for h in range(layer.n_kv_heads)]
+        assert [g.tolist() for g in got] == [w.tolist() for w in want]
+        assert len({len(g) for g in got}) > 1  # the heads keep different counts
+    for layer in snap:
+        assert [g.tolist() for g in head_positions(layer)] == [
+            sorted(p for p in row if p != kvfn.EMPTY)
+            for row in np.array(layer.positions)[0, :, : layer.max_rows].tolist()
+        ]
 
 
 def test_budgets_below_one_are_fractions_of_the_prompt(smollm2, sample):
