@@ -188,11 +188,14 @@ def greedy(model, prompt: list[int], caches: list, max_tokens: int, eos: set) ->
 
 def head_arrays(state) -> list:
     """The arrays ``head_positions`` reads of a layer state: evaluated together, for many
-    states at once, they cost one wait for the device, not one a read."""
+    states at once, they cost one wait for the device, not one a read (a Duo ring derives its
+    positions from its offset: one small evaluation a ring)."""
     if isinstance(state, kvfn.RaggedKVCache):
         return [state.positions, state.starts, state.lengths]
-    return [a for g in getattr(state, "groups", (state,))
-            for a in ((g.positions, g.rows) if hasattr(g, "rows") else (g.offset, g.since))]  # fmt: skip
+    out = []
+    for g in getattr(state, "groups", (state,)):
+        out += [g.positions, g.rows] if hasattr(g, "rows") else [g.offset, g.since]
+    return out
 
 
 def head_positions(state) -> list:
@@ -286,6 +289,7 @@ def batch_key(states) -> Optional[tuple]:
 
 
 def stack_layer(states: list):
+    """One batch from the same layer's states of several cells (of one ``batch_key``)."""
     return states[0] if len(states) == 1 else STACKS[type(states[0])](states)
 
 
@@ -408,7 +412,7 @@ class Evaluator:
         if method.kv_bits is not None and not plain:
             raise ValueError(f"{method.name}: per-head states are not quantized")
         by_mlx = plain and (not evicted or method.kv_bits is not None)
-        bounded = all(getattr(s, "max_rows", 0) is not None for s in states)
+        bounded = not plain or all(s.max_rows is not None for s in states)
         if by_mlx or not bounded:
             nbytes = self.caches(states, method, evicted)[1]
         else:
@@ -427,16 +431,16 @@ class Evaluator:
         groups: list = []
         batched: dict = {}
         for a, (c, _) in enumerate(asks):
-            if cells[c].by_mlx:
+            key = None if cells[c].by_mlx else batch_key(held[c])
+            if key is None:  # alone
                 groups.append([a])
             else:
-                key = batch_key(held[c])
-                batched.setdefault(("alone", a) if key is None else key, []).append(a)
-        for key, members in batched.items():
+                batched.setdefault(key, []).append(a)
+        for members in batched.values():
             members.sort(key=lambda a: (cells[asks[a][0]].rows or 0, asks[a][0]))
-            size = 1 if key[0] == "alone" else self.batch
-            for start in range(0, len(members), size):  # a batch's questions by length
-                groups.append(sorted(members[start : start + size], key=lambda a: len(asks[a][1])))
+            for start in range(0, len(members), self.batch):  # a batch's questions by length
+                groups.append(sorted(members[start : start + self.batch],
+                                     key=lambda a: len(asks[a][1])))  # fmt: skip
         last = {asks[a][0]: g for g, members in enumerate(groups) for a in members}
         out: list = [None] * len(asks)
         for g, members in enumerate(groups):
@@ -450,6 +454,7 @@ class Evaluator:
                 caches = self.caches(states, cell.method, cell.evicted)[0]
                 del states
                 got = [greedy(self.model, tail, caches, n_new, self.eos)]
+                del caches  # grown by the decode: not to be held through the next batches
             else:
                 got = decode(self.fm, partial(self.prompted, pairs, n_new), n_new, self.eos)
             for a, answer in zip(members, got):
@@ -458,13 +463,16 @@ class Evaluator:
 
     def prompted(self, pairs: list, n_new: int) -> tuple:
         """From ``pairs`` of (a cell's states, a question tail), sorted by tail length: the
-        logits (B, vocab) at each question's end and the batch's states after it. ``pairs`` is
-        emptied (see ``decode``). Each state gets the room its question and answer take; tails
-        of one length run as one chunk over their states stacked, then the chunks' states
-        stack."""
+        logits (B, vocab) at each question's end and the batch's states after it, in the order
+        of ``pairs``, which is emptied (see ``decode``). Each state gets the room the batch's
+        longest question and the answer take; tails of one length run as one chunk over their
+        states stacked, then the chunks' states stack."""
         taken = list(pairs)
         pairs.clear()
-        room = max(len(tail) for _, tail in taken) + n_new
+        lengths = [len(tail) for _, tail in taken]
+        if lengths != sorted(lengths):  # the chunks are stacked in the order of their lengths
+            raise ValueError(f"a batch's questions must come sorted by length, got {lengths}")
+        room = max(lengths) + n_new
         room_made = {}
         for states, _ in taken:  # a cell asked two questions is made room for once
             if id(states) not in room_made:
@@ -530,7 +538,7 @@ class Evaluator:
                         states, scores, method, rows, sample.seed, tokens, memo, moments
                     )))  # fmt: skip
             # every cell's kept positions read at once (one wait for the device, not one a read)
-            mx.eval([a for *_, kept, _, _ in made for s in kept for a in head_arrays(s)])
+            mx.eval([a for *_, layers, _, _ in made for s in layers for a in head_arrays(s)])
             spans = prompts[tails[0][0]].needles  # the context's: the same for all
             needles = [t for n in spans for t in n]
             for method, budget, rows, kept_states, evicted, seconds in made:
@@ -547,6 +555,7 @@ class Evaluator:
                          window_peak_gib=p1, compact_peak_gib=peak_gib())  # fmt: skip
             calls.append((mode, tails, range(first, len(cells)), full_bytes, P, spent))
 
+        states = scores = None
         if "agnostic" in modes:  # every question on the one compacted state
             states, scores = kvfn.scored_prefill(self.fm, mx.array([head[-w:]]), window=w,
                                                  states=start, **opts)  # fmt: skip
@@ -559,7 +568,7 @@ class Evaluator:
                 states, scores = kvfn.scored_prefill(self.fm, mx.array([ask]), window=window,
                                                      states=start, **opts)  # fmt: skip
                 compact_all("aware", states, scores, [(q, p.tail[-1:])], head + p.tail[:-1])
-        del start, moments  # the cells' states are what the answers read
+        del start, moments, states, scores  # the cells' states are what the answers read
         # every call's cells answered together: a batch of questions may span calls
         asks = [(c, tail) for _, tails, span, *_ in calls for c in span for _, tail in tails]
         t0 = time.perf_counter()

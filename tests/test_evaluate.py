@@ -370,6 +370,16 @@ def test_head_positions_read_from_the_host_are_each_heads_rows():
         ]
 
 
+def test_a_batch_of_questions_out_of_length_order_is_refused(smollm2):
+    """The chunks of one tail length stack in the order of their lengths: a batch given out of
+    that order would pair answers with the wrong questions, so it is refused by name."""
+    model, tokenizer = smollm2
+    ev = Evaluator(model, tokenizer, window=16)
+    states = kvfn.prefill(ev.fm, mx.array([list(range(40))]))
+    with pytest.raises(ValueError, match=re.escape("sorted by length, got [2, 1]")):
+        ev.prompted([(states, [5, 6]), (states, [7])], 4)
+
+
 def test_budgets_below_one_are_fractions_of_the_prompt(smollm2, sample):
     model, tokenizer = smollm2
     ev = Evaluator(model, tokenizer, window=16)
