@@ -264,33 +264,21 @@ def kvfn_greedy(fm, prompt: list[int], states, max_tokens: int, eos: set,
     return decode(fm, first, max_tokens, eos)
 
 
-STACKS = {
-    kvfn.PositionPreservingKVCache: kvfn.stack,
-    kvfn.RaggedKVCache: kvfn.ragged.stack,
-    kvfn.HeadPartitionedKVCache: kvfn.partitioned.stack,
-}
-
-
 def batch_key(states) -> Optional[tuple]:
     """What a cell's layer states must share with another's to decode in one batch: per layer,
     the kind and its shape (a partitioned layer's head groups and ring sizes); None for states
-    of a kind that does not stack."""
+    of a kind that does not stack (``kvfn.tree.stackable``)."""
     key = []
     for s in states:
-        if type(s) not in STACKS:
+        if not kvfn.tree.stackable(s):
             return None
-        shape = getattr(s, "sliding_window", None)
+        shape = s.sliding_window
         if isinstance(s, kvfn.HeadPartitionedKVCache):
-            sizes = tuple((type(g).__name__, getattr(g, "sink", None), getattr(g, "recent", None))
+            sizes = tuple((type(g), getattr(g, "sink", None), getattr(g, "recent", None))
                           for g in s.groups)  # fmt: skip
             shape = (s.heads, sizes)
-        key.append((type(s).__name__, shape))
+        key.append((type(s), shape))
     return tuple(key)
-
-
-def stack_layer(states: list):
-    """One batch from the same layer's states of several cells (of one ``batch_key``)."""
-    return states[0] if len(states) == 1 else STACKS[type(states[0])](states)
 
 
 def fitted(state, room: int):
@@ -425,7 +413,7 @@ class Evaluator:
         ``held[c]``; and the decode loops they took. mlx-lm decodes a cell that keeps every row
         or is quantized, a question at a time (fresh caches each: its decode appends to them).
         kvfn decodes the others, up to ``self.batch`` questions at once among cells whose states
-        stack (``batch_key``: each its own rows, the same computation as one at a time), in
+        stack (``batch_key``, ``kvfn.tree.stack``: each its own rows, the same computation as one at a time), in
         order of rows, so that a batch pads little. ``held[c]`` is dropped once the batch of
         c's last question is formed: a batch's rows are freed when it is answered."""
         groups: list = []
@@ -483,14 +471,14 @@ class Evaluator:
         del taken, room_made
         parts = []
         for members in chunks.values():
-            layers = [stack_layer(list(layer)) for layer in zip(*(s for s, _ in members))]
+            layers = [kvfn.tree.stack(list(layer)) for layer in zip(*(s for s, _ in members))]
             logits, after = self.fm.forward(mx.array([tail for _, tail in members]), layers)
             parts.append((logits[:, -1], after))
         del chunks, members, layers
         if len(parts) == 1:
             return parts[0]
         logits = mx.concatenate([p[0] for p in parts])
-        return logits, [stack_layer(list(layer)) for layer in zip(*(p[1] for p in parts))]
+        return logits, [kvfn.tree.stack(list(layer)) for layer in zip(*(p[1] for p in parts))]
 
     @staticmethod
     def kept_bytes(states) -> int:

@@ -575,8 +575,7 @@ def test_stacked_partitioned_states_decode_as_each_alone():
     assert isinstance(kept[0][0], part.HeadPartitionedKVCache)
     offsets = [int(k[0].offset.item()) for k in kept]
     assert offsets[0] != offsets[1]
-    stack = {kv.State: kv.stack, part.HeadPartitionedKVCache: part.stack}
-    stacked = [stack[type(a)]([a, b]) for a, b in zip(*kept)]
+    stacked = [kvfn.tree.stack([a, b]) for a, b in zip(*kept)]
     tail = rng.integers(0, 97, 3).tolist()
     # 8 steps: past the rings' 6 recent slots, so each ring wraps at its own offset
     assert stacked_gap(fm, stacked, kept, tail, steps=8) < TOL
@@ -593,6 +592,12 @@ def test_stacked_partitioned_states_decode_as_each_alone():
         part.stack([])
     with pytest.raises(ValueError, match="at least one"):
         rg.stack([])
+    with pytest.raises(ValueError, match="different kinds"):
+        kvfn.tree.stack([kept[0][0], kvfn.prefill(fm, mx.array([prompts[1]]))[0]])
+    slots = kvfn.slots.pack_layers(kept[0])[0]
+    assert not kvfn.tree.stackable(slots) and kvfn.tree.stackable(kept[0][0])
+    with pytest.raises(TypeError, match="HeadSlotsKVCache layers do not stack"):
+        kvfn.tree.stack([slots, slots])
 
 
 def test_partitioned_states_trim_exactly():

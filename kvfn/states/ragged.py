@@ -334,6 +334,7 @@ class _Kind:
     name = "ragged"
     ARRAY_FIELDS = ARRAY_FIELDS
     flatten = staticmethod(flatten)
+    stack = staticmethod(stack)
 
     @staticmethod
     def host(state):

@@ -14,6 +14,7 @@ from . import partitioned as part
 
 class _Plain:
     flatten = staticmethod(kv.flatten)
+    stack = staticmethod(kv.stack)
 
     @staticmethod
     def host(state):
@@ -37,6 +38,7 @@ class _Plain:
 
 class _Partitioned:
     flatten = staticmethod(part.flatten)
+    stack = staticmethod(part.stack)
 
     @staticmethod
     def host(state):
@@ -71,6 +73,25 @@ def kind(state):
         return KINDS[type(state)]
     except KeyError:
         raise TypeError(f"{type(state).__name__} is not a kvfn layer state") from None
+
+
+def stackable(state) -> bool:
+    """Whether layers of ``state``'s kind join in one batch (``stack``)."""
+    return hasattr(KINDS.get(type(state)), "stack")
+
+
+def stack(states: list):
+    """One batch from the same layer's states of several sequences, by their kind's own
+    ``stack`` (plain, ragged, partitioned; one state is its own batch). Kinds mixed, or a kind
+    that does not stack, are refused by name."""
+    if not states:
+        raise ValueError("stack needs at least one state")
+    kinds = sorted({type(s).__name__ for s in states})
+    if len(kinds) > 1:
+        raise ValueError(f"cannot stack layers of different kinds {kinds}")
+    if not stackable(states[0]):
+        raise TypeError(f"{kinds[0]} layers do not stack")
+    return states[0] if len(states) == 1 else kind(states[0]).stack(list(states))
 
 
 def flatten(state) -> tuple:
