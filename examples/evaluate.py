@@ -80,6 +80,10 @@ def parse(argv=None) -> argparse.Namespace:
                    "together, each padded to the batch's longest)")  # fmt: skip
     p.add_argument("--workers", type=int, default=1,
                    help="processes sharing the device, each a share of the samples")  # fmt: skip
+    p.add_argument("--no-warm-up", action="store_true",
+                   help="with --workers: start every worker at once, with no warm-up process "
+                   "first (where the device's kernel caches are already warm: a later run on "
+                   "the same machine)")  # fmt: skip
     p.add_argument("--shard", help=argparse.SUPPRESS)  # K/N: a worker's share
     p.add_argument("--deadline", type=float,
                    help="seconds after main() starts (the model load and --workers' warm-up "
@@ -177,14 +181,14 @@ def jobs(args) -> list[tuple]:
     sample before any has its (i+1)-th, so a deadline leaves the cells evenly sampled. With
     ``--workers``, a warm-up process first runs the first job alone (so that the device's
     kernels are compiled once, into MLX's and CUDA's disk caches, not by every worker at once;
-    one job: the scoring kernels' templates do not depend on its length); worker
-    ``--shard K/N`` then takes every N-th other job from the K-th."""
+    one job: the scoring kernels' templates do not depend on its length; none with
+    ``--no-warm-up``); worker ``--shard K/N`` then takes every N-th other job from the K-th."""
     first = args.first_sample
     order = [(i, n, t) for i in range(first, first + args.samples) for n in args.lengths
              for t in args.tasks]  # fmt: skip
     if args.fill is not None:
         order = fill(order, args.fill, args.had, args.seed)
-    warm = order[:1]
+    warm = [] if args.no_warm_up else order[:1]
     if args.shard == "warm":
         return warm
     if args.shard:
@@ -308,7 +312,7 @@ def run_workers(args, argv: list) -> dict:
         return shard, subprocess.Popen(cmd, env=env)
 
     done = []  # none started past --deadline: each would load the model only to stop
-    if not past_deadline(args):
+    if not (past_deadline(args) or args.no_warm_up):
         done.append(start("warm"))
         done[0][1].wait()
     if past_deadline(args):

@@ -451,3 +451,12 @@ def test_a_deadline_counts_from_the_start_and_binds_every_worker(tmp_path, capfd
     shards = [evaluate_example.parse(cmd[2:]) for cmd in commands]
     assert [a.shard for a in shards] == ["warm", "0/2", "1/2"]
     assert all(a.stop_at == stop_at for a in shards)
+
+    commands.clear()  # caches already warm: the workers start at once and share every job
+    evaluate_example.main(argv + ["--workers", "2", "--no-warm-up", "--out", str(tmp_path / "n")])
+    shards = [evaluate_example.parse(cmd[2:]) for cmd in commands]
+    assert [a.shard for a in shards] == ["0/2", "1/2"]
+    shares = [evaluate_example.jobs(a) for a in shards]
+    assert sorted(j for share in shares for j in share) == sorted(
+        evaluate_example.jobs(evaluate_example.parse(argv))
+    )
