@@ -26,6 +26,11 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The CUDA decode kernel's split count, a template parameter, follows the row count
+# (kernels.plan): every new row count can compile a new variant, in every process. Answers, not
+# speed, are measured here, so decode takes MLX's own attention, with one worker or many, unless
+# the caller sets KVFN_DECODE_KERNEL (read when kvfn is imported).
+os.environ.setdefault("KVFN_DECODE_KERNEL", "0")
 
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import kvfn_models  # noqa: E402
@@ -172,7 +177,8 @@ def result_path(prefix: str, gzipped: bool) -> Path:
 
 def config_of(args) -> dict:
     config = {k: v for k, v in vars(args).items() if k not in ("methods", "had")}
-    config.update(methods=[m.name for m in args.methods], device=str(mx.default_device()))
+    config.update(methods=[m.name for m in args.methods], device=str(mx.default_device()),
+                  decode_kernel=kvfn.kernels.ENABLED)  # fmt: skip
     return config
 
 
@@ -295,11 +301,6 @@ def run_workers(args, argv: list) -> dict:
     records merged."""
     env = dict(os.environ)
     env.setdefault("CUDA_CACHE_MAXSIZE", str(4 << 30))  # the driver's PTX -> SASS cache
-    # The decode kernel's split count, a template parameter, follows the row count
-    # (kernels.plan): samples of new lengths can compile new variants in every worker. Answers,
-    # not speed, are measured here, so decode takes MLX's own attention unless the caller sets
-    # KVFN_DECODE_KERNEL.
-    env.setdefault("KVFN_DECODE_KERNEL", "0")
 
     def part(shard: str) -> str:
         return f"{args.out}.part-{shard.replace('/', '-')}"
