@@ -26,11 +26,12 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# The CUDA decode kernel's split count, a template parameter, follows the row count
-# (kernels.plan): every new row count can compile a new variant, in every process. Answers, not
-# speed, are measured here, so decode takes MLX's own attention, with one worker or many, unless
-# the caller sets KVFN_DECODE_KERNEL (read when kvfn is imported).
-os.environ.setdefault("KVFN_DECODE_KERNEL", "0")
+if __name__ == "__main__":  # a run, a lone process or a worker; not an importer's process
+    # The CUDA decode kernel's split count, a template parameter, follows the row count
+    # (kernels.plan): every new row count can compile a new variant, in every process. Answers,
+    # not speed, are measured here, so decode takes MLX's own attention unless the caller sets
+    # KVFN_DECODE_KERNEL (read when kvfn is imported).
+    os.environ.setdefault("KVFN_DECODE_KERNEL", "0")
 
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import kvfn_models  # noqa: E402
@@ -178,7 +179,7 @@ def result_path(prefix: str, gzipped: bool) -> Path:
 def config_of(args) -> dict:
     config = {k: v for k, v in vars(args).items() if k not in ("methods", "had")}
     config.update(methods=[m.name for m in args.methods], device=str(mx.default_device()),
-                  decode_kernel=kvfn.kernels.ENABLED)  # fmt: skip
+                  decode_kernel=kvfn.kernels.ENABLED and kvfn.kernels.on_cuda())  # fmt: skip
     return config
 
 

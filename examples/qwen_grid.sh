@@ -62,7 +62,8 @@ if [ -n "${G15:-}" ]; then
 fi
 wait $(jobs -p | grep -v "^$SMI$") 2>/dev/null
 sleep 1; pkill -f "[-]-shard" && echo "killed leftover workers"
-kill $SMI; touch $HOME/.kernels-warm
+kill $SMI
+ls $R/*.json > /dev/null 2>&1 && touch $HOME/.kernels-warm  # a call that made samples compiled
 echo "done at $(( $(date +%s) - T0 )) s"
 tail -n 3 $R/*.log
 tar -C $R -czf $OUT/r-$TAG.tgz .
