@@ -255,8 +255,9 @@ def write_partial(path: Path, config: dict, records: list, errors: list) -> None
 
 
 def run(args) -> dict:
-    if args.shard:  # workers share the device: none keeps freed buffers for itself
-        mx.set_cache_limit(2 << 30)
+    # a grid call's processes share the device (a lone one beside workers too): none keeps
+    # more than 2 GiB of freed buffers for itself
+    mx.set_cache_limit(2 << 30)
     model, tokenizer = kvfn_models.load(args.model)
     if args.dtype:
         model.set_dtype(getattr(mx, args.dtype))

@@ -51,8 +51,8 @@ WARM=${WARM-}; [ -f $HOME/.kernels-warm ] && WARM=--no-warm-up  # an earlier cal
 prior() {  # NAME: this machine's results from earlier calls, which --fill counts too
   ls /tmp/r-*/$1-g*.json 2>/dev/null | grep -v "^$R/" | tr '\n' ' '
 }
-EXTRA15=${EXTRA15:-"--first-sample 92 --samples 40 --fill 20 --have examples/results/qwen15-h200.json.gz $(prior q15)"}
-EXTRA05=${EXTRA05:-"--first-sample 113 --samples 60 --fill 20 --have examples/results/qwen05-h200.json.gz $(prior q05)"}
+EXTRA15=${EXTRA15:-"--first-sample 92 --samples 40 --fill 20 --have examples/results/qwen15-gpu.json.gz $(prior q15)"}
+EXTRA05=${EXTRA05:-"--first-sample 113 --samples 60 --fill 20 --have examples/results/qwen05-gpu.json.gz $(prior q05)"}
 echo "EXTRA15: $EXTRA15"; echo "EXTRA05: $EXTRA05"
 if [ -n "${G05:-}" ]; then
   prepare qwen2.5-coder-0.5b-gguf q0.5b && launch q0.5b qwen2.5-coder-0.5b "$G05" "${EXTRA05:-}" q05

@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_arguments(p, "none, or a policy: chunkkv (recommended: a request's prompt ends "
                         "with its question, and chunkkv kept the full cache's answers at 12.5%% "
                         "of the rows there: Qwen2.5-Coder-0.5B 87-88 of 89-90 at 4K-16K tokens, "
-                        "78 [74, 82] of 81 at 32K; the 1.5B 82-88 of 86-90; "
+                        "78 [74, 82] of 81 at 32K; the 1.5B 81-87 of 85-90; "
                         "docs/evaluation.md), snapkv, adakvzip-global (for prompts cached "
                         "before their questions), streaming, ...")  # fmt: skip
     return p
