@@ -170,6 +170,7 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
     saved = json.loads((tmp_path / "smoke.json").read_text())
     assert len(saved["records"]) == len(result["records"]) == 2 * 2 * 4
     assert saved["config"]["methods"] == ["full", "snapkv", "streaming", "kv4"]
+    assert saved["config"]["card"] == mx.device_info()["device_name"]  # which card made them
     assert all(r["peak_gib"] > 0 for r in saved["records"])  # a sample's peak, to size workers
     assert all(r["sample_seconds"] > 0 for r in saved["records"])  # and its time, to plan calls
     table = (tmp_path / "smoke.md").read_text()
