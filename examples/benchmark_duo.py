@@ -1,6 +1,6 @@
 """DuoAttention's savings, side by side in one process: KV bytes and decode step time of
 head-partitioned states vs the full cache and vs the union-plus-mask store (every row kept, the
-streaming heads' dropped rows only masked, as the seed designed it).
+streaming heads' dropped rows only masked).
 
     python examples/benchmark_duo.py --shape tiny --lengths 2048 8192 --ratios 0.25 0.5
     python examples/benchmark_duo.py --shape 8b --lengths 8192 32768 --ratios 0.25 0.5   # GPU

@@ -17,7 +17,7 @@ results in examples/results/kvpress-compare.md::
 
     python3.11 -m venv /tmp/kvp
     /tmp/kvp/bin/pip install torch==2.13.0                 # the CPU build (never plain `torch`)
-    /tmp/kvp/bin/pip install -e "/work/main[qwen,eval]"    # kvfn, mlx, mlx-lm, the 0.5B weights
+    /tmp/kvp/bin/pip install -e ".[qwen,eval]"             # kvfn, mlx, mlx-lm, the 0.5B weights
     /tmp/kvp/bin/pip install "transformers==5.2.0" gguf "datasets>=2.21" "peft>=0.20" \
         "accelerate>=1,<2" "cachetools>=5.5.2,<6" "pandas>=2.2.2,<3" "fire>=0.6,<0.7"
     /tmp/kvp/bin/pip uninstall -y kernels   # pulled in for mlx-lm's newer transformers; 5.2

@@ -24,8 +24,8 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import stream_generate  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
-from kvfn.serving import flags  # noqa: E402
 from kvfn.blas import loaded_openblas  # noqa: E402
+from kvfn.serving import flags  # noqa: E402
 from kvfn.serving.flags import positive_int, probability  # noqa: E402
 
 

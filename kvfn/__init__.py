@@ -11,7 +11,7 @@ from .blas import use_openblas
 use_openblas()  # before mlx.core is imported anywhere below
 
 from . import distributed  # noqa: E402
-from .compact import compact, compact_prompt_cache, compact_states, compact_steps  # noqa: E402
+from .compaction import compact, compact_prompt_cache, compact_states, compact_steps  # noqa: E402
 from .eviction import (  # noqa: E402
     EvictionResult,
     HeadPartitionedEvictionResult,

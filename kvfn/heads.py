@@ -2,7 +2,7 @@
 DuoAttention pattern (``kvfn.HeadPattern``).
 
 DuoAttention trains a gate per head; here a head is scored from its attention on probe prompts,
-one forward pass each (``kvfn.scored_forward`` keeps the probe queries' attention rows):
+one forward pass each (``FunctionalModel.scored_forward`` keeps the probe queries' attention rows):
 
 * ``retrieval`` (Wu et al., arXiv:2404.15574): while the model copies a needle from the
   context, a head scores when its most-attended key is the needle token being copied;

@@ -148,9 +148,9 @@ def scored_prefill(
     every key into per-key scores, chunk by chunk (the window may span chunks), in the same
     pass: ``(states, scores)``, one (B, n_heads, capacity) float32 array a layer (zeros for
     sliding-window layers, which are never evicted). O(window x prompt) per layer, never a
-    prompt-sized matrix. This is the seed's ``SnapKVAttentionCapture``. With
-    ``statistic="moments"`` the scores are instead the running moments of those queries before
-    RoPE (``kvfn.scores.query_moments``: mean and covariance per query head)."""
+    prompt-sized matrix. With ``statistic="moments"`` the scores are instead the running
+    moments of those queries before RoPE (``kvfn.scores.query_moments``: mean and covariance
+    per query head)."""
     steps = _scored_steps(fmodel, tokens, window=window, states=states, capacity=capacity,
                           prefill_step_size=prefill_step_size, dtype=dtype, compiled=compiled,
                           statistic=statistic)  # fmt: skip

@@ -13,7 +13,7 @@ import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
 
-# OpenBLAS must be loaded before mlx; load kvfn/blas.py by path so that kvfn and models are
+# OpenBLAS must be loaded before mlx; load kvfn/blas.py by path so that kvfn and kvfn_models are
 # imported first by the tests, under typeguard's import hook.
 _spec = importlib.util.spec_from_file_location(
     "_kvfn_blas", Path(__file__).parents[1] / "kvfn/blas.py"

@@ -67,6 +67,8 @@ def test_import_kvfn_lists_the_api_and_imports_no_models_package():
                    for n in kvfn.__all__), [n for n in kvfn.__all__ if n not in modules and
                                             isinstance(getattr(kvfn, n), types.ModuleType)]
         assert kvfn.evict is kvfn.cache.evict
+        shadowed = [n for n in kvfn.__all__ if f"kvfn.{n}" in sys.modules and n not in modules]
+        assert not shadowed, shadowed  # a function of the API hiding a submodule of its name
         assert not any(m == "models" or m.startswith(("models.", "kvfn_models", "kvfn_eval"))
                        for m in sys.modules), [m for m in sys.modules if "models" in m]
     """)

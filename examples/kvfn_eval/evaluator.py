@@ -8,9 +8,11 @@ method and question starts from those states, so reuse is exact and free:
 * query-aware: per question, the window is the question's end (scores over context + question),
   and the prompt is compacted before the answer's first token.
 
-Answers are decoded greedily by the unmodified mlx-lm model over mlx-lm cache objects built from
-the states (``kvfn.serving.interop``), so KV quantization is mlx-lm's own ``mx.quantize`` + quantized
-attention, and the full cache is exactly mlx-lm's computation.
+Answers are decoded greedily. A cell that keeps every row, or is quantized, is decoded by the
+unmodified mlx-lm model over mlx-lm cache objects built from the states
+(``kvfn.serving.interop``), so the full cache is exactly mlx-lm's computation and KV quantization
+mlx-lm's own ``mx.quantize`` + quantized attention; an evicted cell by kvfn's decode step, its
+states stacked with other cells' (``Evaluator.answers``).
 """
 
 import dataclasses
@@ -158,7 +160,7 @@ def prompt_tokens(tokenizer, sample: Sample, question: Question) -> Prompt:
 
 
 def token_counter(tokenizer) -> Callable[[Sample], int]:
-    """``count_tokens`` for ``kvfn.tasks.generate``: a sample's longest prompt."""
+    """``count_tokens`` for ``kvfn_eval.tasks.generate``: a sample's longest prompt."""
 
     def count(sample: Sample) -> int:
         return max(

@@ -1,8 +1,8 @@
 """SnapKV (arXiv:2404.14469): keep the middle rows the observation window attends to most.
 
-The window's per-key attention is summed inside the prefill (``kvfn.scored_prefill``, this
-port's ``SnapKVAttentionCapture``); here it is reduced over a KV head's query heads, optionally
-over the layer's heads, and 1-D pooled so neighbours of a hit are kept with it.
+The window's per-key attention is summed inside the prefill (``kvfn.scored_prefill``); here it
+is reduced over a KV head's query heads, optionally over the layer's heads, and 1-D pooled so
+neighbours of a hit are kept with it.
 """
 
 from dataclasses import dataclass

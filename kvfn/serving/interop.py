@@ -1,6 +1,6 @@
 """Interop with mlx-lm: a compacted state as an mlx-lm cache object, and back.
 
-``CompactedKVCache`` speaks mlx-lm 0.32's cache protocol (see the shared protocol notes), so
+``CompactedKVCache`` speaks mlx-lm 0.32's cache protocol (``mlx_lm.models.cache``), so
 ``generate`` / ``stream_generate``, speculative decoding and ``save_prompt_cache`` /
 ``load_prompt_cache`` work with a compacted prompt. Its ``offset`` is the true next position
 (RoPE); ``size()`` is the number of stored rows; ``positions`` travel with the state, so a

@@ -13,12 +13,12 @@ mlx-lm's own (``mlx_lm.server``): this module subclasses its ``ModelProvider``,
 
 With a policy, a prompt longer than the floor (``--kv-min-tokens`` and ``--kv-budget``) gets a
 fresh, scored prefill of all but its last token and its compaction
-(``kvfn.compact.compact_steps``), run as a job that the batch generator advances one step (a
+(``kvfn.compaction.compact_steps``), run as a job that the batch generator advances one step (a
 prefill chunk or a scoring chunk) per decode step of the other sequences, as mlx-lm interleaves
 its own prompt processing; its caches (``kvfn.to_mlx_cache``) then go to mlx-lm's batch, which
 decodes from the last prompt token. Shorter prompts are prefilled by mlx-lm as usual, into kvfn
 caches (lossless, rows equal to positions) so that every sequence in a batch has the same batch
-cache class (``kvfn.serving.batch.BatchCompactedKVCache``). Each response's ``usage.kv_eviction`` gives
+cache class (``kvfn.serving.interop.BatchCompactedKVCache``). Each response's ``usage.kv_eviction`` gives
 the rows and bytes kept; ``/health`` and ``/metrics`` give the KV bytes held (a pending
 compaction counts the bytes of its prefill's states) and ``compacting_sequences``.
 
@@ -64,7 +64,7 @@ from mlx_lm.models.cache import (  # noqa: E402
 )
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator  # noqa: E402
 
-from ..compact import compact_steps  # noqa: E402
+from ..compaction import compact_steps  # noqa: E402
 from . import flags  # noqa: E402
 from .batch import HeadGroupsKVCache, RaggedLayerCache  # noqa: E402
 from .flags import non_negative_int, positive_int  # noqa: E402

@@ -208,7 +208,7 @@ def compact_prompt_cache(
     **snapkv,
 ) -> tuple[tuple, EvictionResult]:
     """``compact`` with a ``SnapKV(budget, **snapkv)`` policy (window, sink_tokens, min_tokens,
-    kernel_size, pooling, per_head, group_reduce): the seed's entry point."""
+    kernel_size, pooling, per_head, group_reduce)."""
     return compact(fmodel, prompt_tokens, SnapKV(budget=budget, **snapkv),
                    max_new_tokens=max_new_tokens, prefill_step_size=prefill_step_size,
                    dtype=dtype, progress=progress)  # fmt: skip
