@@ -401,8 +401,9 @@ def main(argv=None) -> dict:
     for t in args.tasks:
         tables.append(report.markdown(result["summary"], task=t))
         diffs.append(report.markdown_differences(result["differences"], task=t))
-    Path(f"{out}.md").write_text("\n".join([LEGEND, *tables, *diffs]))
     pngs = report.plot(result["summary"], str(out))
+    images = [f"![{Path(png).stem}]({Path(png).name})" for png in pngs]  # beside the tables
+    Path(f"{out}.md").write_text("\n".join([LEGEND, *tables, *diffs, "\n".join(images)]))
     print(tables[0])
     print(f"wrote {result_path(args.out, args.gzip)}, {out}.md, {', '.join(pngs)}")
     return result

@@ -177,6 +177,7 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
     assert "**average, query-agnostic**" in table and "**passkey, query-aware**" in table
     for mode in ("aware", "agnostic"):
         assert (tmp_path / f"smoke-{mode}-200.png").stat().st_size > 10_000
+        assert f"![smoke-{mode}-200](smoke-{mode}-200.png)" in table  # linked beside the tables
     assert "| 200 | full |" in capsys.readouterr().out
     later = evaluate_example.main(["--lengths", "200", "--budgets", "48", "--tasks", "passkey",
                                    "niah_single", "--samples", "1", "--first-sample", "1",
