@@ -176,18 +176,10 @@ def result_path(prefix: str, gzipped: bool) -> Path:
     return Path(f"{prefix}.json" + (".gz" if gzipped else ""))
 
 
-def card_name() -> str | None:
-    """The accelerator's name (results made on different cards stay told apart)."""
-    try:
-        return mx.device_info().get("device_name")
-    except Exception:  # a backend without device_info: the label is only a record
-        return None
-
-
 def config_of(args) -> dict:
     config = {k: v for k, v in vars(args).items() if k not in ("methods", "had")}
     config.update(methods=[m.name for m in args.methods], device=str(mx.default_device()),
-                  card=card_name(),
+                  card=mx.device_info().get("device_name"),  # results of two cards told apart
                   decode_kernel=kvfn.kernels.ENABLED and kvfn.kernels.on_cuda())  # fmt: skip
     return config
 
