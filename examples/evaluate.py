@@ -9,8 +9,9 @@ kvB (mlx-lm KV quantization to B bits, every row kept); POLICY+kvB (evict, then 
 as many rows as fit in the budget's bytes). Writes OUT.json (records + summary; rewritten after
 every sample; OUT.json.gz with --gzip), OUT.md (tables) and OUT-MODE-LENGTH.png. --merge a.json
 b.json.gz makes them from earlier runs' records.
-Each mean comes with its 95% bootstrap interval over samples, and every policy with its paired
-difference from snapkv and from streaming at the same budget (kvfn_eval.report).
+Each mean comes with its 95% bootstrap interval over samples, every policy with its paired
+difference from snapkv and from streaming at the same budget, and each (mode, length, budget)
+with the policy that answers most and its paired lead over the second (kvfn_eval.report).
 """
 
 import argparse
@@ -139,17 +140,20 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 LEGEND = (
-    "Accuracy % [95% bootstrap interval over samples, none with one sample] (KV bytes, % of "
-    "the full cache), after each row's samples (an average's: its tasks' together); then each "
-    "policy's paired difference in points from snapkv and from streaming at the same budget, "
-    "over the samples both answered.\n"
+    "First, per mode, length and budget, the policy whose task average answers most, with its "
+    "paired lead in points over the second (over the samples both answered). Then accuracy % "
+    "[95% bootstrap interval over samples, none with one sample] (KV bytes, % of the full "
+    "cache), after each row's samples (an average's: its tasks' together); then each policy's "
+    "paired difference in points from snapkv and from streaming at the same budget.\n"
 )
 
 
 def save(path: Path, config: dict, records: list, errors: list = ()) -> dict:
-    """Records, summary and paired differences as JSON (gzipped when ``path`` ends in .gz)."""
+    """Records, summary, paired differences and leaders as JSON (gzipped when ``path`` ends in
+    .gz)."""
     result = dict(config=config, records=records, summary=report.summarize(records),
-                  differences=report.differences(records), errors=list(errors))  # fmt: skip
+                  differences=report.differences(records), leaders=report.leaders(records),
+                  errors=list(errors))  # fmt: skip
     path.write_bytes(encode(path, json.dumps(result, indent=1)))
     return result
 
@@ -395,7 +399,8 @@ def main(argv=None) -> dict:
         diffs.append(report.markdown_differences(result["differences"], task=t))
     pngs = report.plot(result["summary"], str(out))
     images = [f"![{Path(png).stem}]({Path(png).name})" for png in pngs]  # beside the tables
-    Path(f"{out}.md").write_text("\n".join([LEGEND, *tables, *diffs, "\n".join(images)]))
+    leaders = report.markdown_leaders(result["leaders"])
+    Path(f"{out}.md").write_text("\n".join([LEGEND, leaders, *tables, *diffs, "\n".join(images)]))
     print(tables[0])
     print(f"wrote {result_path(args.out, args.gzip)}, {out}.md, {', '.join(pngs)}")
     return result

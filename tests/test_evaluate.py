@@ -12,7 +12,7 @@ import pytest
 import kvfn
 from examples import evaluate as evaluate_example
 from kvfn import SnapKV
-from kvfn_eval import tasks
+from kvfn_eval import report, tasks
 from kvfn_eval.evaluator import (
     Evaluator,
     Method,
@@ -175,6 +175,8 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
     assert all(r["sample_seconds"] > 0 for r in saved["records"])  # and its time, to plan calls
     table = (tmp_path / "smoke.md").read_text()
     assert "**average, query-agnostic**" in table and "**passkey, query-aware**" in table
+    assert saved["leaders"] == report.leaders(saved["records"])
+    assert table.index("**who answers most, query-aware") < table.index("**average, query-")
     for mode in ("aware", "agnostic"):
         assert (tmp_path / f"smoke-{mode}-200.png").stat().st_size > 10_000
         assert f"![smoke-{mode}-200](smoke-{mode}-200.png)" in table  # linked beside the tables

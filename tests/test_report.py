@@ -6,7 +6,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvfn_eval.report import differences, markdown, markdown_differences, plot, styles, summarize
+from kvfn_eval.report import (
+    differences,
+    leaders,
+    markdown,
+    markdown_differences,
+    markdown_leaders,
+    plot,
+    styles,
+    summarize,
+)
 
 
 def rec(task, method, budget, score, frac, kept=None, mode="aware", tokens=1000, seed=None):
@@ -129,6 +138,40 @@ def test_a_method_always_one_point_better_differs_by_one_with_no_spread():
     assert table[0] == "**average, query-aware: points over snapkv, paired by sample**"
     assert table[2] == "| tokens | method | samples | 128 |"
     assert table[4:] == ["| 1000 | chunkkv | 12 | +1.0 [+1.0, +1.0] |"]  # 6 a task; not snapkv
+
+
+def test_the_leader_answers_most_and_leads_the_second_on_paired_samples():
+    rng = np.random.default_rng(1)
+    ref = [rec(t, "snapkv", 128, float(rng.integers(0, 99)) / 100, 0.1, seed=s)
+           for t in ("passkey", "niah_single") for s in range(6) for _ in range(2)]  # fmt: skip
+    better = [{**r, "method": "chunkkv", "score": r["score"] + 0.01} for r in ref]
+    worse = [{**r, "method": "streaming", "score": r["score"] - 0.3} for r in ref]
+    alone = [{**r, "method": "chunkkv", "budget": 256} for r in ref]
+    full = [{**r, "method": "full", "budget": None, "score": 1.0} for r in ref]
+    rows = {r["budget"]: r for r in leaders(ref + better + worse + alone + full)}
+    assert set(rows) == {128, 256}  # the full cache keeps every row: no budget, no contest
+    row = rows[128]
+    summary = {r["method"]: r for r in summarize(ref + better) if r["task"] == "average"}
+    assert (row["method"], row["second"]) == ("chunkkv", "snapkv")
+    assert row["score"] == pytest.approx(summary["chunkkv"]["score"])
+    assert row["second_score"] == pytest.approx(summary["snapkv"]["score"])
+    assert row["lo"] == summary["chunkkv"]["lo"] and row["hi"] == summary["chunkkv"]["hi"]
+    for key in ("difference", "difference_lo", "difference_hi"):
+        assert row[key] == pytest.approx(1.0, abs=1e-9)  # paired: one point, no spread
+    assert rows[256]["method"] == "chunkkv" and rows[256]["second"] is None
+    assert rows[256]["difference"] is None
+    table = markdown_leaders(list(rows.values())).splitlines()
+    assert table[2] == "| tokens | 128 | 256 |"
+    top, lone = summary["chunkkv"], cell(summarize(alone), "average", "chunkkv", 256)
+    assert table[4] == (f"| 1000 | chunkkv {top['score']:.1f} [{top['lo']:.1f}, {top['hi']:.1f}]"
+                        f", +1.0 [+1.0, +1.0] over snapkv | chunkkv {lone['score']:.1f} "
+                        f"[{lone['lo']:.1f}, {lone['hi']:.1f}] |")  # fmt: skip
+
+
+def test_a_tie_goes_to_the_first_name_and_leads_by_zero():
+    ref = samples(6, 0.5)
+    rows = leaders(ref + [{**r, "method": "adakv"} for r in ref])
+    assert [(r["method"], r["second"], r["difference"]) for r in rows] == [("adakv", "snapkv", 0)]
 
 
 def test_records_without_a_seed_pair_by_their_order():

@@ -158,6 +158,40 @@ def differences(records: Iterable[dict], references: Sequence[str] = REFERENCES,
     return sorted(rows, key=lambda r: (r["reference"], *_order(r)))
 
 
+def leaders(records: Iterable[dict], *, seed: int = SEED, resamples: int = RESAMPLES,
+            level: float = LEVEL) -> list[dict]:  # fmt: skip
+    """Per (mode, length, budget), the evicting method whose macro-average answers most
+    (``method``, ``score``, ``lo``, ``hi``; ties go to the first name) and the one after it
+    (``second``, ``second_score``), with the leader's paired difference from it in points
+    (``difference``, ``difference_lo``, ``difference_hi``): whether a lead is clear is whether
+    that interval leaves out zero. None where one method ran, or no sample has both."""
+    records = list(records)
+    cells: dict[tuple, list[dict]] = defaultdict(list)
+    for row in summarize(records, seed=seed, resamples=resamples, level=level):
+        if row["task"] == "average" and row["budget"] is not None:
+            cells[(row["mode"], row["target_tokens"], row["budget"])].append(row)
+    out = []
+    for (mode, length, budget), rows in sorted(cells.items()):
+        best, *rest = sorted(rows, key=lambda r: (-r["score"], r["method"]))
+        row = dict(mode=mode, target_tokens=length, budget=budget, method=best["method"],
+                   score=best["score"], lo=best["lo"], hi=best["hi"], second=None,
+                   second_score=None, difference=None, difference_lo=None, difference_hi=None)  # fmt: skip
+        if rest:
+            second = rest[0]["method"]
+            pair = [r for r in records if (r["mode"], r["target_tokens"], r["budget"]) ==
+                    (mode, length, budget) and r["method"] in (best["method"], second)]  # fmt: skip
+            diffs = differences(pair, (second,), seed=seed, resamples=resamples, level=level)
+            diff = next(
+                (d for d in diffs if d["task"] == "average" and d["method"] != second),
+                dict(difference=None, lo=None, hi=None),
+            )  # no sample answered by both
+            row.update(second=second, second_score=rest[0]["score"],
+                       difference=diff["difference"], difference_lo=diff["lo"],
+                       difference_hi=diff["hi"])  # fmt: skip
+        out.append(row)
+    return out
+
+
 def _order(row: dict):
     budget = row["budget"] if row["budget"] is not None else -1
     return (row["mode"], row["target_tokens"], row["task"] == "average", row["task"],
@@ -232,6 +266,33 @@ def markdown_differences(diffs: Sequence[dict], task: str = "average") -> str:
 
         title = f"**{task}, query-{{mode}}: points over {ref}, paired by sample**"
         out += _table(title, rows, cell, all_rows=False)
+    return "\n".join(out)
+
+
+def markdown_leaders(rows: Sequence[dict]) -> str:
+    """Per mode, a table of who answers most: a row per length, a column per budget; a cell is
+    "leader score [95% interval], difference [95% interval] over the second"."""
+    out = []
+    budgets = sorted({r["budget"] for r in rows})
+    for mode in sorted({r["mode"] for r in rows}):
+        cells = {(r["target_tokens"], r["budget"]): r for r in rows if r["mode"] == mode}
+        head = ["tokens", *map(_budget_name, budgets)]
+        out += [f"**who answers most, query-{mode}: the leader, then its paired lead over the "
+                "second**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
+        for length in sorted({t for t, _ in cells}):
+            values = []
+            for budget in budgets:
+                r = cells.get((length, budget))
+                if r is None:
+                    values.append("")
+                    continue
+                text = f"{r['method']} {_interval(r['score'], r['lo'], r['hi'])}"
+                if r["difference"] is not None:
+                    lead = _interval(r["difference"], r["difference_lo"], r["difference_hi"], "+")
+                    text += f", {lead} over {r['second']}"
+                values.append(text)
+            out.append(f"| {length} | " + " | ".join(values) + " |")
+        out.append("")
     return "\n".join(out)
 
 
