@@ -9,9 +9,12 @@ import pytest
 from kvfn_eval.report import (
     differences,
     leaders,
+    main,
     markdown,
+    markdown_budget,
     markdown_differences,
     markdown_leaders,
+    markdown_pairs,
     plot,
     styles,
     summarize,
@@ -172,6 +175,56 @@ def test_a_tie_goes_to_the_first_name_and_leads_by_zero():
     ref = samples(6, 0.5)
     rows = leaders(ref + [{**r, "method": "adakv"} for r in ref])
     assert [(r["method"], r["second"], r["difference"]) for r in rows] == [("adakv", "snapkv", 0)]
+
+
+def test_one_budget_across_lengths_and_chosen_pairs(tmp_path, capsys):
+    records = [
+        *samples(6, 0.5, method="snapkv", budget=0.125),
+        *samples(6, 0.9, method="chunkkv", budget=0.125),
+        *samples(6, 0.2, method="snapkv", budget=0.25),
+        *[{**r, "target_tokens": 4096} for r in samples(4, 0.7, method="snapkv", budget=0.125)],
+        *samples(6, 1.0, method="full", budget=None),
+    ]
+    summary = summarize(records)
+    table = markdown_budget(summary, 0.125).splitlines()
+    short = [r for r in summary if r["target_tokens"] == 1000]
+    snap, chunk = (cell(short, "average", m, 0.125) for m in ("snapkv", "chunkkv"))
+    full = cell(short, "average", "full", None)
+    assert table[0] == "| mode, tokens (full) | chunkkv | snapkv |"  # the best first
+
+    def two(row):  # "score [lo, hi]", two significant figures at most
+        a, b, c = (f"{v:.0f}" if abs(v) >= 9.95 else f"{v:.1f}"
+                   for v in (row["score"], row["lo"], row["hi"]))  # fmt: skip
+        return f"{a} [{b}, {c}]"
+
+    assert snap["lo"] < 9.95 <= snap["hi"]  # both forms: one decimal below 10, none above
+    assert table[2] == f"| aware, 1000 ({two(full)}) | **{two(chunk)}** | {two(snap)} |"
+    long = cell([r for r in summary if r["target_tokens"] == 4096], "average", "snapkv", 0.125)
+    assert table[3] == f"| aware, 4K |  | **{two(long)}** |"  # no full cache, no chunkkv there
+    pair = [("aware", "chunkkv", 0.125, "snapkv")]
+    rows = markdown_pairs(differences(records), pair).splitlines()
+    assert rows[:2] == ["| mode, policy, budget, from | 1000 | 4K |", "|---|---|---|"]
+    assert (
+        rows[2].startswith("| aware, chunkkv, 12.5%, from snapkv | +") and rows[2][-5:] == " |  |"
+    )
+    with pytest.raises(ValueError, match="no paired difference for chunkkv from snapkv at 25%"):
+        markdown_pairs(differences(records), [("aware", "chunkkv", 0.25, "snapkv")])
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(dict(records=records)))
+    main([str(path), "--budget", "0.125", "--pair", "aware:chunkkv:0.125:snapkv", "--leaders"])
+    out = capsys.readouterr().out
+    assert "\n".join(table) in out and "\n".join(rows) in out and "who answers most" in out
+    for argv, error in [(["--budget", "0.5"], "no method ran at 0.5"),
+                        (["--pair", "aware:chunkkv:0.125"], "expected MODE:METHOD:BUDGET:FROM"),
+                        (["--pair", "aware:kvzip:0.125:snapkv"], "no paired difference for kvzip")]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            main([str(path), *argv])
+        assert error in capsys.readouterr().err
+    main([str(path)])  # nothing asked: who answers most
+    assert capsys.readouterr().out.startswith("**who answers most, query-aware")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "missing.json")])
+    assert "is not a result evaluate.py wrote" in capsys.readouterr().err
 
 
 def test_records_without_a_seed_pair_by_their_order():

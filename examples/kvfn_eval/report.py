@@ -17,6 +17,7 @@ interval does not change when other methods are added. Fewer than two samples gi
 import json
 import zlib
 from collections import defaultdict
+from pathlib import Path
 from statistics import mean
 from typing import Iterable, Optional, Sequence
 
@@ -296,6 +297,72 @@ def markdown_leaders(rows: Sequence[dict]) -> str:
     return "\n".join(out)
 
 
+def _short(value: float, sign: str = "") -> str:
+    """Two significant figures at most: 78, 5.6, +0.3."""
+    return f"{value:{sign}.0f}" if abs(value) >= 9.95 else f"{value:{sign}.1f}"
+
+
+def _short_interval(value: float, lo: Optional[float], hi: Optional[float], sign: str = "") -> str:
+    if lo is None:
+        return _short(value, sign)
+    return f"{_short(value, sign)} [{_short(lo, sign)}, {_short(hi, sign)}]"
+
+
+def _tokens(length: int) -> str:
+    return f"{length // 1024}K" if length % 1024 == 0 else str(length)
+
+
+def markdown_budget(summary: Sequence[dict], budget, task: str = "average") -> str:
+    """One budget across lengths: a row per (mode, length) with the full cache's score, a
+    column per evicting method (the best first, by its mean over the rows), "score [95%
+    interval]" to two figures, the row's best in bold."""
+    rows = [r for r in summary if r["task"] == task]
+    cells = {(r["mode"], r["target_tokens"], r["method"]): r for r in rows if r["budget"] == budget}
+    full = {(r["mode"], r["target_tokens"]): r for r in rows if r["method"] == "full"}
+    lines = sorted({k[:2] for k in cells}, key=lambda k: (k[0] != "aware", k))
+    by_method = defaultdict(list)
+    for (_, _, method), r in cells.items():
+        by_method[method].append(r["score"])
+    methods = sorted(by_method, key=lambda m: (-mean(by_method[m]), m))
+    out = [
+        "| mode, tokens (full) | " + " | ".join(methods) + " |",
+        "|" + "---|" * (len(methods) + 1),
+    ]
+    for mode, length in lines:
+        got = [cells.get((mode, length, m)) for m in methods]
+        best = max(r["score"] for r in got if r is not None)
+        values = []
+        for r in got:
+            text = "" if r is None else _short_interval(r["score"], r["lo"], r["hi"])
+            values.append(f"**{text}**" if r is not None and r["score"] == best else text)
+        label = f"{mode}, {_tokens(length)}"
+        if (mode, length) in full:
+            f = full[(mode, length)]
+            label += f" ({_short_interval(f['score'], f['lo'], f['hi'])})"
+        out.append(f"| {label} | " + " | ".join(values) + " |")
+    return "\n".join(out)
+
+
+def markdown_pairs(diffs: Sequence[dict], pairs: Sequence[tuple], task: str = "average") -> str:
+    """Chosen paired differences across lengths: a row per (mode, method, budget, reference)
+    of ``pairs``, a column per length, "difference [95% interval]" to two figures."""
+    cells = {(d["mode"], d["method"], d["budget"], d["reference"], d["target_tokens"]): d
+             for d in diffs if d["task"] == task}  # fmt: skip
+    lengths = sorted({k[-1] for k in cells})
+    out = ["| mode, policy, budget, from | " + " | ".join(map(_tokens, lengths)) + " |",
+           "|" + "---|" * (len(lengths) + 1)]  # fmt: skip
+    for mode, method, budget, reference in pairs:
+        got = [cells.get((mode, method, budget, reference, n)) for n in lengths]
+        if not any(got):
+            raise ValueError(f"no paired difference for {method} from {reference} at "
+                             f"{_budget_name(budget)}, query-{mode}")  # fmt: skip
+        values = ["" if d is None else _short_interval(d["difference"], d["lo"], d["hi"], "+")
+                  for d in got]  # fmt: skip
+        label = f"{mode}, {method}, {_budget_name(budget)}, from {reference}"
+        out.append(f"| {label} | " + " | ".join(values) + " |")
+    return "\n".join(out)
+
+
 def styles(methods: Sequence[str]) -> dict:
     """A (colour, marker, line style) per method, distinct for up to 30 methods and the same in
     every panel: ten colours, then the ten again with other markers and lines."""
@@ -357,3 +424,64 @@ def plot(summary: Sequence[dict], path_prefix: str) -> list[str]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def main(argv=None) -> None:
+    """Print cross-sections of a saved result: one budget's table across lengths, chosen
+    paired differences, and who answers most."""
+    import argparse
+    import gzip
+
+    p = argparse.ArgumentParser(prog="python -m kvfn_eval.report", description=main.__doc__)
+    p.add_argument("result", help="a result evaluate.py wrote (OUT.json or OUT.json.gz)")
+    p.add_argument("--budget", type=float, action="append", default=[],
+                   help="a budget (a fraction, or rows) to tabulate across lengths")  # fmt: skip
+    p.add_argument(
+        "--pair",
+        action="append",
+        default=[],
+        metavar="MODE:METHOD:BUDGET:FROM",
+        help="a paired difference across lengths, e.g. aware:chunkkv:0.125:snapkv",
+    )
+    p.add_argument("--leaders", action="store_true",
+                   help="who answers most, per cell (what prints when nothing else is asked)")  # fmt: skip
+    args = p.parse_args(argv)
+    try:
+        data = Path(args.result).read_bytes()
+        result = json.loads(gzip.decompress(data) if args.result.endswith(".gz") else data)
+        records = result["records"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        p.error(f"argument result: {args.result!r} is not a result evaluate.py wrote ({e})")
+    pairs = []
+    for pair in args.pair:
+        parts = pair.split(":")
+        try:
+            pairs.append((parts[0], parts[1], _budget(parts[2]), parts[3]))
+        except (IndexError, ValueError):
+            p.error(f"argument --pair: expected MODE:METHOD:BUDGET:FROM, got {pair!r}")
+        if len(parts) != 4:
+            p.error(f"argument --pair: expected MODE:METHOD:BUDGET:FROM, got {pair!r}")
+    summary = summarize(records)
+    for budget in args.budget:
+        budget = _budget(budget)
+        if not any(r["budget"] == budget for r in summary):
+            p.error(f"argument --budget: no method ran at {budget:g} in {args.result!r}")
+        print(markdown_budget(summary, budget), end="\n\n")
+    if pairs:
+        try:
+            print(markdown_pairs(differences(records, sorted({q[-1] for q in pairs})), pairs),
+                  end="\n\n")  # fmt: skip
+        except ValueError as e:
+            p.error(f"argument --pair: {e}")
+    if args.leaders or not (args.budget or pairs):
+        print(markdown_leaders(leaders(records)))
+
+
+def _budget(text):
+    """A budget as the records hold it: a fraction (float) or rows (int)."""
+    value = float(text)
+    return int(value) if value >= 1 and value == int(value) else value
+
+
+if __name__ == "__main__":
+    main()
