@@ -19,7 +19,7 @@ from .policies.policy import Policy
 from .policies.snapkv import SnapKV
 from .states import cache as kv
 from .states import tree
-from .wrapper import FunctionalModel
+from .wrapper import FunctionalModel, check_ids
 
 
 def _window_cut(state: kv.State, P: int, extra: int) -> kv.State:
@@ -99,7 +99,9 @@ def compact_states(
     return new, result_of(states, [P] * len(states), new)
 
 
-def _prompt(tokens) -> mx.array:
+def _prompt(tokens, vocab: Optional[int]) -> mx.array:
+    """The prompt as a (batch, length) array, its ids checked against the vocabulary (a list's
+    on the host, an array's by one read before any work is queued)."""
     if isinstance(tokens, mx.array):
         arr = tokens
     else:
@@ -108,6 +110,9 @@ def _prompt(tokens) -> mx.array:
         arr = mx.array([list(tokens)], mx.int32)
     if arr.ndim != 2 or arr.shape[1] < 2:
         raise ValueError(f"need a (batch, length >= 2) prompt, got shape {tuple(arr.shape)}")
+    if not mx.issubdtype(arr.dtype, mx.integer):
+        raise TypeError(f"prompt tokens must be integer ids, got dtype {arr.dtype}")
+    check_ids(tokens if isinstance(tokens, mx.array) else list(tokens), vocab)
     return arr
 
 
@@ -133,11 +138,11 @@ def compact_steps(
     ``compact`` drains it unsettled. The arguments are checked when it is called."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    context = _prompt(prompt_tokens)[:, :-1]
+    context = _prompt(prompt_tokens, fmodel.vocab_size)[:, :-1]
     P = context.shape[1]
     window = policy.observation_window(P)
     kwargs = dict(states=None, capacity=P, prefill_step_size=prefill_step_size, dtype=dtype,
-                  compiled=False, settle=settle)  # fmt: skip
+                  compiled=False, settle=settle, check_ids=False)  # fmt: skip
     if window:
         prefill = _scored_steps(fmodel, context, window=window, statistic=policy.statistic,
                                 **kwargs)  # fmt: skip

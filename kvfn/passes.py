@@ -8,6 +8,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 from typeguard import typechecked
 
+from . import wrapper
 from .scores import query_moments
 from .states import cache as kv
 from .states import tree
@@ -18,10 +19,12 @@ def chunks(n: int, size: int) -> list[tuple[int, int]]:
     return [(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def _start(fmodel, tokens, states, capacity, dtype) -> tuple:
+def _start(fmodel, tokens, states, capacity, dtype, check_ids: bool) -> tuple:
     if not isinstance(tokens, mx.array) or tokens.ndim != 2 or tokens.shape[1] < 1:
         shape = tuple(tokens.shape) if isinstance(tokens, mx.array) else type(tokens).__name__
         raise ValueError(f"prefill takes tokens of shape (batch, n >= 1), got {shape}")
+    if check_ids:  # once for every chunk
+        wrapper.check_ids(tokens, fmodel.vocab_size)
     B, n = tokens.shape
     if states is None:
         return fmodel.init_states(B, max(capacity or 0, n), dtype)
@@ -52,12 +55,12 @@ def _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic=
         if first_scored < stop:
             q = QuerySlice(first_scored - start, stop - start, statistic)
             step = fmodel.scored_step if compiled else fmodel.scored_forward
-            states, scores = step(tokens[:, start:stop], states, scores, q)[1:]
+            states, scores = step(tokens[:, start:stop], states, scores, q, check_ids=False)[1:]
         else:
             step = fmodel.step if compiled else fmodel.forward
             # the logits are dropped at once: kept, their graph would hold the old buffers and
             # the next write could not reuse them
-            states = step(tokens[:, start:stop], states)[1]
+            states = step(tokens[:, start:stop], states, check_ids=False)[1]
         if settle or j + 1 < len(parts):
             mx.eval(tree.arrays(states), scores)
         yield stop, n
@@ -65,16 +68,17 @@ def _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic=
 
 
 def _prefill_steps(fmodel, tokens, *, states, capacity, prefill_step_size, dtype, compiled,
-                   settle=False):  # fmt: skip
-    """``prefill`` as ``_loop``'s generator (its arguments checked now, not when it first runs)."""
+                   settle=False, check_ids=True):  # fmt: skip
+    """``prefill`` as ``_loop``'s generator (its arguments checked now, not when it first runs;
+    ``check_ids``: the token ids too, unless the caller did)."""
     if prefill_step_size <= 0:
         raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
-    first = lambda: (_start(fmodel, tokens, states, capacity, dtype), ())  # noqa: E731
+    first = lambda: (_start(fmodel, tokens, states, capacity, dtype, check_ids), ())  # noqa: E731
     return _loop(fmodel, tokens, first, 0, prefill_step_size, compiled, settle=settle)
 
 
 def _scored_steps(fmodel, tokens, *, window, states, capacity, prefill_step_size, dtype, compiled,
-                  statistic, settle=False):  # fmt: skip
+                  statistic, settle=False, check_ids=True):  # fmt: skip
     """``scored_prefill`` as ``_loop``'s generator (its arguments checked now)."""
     if not 1 <= window <= tokens.shape[1]:
         raise ValueError(f"window must be in [1, {tokens.shape[1]}] (the tokens), got {window}")
@@ -84,7 +88,7 @@ def _scored_steps(fmodel, tokens, *, window, states, capacity, prefill_step_size
         raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
 
     def first():
-        made = _start(fmodel, tokens, states, capacity, dtype)
+        made = _start(fmodel, tokens, states, capacity, dtype, check_ids)
         B = tokens.shape[0]
         if statistic == "moments":
             zeros = (query_moments(B, h, d) for h, d in zip(fmodel.n_heads, fmodel.head_dims))

@@ -449,6 +449,32 @@ def _own_copy(model: nn.Module, wrap_layer) -> nn.Module:
     return root
 
 
+def vocab_size(model: nn.Module) -> Optional[int]:
+    """The token ids ``model`` embeds (its config's ``vocab_size``, else its first embedding's
+    rows); None if neither is found."""
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    for _, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding)):
+            return module.weight.shape[0]
+    return None
+
+
+def check_ids(tokens, vocab: Optional[int]) -> None:
+    """Raise a ValueError if a token id (an mx.array's, read on the host, or a list's) lies
+    outside [0, vocab): an embedding reads past its table there (on the CPU, a crash)."""
+    if vocab is None or (not isinstance(tokens, mx.array) and not tokens):
+        return
+    if isinstance(tokens, mx.array):
+        lo, hi = mx.stack([tokens.min(), tokens.max()]).tolist()
+    else:
+        lo, hi = min(tokens), max(tokens)
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
+
+
 def _check_tokens(tokens, states) -> mx.array:
     if not isinstance(tokens, mx.array):
         raise TypeError(
@@ -465,6 +491,18 @@ def _check_tokens(tokens, states) -> mx.array:
     if tokens.shape[0] != batch:
         raise ValueError(f"tokens have batch {tokens.shape[0]} but the states hold {batch}")
     return tokens.astype(mx.int32)  # argmax gives uint32: one dtype, one trace
+
+
+def _check_layer(state: kv.State, i: int, kv_heads: int, head_dim: int) -> None:
+    B, H, _, D = state.keys.shape
+    if (H, D) != (kv_heads, head_dim) or state.values.shape[:2] != (B, H):
+        raise ValueError(
+            f"state {i} holds keys {tuple(state.keys.shape)} and values "
+            f"{tuple(state.values.shape)}; layer {i} has {kv_heads} KV heads of dimension "
+            f"{head_dim}"
+        )
+    if not mx.issubdtype(state.keys.dtype, mx.floating):
+        raise TypeError(f"state {i} holds {state.keys.dtype} keys; a KV cache is floating point")
 
 
 def grown(state, n: int):
@@ -523,6 +561,7 @@ class FunctionalModel:
         self._compiled: dict = {}
         self._traces = 0
         self._dtype = None
+        self.vocab_size = vocab_size(model)
 
     def _wrap_layer(self, index: int, layer: nn.Module) -> nn.Module:
         name = self._attn_names[index]
@@ -569,6 +608,13 @@ class FunctionalModel:
         for i, s in enumerate(states):
             if type(s) not in ADAPTERS:
                 raise TypeError(f"state {i} is a {type(s).__name__}, not a kvfn state")
+            if s.offset.shape != states[0].offset.shape:
+                raise ValueError(
+                    f"state {i} holds batch {s.offset.shape[0]}, state 0 batch "
+                    f"{states[0].offset.shape[0]}"
+                )
+            if isinstance(s, kv.State):
+                _check_layer(s, i, self.n_kv_heads[i], self.head_dims[i])
             if isinstance(s, PER_HEAD) and not self._hooked[i]:
                 raise TypeError(
                     f"layer {i} holds a head-partitioned state, but its attention module "
@@ -577,9 +623,13 @@ class FunctionalModel:
                     "group"
                 )
 
-    def _prepare(self, tokens, states) -> tuple[mx.array, tuple]:
+    def _prepare(self, tokens, states, check: bool = True) -> tuple[mx.array, tuple]:
+        """Checked tokens and states grown to take them; ``check``: the token ids too (one host
+        read)."""
         self._check_states(states)
         tokens = _check_tokens(tokens, states)
+        if check:
+            check_ids(tokens, self.vocab_size)
         return tokens, tuple(grown(s, tokens.shape[1]) for s in states)
 
     # -- the pure forward pass ----------------------------------------------------------------
@@ -607,28 +657,31 @@ class FunctionalModel:
         offset = adapters[0].state.offset  # equal in every layer and group: one array for all
         return logits, tuple(tree.with_offset(a.state, offset) for a in adapters), adapters
 
-    def forward(self, tokens, states) -> tuple:
-        """Eager: logits (B, n, vocab) and new states."""
-        tokens, states = self._prepare(tokens, states)
+    def forward(self, tokens, states, *, check_ids: bool = True) -> tuple:
+        """Eager: logits (B, n, vocab) and new states. ``check_ids``: raise a ValueError for a
+        token id outside the vocabulary (one host read; a caller that checked them passes
+        False)."""
+        tokens, states = self._prepare(tokens, states, check_ids)
         logits, new_states, _ = self._run(tokens, states)
         return logits, new_states
 
-    def scored_forward(self, tokens, states, scores, queries: QuerySlice) -> tuple:
+    def scored_forward(self, tokens, states, scores, queries: QuerySlice, *,
+                       check_ids: bool = True) -> tuple:  # fmt: skip
         """Eager ``forward`` that also adds the attention of the ``queries`` rows over every key
         to ``scores`` (one (B, n_heads, capacity) array a layer), or their moments (one
         (B, n_heads, head_dim + 2, head_dim) array): (logits, states, scores)."""
-        tokens, states, scores = self._prepare_scored(tokens, states, scores, queries)
+        tokens, states, scores = self._prepare_scored(tokens, states, scores, queries, check_ids)
         logits, new_states, adapters = self._run(tokens, states, scores, queries)
         return logits, new_states, self._scores_out(adapters, scores)
 
     def _scores_out(self, adapters, scores) -> tuple:
         return tuple(a.scores if a.query_slice is not None else s for a, s in zip(adapters, scores))
 
-    def _prepare_scored(self, tokens, states, scores, queries) -> tuple:
+    def _prepare_scored(self, tokens, states, scores, queries, check: bool) -> tuple:
         if any(not isinstance(s, kv.State) for s in states):
             raise TypeError("a scored step needs plain states (score before partitioning)")
         old = [s.capacity for s in states] if isinstance(states, (tuple, list)) else None
-        tokens, states = self._prepare(tokens, states)
+        tokens, states = self._prepare(tokens, states, check)
         sums = ("attention", "max_attention")  # scores over every slot
         grows = isinstance(queries, QuerySlice) and queries.statistic in sums
         if grows and old is not None and len(scores) == len(states):  # states grew: so do scores
@@ -671,25 +724,27 @@ class FunctionalModel:
             compiled = self._compiled[key] = mx.compile(fn, inputs=self._model.state)
         return compiled
 
-    def step(self, tokens, states) -> tuple:
+    def step(self, tokens, states, *, check_ids: bool = True) -> tuple:
         """Compiled: logits of the last position (B, vocab) and new states, for n >= 1 tokens.
         Traced once per layout and shapes (``traces``): a decode loop traces once per
-        capacity, and capacities grow in buckets."""
-        tokens, states = self._prepare(tokens, states)
+        capacity, and capacities grow in buckets. ``check_ids`` as in ``forward``."""
+        tokens, states = self._prepare(tokens, states, check_ids)
         return self._compiled_call(tokens, states)[:2]
 
     def decode(self, tokens, states) -> tuple:
-        """``step`` for one new token per sequence: tokens (B, 1)."""
+        """``step`` for one new token per sequence: tokens (B, 1). Its ids are not checked: a
+        host read each step would stall the loop (the token is most often the model's own)."""
         if isinstance(tokens, mx.array) and tokens.ndim == 2 and tokens.shape[1] != 1:
             raise ValueError(
                 f"decode takes one token per sequence, shape (batch, 1); got "
                 f"{tuple(tokens.shape)} (use step for a chunk)"
             )
-        return self.step(tokens, states)
+        return self.step(tokens, states, check_ids=False)
 
-    def scored_step(self, tokens, states, scores, queries: QuerySlice) -> tuple:
+    def scored_step(self, tokens, states, scores, queries: QuerySlice, *,
+                    check_ids: bool = True) -> tuple:  # fmt: skip
         """Compiled ``scored_forward``: (logits of the last position, states, scores)."""
-        tokens, states, scores = self._prepare_scored(tokens, states, scores, queries)
+        tokens, states, scores = self._prepare_scored(tokens, states, scores, queries, check_ids)
         return self._compiled_call(tokens, states, scores, queries)
 
     def _compiled_call(self, tokens, states, scores=(), queries=None) -> tuple:

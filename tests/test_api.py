@@ -188,6 +188,27 @@ def test_bad_decode_inputs_are_named():
         fm.decode(mx.array([[5]]), ([],) * 3)
 
 
+def test_token_ids_and_states_that_do_not_fit_the_model_are_named():
+    fm = FunctionalModel(tiny_model("llama"))  # vocabulary 97; 2 KV heads of dimension 16
+    assert fm.vocab_size == 97
+    empty = fm.init_states(1, 8)
+    for ids in ([[10**6]], [[-1]], [[97]], [[3, 97]]):  # on the CPU, 10**6 used to crash
+        with pytest.raises(ValueError, match=f"token id {max(ids[0], key=abs)} is outside"):
+            fm.forward(mx.array(ids), empty)
+    with pytest.raises(ValueError, match="token id 97 is outside the model's vocabulary"):
+        fm.step(mx.array([[3, 97]]), empty)  # a prompt's chunk
+    with pytest.raises(ValueError, match="token id 1000 is outside the model's vocabulary"):
+        kvfn.compact(fm, [1000] * 40, SnapKV(budget=12, window=4))
+    two = fm.init_states(2, 8)
+    with pytest.raises(ValueError, match="state 1 holds batch 2, state 0 batch 1"):
+        fm.forward(mx.array([[1]]), (empty[0], *two[1:]))
+    wide = tuple(kv.init(1, 4, 16, 8) for _ in empty)
+    with pytest.raises(ValueError, match="state 0 holds keys \\(1, 4, 8, 16\\) .* 2 KV heads"):
+        fm.decode(mx.array([[1]]), wide)
+    with pytest.raises(TypeError, match="a KV cache is floating point, got dtype mlx.core.int32"):
+        fm.init_states(1, 8, mx.int32)
+
+
 def test_unsupported_family_is_named():
     from mlx_lm.models import gpt2
 

@@ -198,6 +198,61 @@ def test_flatten_round_trip_and_bad_input():
         kv.update(s, mx.ones((1, 2, 1, 4)), mx.ones((1, 2, 1, 4)))  # wrong head count
 
 
+def test_prefix_trim_lengths_are_checked_in_every_state_type():
+    from kvfn import partitioned as part
+    from kvfn import ragged
+    from kvfn import ring as rg
+
+    s = full_state(1, 2, 6)
+    r = rg.update(rg.init(1, 2, 4, sink=1, recent=3), s.keys, s.values)
+    g = ragged.from_keep_sets(s, [mx.arange(0, 6, 2), mx.arange(4)], room=1)
+    p = part.from_keep_sets(s, [mx.arange(0, 6, 2), mx.arange(6)])
+    for module, state in ((kv, s), (rg, r), (ragged, g), (part, p)):
+        for bad in (-5, 2**31 - 1, 2**40):
+            with pytest.raises(ValueError, match=f"0 <= length < 2147483647, got {bad}"):
+                module.prefix_trim(state, bad)
+        with pytest.raises(TypeError, match="integer length, got dtype mlx.core.float32"):
+            module.prefix_trim(state, mx.array([2.7]))
+        below = module.prefix_trim(state, mx.array([-3]))  # an array's negative keeps nothing
+        none = module.prefix_trim(state, 0)
+        assert below.offset.tolist() == none.offset.tolist() == [0]
+        assert all(mx.array_equal(a, b) for a, b in zip(leaves(below), leaves(none)))
+
+
+def leaves(x) -> list:
+    """Every array of a state of any type, in field order."""
+    if isinstance(x, mx.array):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [a for item in x for a in leaves(item)]
+    if dataclasses.is_dataclass(x):
+        return [a for f in dataclasses.fields(x) for a in leaves(getattr(x, f.name))]
+    return []
+
+
+def test_a_hand_built_state_still_refuses_rows_past_its_capacity():
+    s = full_state(1, 2, 3, capacity=5)
+    hand = kv.State(**{f: getattr(s, f) for f in kv.ARRAY_FIELDS})  # max_rows unknown: None
+    assert hand.max_rows is None
+    with pytest.raises(ValueError, match="cannot append 3 rows to a state holding up to 3"):
+        kv.update(hand, mx.ones((1, 2, 3, 4)), mx.ones((1, 2, 3, 4)))
+    two = kv.update(hand, mx.ones((1, 2, 2, 4)), mx.ones((1, 2, 2, 4)))
+    assert (two.rows.item(), two.max_rows) == (5, 5)
+
+
+def test_from_full_checks_its_values_and_window():
+    k = mx.zeros((1, 2, 8, 4))
+    with pytest.raises(AssertionError):
+        kv.from_full(k, mx.zeros((1, 3, 8, 4)))  # another head count
+    with pytest.raises(AssertionError):
+        kv.from_full(k, mx.zeros((1, 2, 5, 4)))  # other rows
+    for window in (0, -3):
+        with pytest.raises(
+            ValueError, match=f"sliding_window must be positive or None, got {window}"
+        ):
+            kv.from_full(k, k, sliding_window=window)
+
+
 def test_arrays_lists_every_array_for_eval():
     s = full_state(1, 2, 3)
     assert len(kv.arrays(s)) == 5 and len(kv.arrays((s, s))) == 10

@@ -228,6 +228,22 @@ def test_bad_rows_and_a_full_room_are_named():
         ragged.from_keep_sets(state, [mx.arange(3)])
     with pytest.raises(ValueError, match="n >= 0"):
         ragged.trim(s, -1)
+    with pytest.raises(ValueError, match="int room >= 0, got -1"):
+        ragged.reserve(s, -1)
+
+
+def test_a_trimmed_or_unknown_room_still_refuses_rows_that_do_not_fit():
+    state = kv.from_full(mx.zeros((1, 2, 10, 4)), mx.zeros((1, 2, 10, 4)))
+    s = ragged.from_keep_sets(state, [mx.arange(0, 10, 2), mx.arange(3)], room=1)
+    two = mx.ones((1, 2, 2, 4))
+    for t in (ragged.trim(s, 0), s.replace(room=None)):  # head 0's range ends where 1's starts
+        with pytest.raises(ValueError, match="1 free slots"):
+            ragged.update(t, two, two)
+    cut = ragged.trim(s, 8)  # the first 2 tokens stay: head 0 has 5 free slots, head 1 has 2
+    grown = ragged.update(cut.replace(room=None), two, two)
+    assert grown.lengths.tolist() == [[3, 4]]
+    assert [ragged.head_rows(grown, 0, h)[2].tolist() for h in (0, 1)] == [[0, 2, 3], [0, 1, 2, 3]]
+    assert ragged.head_rows(grown, 0, 1)[0].sum(axis=-1).tolist() == [0, 0, 4, 4]
 
 
 def test_attention_off_cuda_equals_each_heads_own_rows():

@@ -96,6 +96,8 @@ def init(
             raise ValueError(f"{name} must be positive, got {v}")
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
+    if not mx.issubdtype(dtype, mx.floating):
+        raise TypeError(f"a KV cache is floating point, got dtype {dtype}")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
     shape = (batch, n_kv_heads, capacity)
@@ -116,6 +118,9 @@ def init(
 def from_full(keys: mx.array, values: mx.array, *, sliding_window: Optional[int] = None) -> State:
     """A state holding a plain full cache: row i has position i."""
     chex.assert_rank([keys, values], 4)
+    chex.assert_shape(values, keys.shape[:3] + (None,))
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
     B, H, N, _ = keys.shape
     positions = mx.broadcast_to(mx.arange(N, dtype=mx.int32), (B, H, N))
     return State(
@@ -129,6 +134,30 @@ def from_full(keys: mx.array, values: mx.array, *, sliding_window: Optional[int]
         dense=True,
         packed=True,
     )
+
+
+def host_int(x: mx.array) -> Optional[int]:
+    """A scalar array read on the host; None inside ``mx.compile`` or ``vmap``, where MLX reads
+    nothing (a check that needs it is then left to the caller outside)."""
+    try:
+        return int(x.item())
+    except ValueError:  # "Attempting to eval an array during function transformations"
+        return None
+
+
+def trim_lengths(length, shape: tuple) -> mx.array:
+    """``prefix_trim``'s ``length``, an int in [0, 2**31 - 1) or an integer array broadcast to
+    ``shape``, as an int32 array (an array's negative entries keep nothing, as 0 does); a
+    TypeError or ValueError naming it otherwise."""
+    if isinstance(length, mx.array):
+        if not mx.issubdtype(length.dtype, mx.integer):
+            raise TypeError(f"prefix_trim needs an integer length, got dtype {length.dtype}")
+        return mx.maximum(mx.broadcast_to(length.astype(mx.int32), shape), 0)
+    if isinstance(length, bool) or not isinstance(length, int):
+        raise TypeError(f"prefix_trim needs an int or an integer mx.array, got {length!r}")
+    if not 0 <= length < EMPTY:
+        raise ValueError(f"prefix_trim needs 0 <= length < {EMPTY}, got {length}")
+    return mx.full(shape, length, mx.int32)
 
 
 def next_positions(offset: mx.array, rows, slots: mx.array) -> mx.array:
@@ -164,6 +193,8 @@ def update(state: State, keys: mx.array, values: mx.array) -> State:
     chex.assert_rank([keys, values], 4)
     chex.assert_shape(keys, (*state.keys.shape[:2], None, state.keys.shape[3]))
     chex.assert_shape(values, (*state.values.shape[:2], keys.shape[2], state.values.shape[3]))
+    if state.max_rows is None:  # a state built by hand: its rows read here, if not traced
+        state = state.replace(max_rows=host_int(state.rows))
     return append(state, keys, values)
 
 
@@ -231,7 +262,7 @@ def prefix_trim(state: State, length) -> State:
     """
     _check(state)
     static = length if state.static_rows is not None and isinstance(length, int) else None
-    length = mx.broadcast_to(mx.array(length, mx.int32), state.offset.shape)
+    length = trim_lengths(length, state.offset.shape)
     slots = mx.arange(state.capacity, dtype=mx.int32)
     keep = (state.positions < length[:, None, None]) & (slots < state.rows)
     offset = mx.minimum(state.offset, length)

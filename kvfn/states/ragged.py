@@ -153,9 +153,10 @@ def _checked_rows(state: RaggedKVCache, keys: mx.array, values: mx.array) -> int
     if keys.shape[2] != values.shape[2]:
         raise ValueError(f"keys hold {keys.shape[2]} rows, values {values.shape[2]}")
     n = keys.shape[2]
-    if state.room is not None and n > state.room:
+    room = state.room if state.room is not None else kv.host_int(_free(state))
+    if room is not None and n > room:
         raise ValueError(
-            f"cannot append {n} rows to a ragged layer whose heads have {state.room} free slots: "
+            f"cannot append {n} rows to a ragged layer whose heads have {room} free slots: "
             "reserve(state, room) first"
         )
     return n
@@ -232,7 +233,7 @@ def attend(state: RaggedKVCache, queries: mx.array, scale: float) -> mx.array:
 def prefix_trim(state: RaggedKVCache, length) -> RaggedKVCache:
     """Keep exactly the rows whose true position is below ``length`` (an int or a (B,) array):
     each head's rows are in position order, so what stays is a prefix of each range."""
-    length = mx.broadcast_to(mx.array(length, mx.int32), state.offset.shape)
+    length = kv.trim_lengths(length, state.offset.shape)
     below = state.positions[:, None, :] < length[:, None, None]
     lengths = mx.sum(_own(state) & below, axis=-1).astype(mx.int32)
     offset = mx.minimum(state.offset, length)
@@ -240,9 +241,8 @@ def prefix_trim(state: RaggedKVCache, length) -> RaggedKVCache:
         positions=_free_positions(state.positions, state.starts, lengths, offset),
         lengths=lengths,
         offset=offset,
-        room=None,
         kept=None,
-    )
+    )  # ``room`` stays a bound: a trim only frees slots
 
 
 def trim(state: RaggedKVCache, n: int) -> RaggedKVCache:
@@ -255,9 +255,11 @@ def trim(state: RaggedKVCache, n: int) -> RaggedKVCache:
 def reserve(state: RaggedKVCache, room: int) -> RaggedKVCache:
     """The same rows with at least ``room`` free slots after every head's rows (each range
     grows; the buffer is laid out again). Reads the lengths on the host."""
+    if isinstance(room, bool) or not isinstance(room, int) or room < 0:
+        raise ValueError(f"reserve needs an int room >= 0, got {room!r}")
     B, H = state.starts.shape
-    ends = mx.concatenate([state.starts[:, 1:], mx.full((B, 1), state.slots, mx.int32)], axis=1)
-    free = int(mx.min(ends - state.starts - state.lengths).item())
+    ends = _ends(state)
+    free = int(_free(state).item())
     if room <= free:
         return state.replace(room=free)
     extra = room - free
@@ -276,6 +278,17 @@ def reserve(state: RaggedKVCache, room: int) -> RaggedKVCache:
         starts=starts,
         room=room,
     )
+
+
+def _ends(state: RaggedKVCache) -> mx.array:
+    """(B, H): the slot past each head's range (the next head's start; the last, S)."""
+    B = state.starts.shape[0]
+    return mx.concatenate([state.starts[:, 1:], mx.full((B, 1), state.slots, mx.int32)], axis=1)
+
+
+def _free(state: RaggedKVCache) -> mx.array:
+    """The fewest free slots any head has after its rows."""
+    return mx.min(_ends(state) - state.starts - state.lengths)
 
 
 ARRAY_FIELDS = ("keys", "values", "positions", "starts", "lengths", "offset")

@@ -23,7 +23,7 @@ import chex
 import mlx.core as mx
 from typeguard import typechecked
 
-from .cache import EMPTY, State, rebuilt
+from .cache import EMPTY, State, rebuilt, trim_lengths
 
 
 @chex.dataclass(frozen=True, repr=False)
@@ -177,7 +177,7 @@ def valid_rows(ring: StreamingRing) -> mx.array:
 def prefix_trim(ring: StreamingRing, length) -> StreamingRing:
     """Keep the rows whose true position is below ``length`` (an int or (B,) array). The
     recent rows kept are those from ``offset - recent`` (or ``since``) up to ``length``."""
-    length = mx.broadcast_to(mx.array(length, mx.int32), ring.offset.shape)
+    length = trim_lengths(length, ring.offset.shape)
     offset = mx.minimum(ring.offset, length)
     since = mx.minimum(mx.maximum(ring.since, ring.offset - ring.recent), offset)
     return ring.replace(offset=offset, since=since, full=False)
