@@ -26,14 +26,13 @@ from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 from kvfn.blas import loaded_openblas  # noqa: E402
 from kvfn.serving import flags  # noqa: E402
-from kvfn.serving.flags import positive_int, probability  # noqa: E402
-
-
-def non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+from kvfn.serving.flags import (  # noqa: E402
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    probability,
+    seed,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,9 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=positive_int, default=100)
     p.add_argument("--temp", type=non_negative_float, default=0.0)
     p.add_argument("--top-p", type=probability, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-k", type=non_negative_int, default=0)
     p.add_argument("--min-p", type=probability, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--prefill-step-size", type=positive_int, default=512)
     p.add_argument("--quiet", action="store_true", help="print only the report, not the text")
     flags.add_arguments(
@@ -66,8 +65,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--compare", action="store_true", help="also generate with the full cache, side by side"
     )
     args = p.parse_args(argv)
-    if args.top_k < 0:
-        p.error(f"argument --top-k: must be >= 0, got {args.top_k}")
     flags.read(args, p)
     if args.policy is None and args.compare:
         p.error("argument --compare: needs --kv-eviction POLICY")
@@ -106,6 +103,14 @@ def encode(tokenizer, text: str, raw: bool) -> list[int]:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True
     )
+
+
+def check_prompt(tokens: list[int], args) -> None:
+    """Eviction compacts all but the last token, so it needs two; mlx-lm needs one."""
+    need = 1 if args.policy is None else 2
+    if len(tokens) < need:
+        what = "generating" if args.policy is None else f"--kv-eviction {args.kv_eviction}"
+        raise SystemExit(f"error: prompt tokens: {len(tokens)}; {what} needs at least {need}")
 
 
 def progress(done: int, total: int) -> None:
@@ -240,6 +245,7 @@ def main(argv=None) -> dict:
         args.policy = args.policy.for_tokenizer(tokenizer)
     parallel = tensor_parallel(model, args)
     tokens = encode(tokenizer, read_prompt(args, tokenizer), args.no_chat_template)
+    check_prompt(tokens, args)
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     fm = kvfn.FunctionalModel(model) if args.policy is not None else None
     runs = {}

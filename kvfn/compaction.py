@@ -83,6 +83,9 @@ def compact_states(
         raise ValueError(f"reserve must be >= 0, got {reserve}")
     if policy.observation_window(P) and scores is None:
         raise ValueError(f"policy {policy.name!r} needs the scores of a scored_prefill")
+    if scores is not None and len(scores) != len(states):
+        raise ValueError(f"{len(scores)} score arrays for {len(states)} layers")
+    kv.check_capacity(P + reserve)
     n_kv_heads = tuple(None if s.sliding_window else s.keys.shape[1] for s in states)
     policy.check_layers(n_kv_heads)
     policy = policy.planned(scores, prompt_length=P, n_kv_heads=n_kv_heads)
@@ -139,6 +142,7 @@ def compact_steps(
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     context = _prompt(prompt_tokens, fmodel.vocab_size)[:, :-1]
+    kv.check_capacity(context.shape[1] + max_new_tokens + 1, "the prompt plus max_new_tokens")
     P = context.shape[1]
     window = policy.observation_window(P)
     kwargs = dict(states=None, capacity=P, prefill_step_size=prefill_step_size, dtype=dtype,

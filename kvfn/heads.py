@@ -13,12 +13,15 @@ one forward pass each (``FunctionalModel.scored_forward`` keeps the probe querie
 A KV head takes the max over its query heads (it must serve any of them). Scores lie in [0, 1].
 """
 
+import argparse
+from pathlib import Path
 from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from .policies.duo import HeadPattern
+from .serving.flags import non_negative_int, positive_int, seed
 from .wrapper import FunctionalModel, QuerySlice
 
 METHODS = ("retrieval", "mass", "razor")
@@ -150,24 +153,51 @@ def _sample_scores(fm, tokenizer, method, length, rng) -> np.ndarray:
     return hit if method == "retrieval" else mass
 
 
+def context_length(model) -> Optional[int]:
+    """The model's trained context (``max_position_embeddings``), None where it gives none."""
+    return getattr(getattr(model, "args", None), "max_position_embeddings", None)
+
+
+def at_least_64(text: str) -> int:
+    value = int(text)
+    if value < 64:
+        raise argparse.ArgumentTypeError(f"must be >= 64, got {value}")
+    return value
+
+
+def check_out(out: Path) -> Optional[str]:
+    """Why ``--out`` cannot become a folder (None if it can)."""
+    existing = next(d for d in (out, *out.parents) if d.exists())
+    if not existing.is_dir():
+        return f"{existing} exists and is not a folder"
+    return None
+
+
 def main(argv: Optional[list] = None) -> None:
     """``kvfn heads``: profile a model's heads and write a DuoAttention pattern folder."""
-    import argparse
-
     p = argparse.ArgumentParser(prog="kvfn heads", description=main.__doc__)
     p.add_argument("--model", help="a .gguf file, mlx-lm folder or kvfn_models name "
                    "(default: embedded SmolLM2)")  # fmt: skip
     p.add_argument("--method", choices=METHODS, default="mass")
-    p.add_argument("--length", type=int, default=1024, help="probe prompt tokens")
-    p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sink-size", type=int, default=64)
-    p.add_argument("--recent-size", type=int, default=256)
+    p.add_argument("--length", type=at_least_64, default=1024, help="probe prompt tokens")
+    p.add_argument("--samples", type=positive_int, default=4)
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--sink-size", type=non_negative_int, default=64)
+    p.add_argument("--recent-size", type=positive_int, default=256)
     p.add_argument("--out", required=True, help="folder for full_attention_heads.tsv + config")
     args = p.parse_args(argv)
+    problem = check_out(Path(args.out).absolute())
+    if problem:
+        p.error(f"argument --out: {problem}")
     import kvfn_models
 
-    model, tokenizer = kvfn_models.load(args.model)
+    try:
+        model, tokenizer = kvfn_models.load(args.model)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: --model: {e}")
+    context = context_length(model)
+    if context is not None and args.length > context:
+        p.error(f"argument --length: {args.length} exceeds the model's context of {context} tokens")
     try:
         pattern = profile_heads(model, tokenizer, method=args.method, length=args.length,
                                 samples=args.samples, seed=args.seed, sink_size=args.sink_size,

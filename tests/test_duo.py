@@ -479,7 +479,7 @@ def test_head_pattern_and_duo_reject_bad_values(tmp_path):
         Duo(retrieval=((True,),), compress=True)
     fm = kvfn.FunctionalModel(tiny_model("llama"))
     with pytest.raises(ValueError, match="3 layers"):
-        kvfn.compact(fm, list(range(400)), Duo(retrieval=((True, False),), sink_tokens=2,
+        kvfn.compact(fm, [i % 97 for i in range(400)], Duo(retrieval=((True, False),), sink_tokens=2,
                                                 recent=4))  # fmt: skip
 
 

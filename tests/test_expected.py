@@ -148,7 +148,8 @@ def test_parser_and_bad_settings_are_named():
         budget=64, covariance=False, value_norm=False, per_head=False, future=64
     )
     for make, message in [
-        (lambda: ExpectedAttention(budget=64, future=0), "expected future must be >= 1 positions, got 0"),
+        (lambda: ExpectedAttention(budget=64, future=0), "expected future must be 1 to 65536 positions, got 0"),
+        (lambda: ExpectedAttention(budget=64, future=65537), "must be 1 to 65536 positions, got 65537"),
         (lambda: ExpectedAttention(budget=64, covariance=1), "expected covariance must be a bool, got 1"),
         (lambda: QuerySlice(0, 4, "keys"), "statistic must be one of .*, got 'keys'"),
     ]:  # fmt: skip
@@ -170,3 +171,12 @@ def test_policies_share_a_scoring_only_when_it_cannot_differ():
     assert scoring("expected") != scoring("expected-f64")
     assert scoring("kvzip") == scoring("kvzip-layer") == scoring("adakvzip-global")  # one pass
     assert scoring("kvzip") != scoring("kvzip-c256") != scoring("snapkv")
+
+
+def test_the_average_rotation_is_the_same_summed_in_chunks():
+    rope = FunctionalModel(tiny_model("llama")).rope(0)
+    whole = average_rotation(rope, 5, 100, 16)
+    assert mx.abs(average_rotation(rope, 5, 100, 16, chunk=7) - whole).max().item() < 1e-6
+    q = mx.random.normal((16,))
+    mean = mx.mean(rope(mx.broadcast_to(q, (1, 1, 100, 16)), offset=5)[0, 0], axis=0)
+    assert mx.abs(whole @ q - mean).max().item() < 1e-5  # R @ q = mean_t rope(q at t)

@@ -30,6 +30,21 @@ def test_example_reads_prompt_from_stdin(monkeypatch):
         (["--temp", "-1"], "--temp: must be >= 0, got -1.0"),
         (["--top-p", "1.5"], "--top-p: must be in [0, 1], got 1.5"),
         (["--top-k", "-3"], "--top-k: must be >= 0, got -3"),
+        (["--temp", "nan"], "--temp: must be a finite number, got nan"),
+        (["--temp", "inf"], "--temp: must be a finite number, got inf"),
+        (["--seed", "-1"], "--seed: must be an integer in [0, 2**64), got -1"),
+        (
+            ["--kv-retrieval-ratio", "0.3"],
+            "--kv-retrieval-ratio: needs --kv-eviction duo, got none",
+        ),
+        (
+            ["--kv-eviction", "snapkv", "--kv-recent-size", "8"],
+            "--kv-recent-size: needs --kv-eviction duo, got snapkv",
+        ),
+        (
+            ["--kv-eviction", "snapkv", "--kv-sink-size", "8"],
+            "--kv-sink-size: needs --kv-eviction duo, got snapkv",
+        ),
         (["--prompt", "x", "--prompt-file", "y"], "not allowed with argument"),
     ],
 )
@@ -44,6 +59,27 @@ def test_example_rejects_missing_files(tmp_path):
         generate.main(["--prompt-file", str(tmp_path / "nope.txt")])
     with pytest.raises(SystemExit, match="--model: no such model file"):
         generate.main(["--model", str(tmp_path / "nope.gguf"), "--prompt", "hi"])
+
+
+@pytest.mark.parametrize(
+    "prompt, flags, message",
+    [
+        ("", [], "prompt tokens: 0; generating needs at least 1"),
+        (
+            "",
+            ["--kv-eviction", "snapkv"],
+            "prompt tokens: 0; --kv-eviction snapkv needs at least 2",
+        ),
+        (
+            "hi",
+            ["--kv-eviction", "snapkv"],
+            "prompt tokens: 1; --kv-eviction snapkv needs at least 2",
+        ),
+    ],
+)
+def test_example_rejects_a_prompt_too_short(prompt, flags, message):
+    with pytest.raises(SystemExit, match=message):
+        generate.main(["--prompt", prompt, "--no-chat-template", *flags])
 
 
 def test_example_compacts_with_snapkv(capsys):

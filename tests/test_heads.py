@@ -108,3 +108,40 @@ def test_cli_writes_a_pattern_folder_duo_loads(tmp_path, capsys):
     assert sum(map(sum, policy.heads)) == round(0.25 * 90)
     with pytest.raises(SystemExit):
         cli(["nothing"])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--sink-size", "-1"], "--sink-size: must be >= 0, got -1"),
+        (["--seed", "-1"], "--seed: must be an integer in [0, 2**64), got -1"),
+        (["--length", "8"], "--length: must be >= 64, got 8"),
+    ],
+)
+def test_cli_refuses_bad_flags_before_loading(flags, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("kvfn_models.load", lambda *a: pytest.fail("loaded the model"))
+    with pytest.raises(SystemExit):
+        cli(["heads", *flags, "--out", str(tmp_path / "p")])
+    assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_an_out_file_before_loading(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("kvfn_models.load", lambda *a: pytest.fail("loaded the model"))
+    (tmp_path / "f").write_text("")
+    for out in ("f", "f/sub"):
+        with pytest.raises(SystemExit):
+            cli(["heads", "--out", str(tmp_path / out)])
+        assert f"--out: {tmp_path / 'f'} exists and is not a folder" in capsys.readouterr().err
+
+
+def test_cli_reports_a_missing_model(tmp_path):
+    with pytest.raises(SystemExit, match="error: --model: no such model file or folder"):
+        cli(["heads", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "p")])
+
+
+def test_cli_bounds_length_by_the_context(smollm2, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("kvfn_models.load", lambda *a: smollm2)
+    monkeypatch.setattr(heads, "profile_heads", lambda *a, **k: pytest.fail("profiled"))
+    with pytest.raises(SystemExit):
+        cli(["heads", "--length", "200000", "--out", str(tmp_path / "p")])
+    assert "--length: 200000 exceeds the model's context of 8192 tokens" in capsys.readouterr().err

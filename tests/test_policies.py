@@ -141,11 +141,32 @@ def test_parser_names_policies_and_options():
         (lambda: SnapKV(budget=64, sink_tokens=-1), "sink_tokens must be a non-negative int, got -1"),
         (lambda: SnapKV(budget=64.0), "budget must be a non-negative int, got 64.0"),
         (lambda: RandomRows(budget=64, seed=-2), "seed must be a non-negative int, got -2"),
+        (lambda: RandomRows(budget=64, seed=2**64), "seed must be below 2\\*\\*64, got 1844"),
+        (lambda: kvfn.Duo(ratio=0.25, retrieval=((True,),)), "ratio must be a non-negative int, got 0.25"),
+        (lambda: kvfn.Duo(retrieval=(True, False)), "a tuple of bools .* got \\(True, False\\)"),
+        (lambda: parse_policy("snapkv-k\u00b2", budget=64), "unknown option 'k\u00b2'"),
+        (lambda: parse_policy("snapkv-k\u0663", budget=64), "unknown option 'k\u0663'"),
     ],
 )  # fmt: skip
 def test_bad_settings_are_named(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_settings_that_do_not_fit_the_model_or_states_are_named_before_tracing():
+    fm = FunctionalModel(tiny_model("llama"))  # 3 layers
+    ids = list(range(40))
+    with pytest.raises(ValueError, match="layer_budgets has 1 entries; the model has 3 layers"):
+        kvfn.compact(fm, ids, kvfn.AdaKVzip(budget=16, window=4, layer_budgets=(12,)))
+    with pytest.raises(ValueError, match="the prompt plus max_new_tokens is 1099511627816 rows"):
+        kvfn.compact(fm, ids, SnapKV(budget=16, window=4), max_new_tokens=2**40)
+    states, scores = kvfn.scored_prefill(fm, mx.array([ids]), window=4)
+    with pytest.raises(ValueError, match="2 score arrays for 3 layers"):
+        kvfn.compact_states(states, scores[:2], SnapKV(budget=16, window=4))
+    with pytest.raises(ValueError, match="capacity is 1099511627776 rows, more than a state"):
+        kvfn.compact_states(states, scores, SnapKV(budget=16, window=4), reserve=2**40 - 40)
+    with pytest.raises(ValueError, match="n_kv_heads must be a positive divisor .* got 0"):
+        kvfn.snapkv_keep_indices(scores[0], 16, n_kv_heads=0)
 
 
 def test_needs_scores_and_shapes_are_checked():

@@ -261,6 +261,51 @@ def test_bad_startup_flags_exit_with_a_message(flags, message):
     assert message in r.stderr
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--prompt-cache-bytes", "-5"], "--prompt-cache-bytes: must be a size such as 500M or"),
+        (["--prompt-cache-bytes", "5X"], "2GB, got '5X'"),
+        (["--temp", "nan"], "--temp: must be a finite number, got nan"),
+        (["--temp", "-1"], "--temp: must be >= 0, got -1.0"),
+        (["--top-p", "5"], "--top-p: must be in [0, 1], got 5.0"),
+        (["--top-k", "-3"], "--top-k: must be >= 0, got -3"),
+        (["--min-p", "-1"], "--min-p: must be in [0, 1], got -1.0"),
+        (["--kv-bits", "7"], "--kv-bits: invalid choice: 7"),
+        (["--kv-bits", "0"], "--kv-bits: invalid choice: 0"),
+        (["--kv-group-size", "-64"], "--kv-group-size: invalid choice: -64"),
+        (["--quantized-kv-start", "-5"], "--quantized-kv-start: must be >= 0, got -5"),
+        (["--num-draft-tokens", "-1"], "--num-draft-tokens: must be >= 0, got -1"),
+        (["--port", "70000"], "--port: must be in [0, 65535], got 70000"),
+        (["--chat-template-args", "[1,2]"], "--chat-template-args: must be a JSON object"),
+        (["--chat-template-args", "{x"], "--chat-template-args: not valid JSON"),
+        (["--kv-eviction", "snapkv", "--kv-retrieval-ratio", "0.5"],
+         "--kv-retrieval-ratio: needs --kv-eviction duo, got snapkv"),
+        (["--kv-recent-size", "8"], "--kv-recent-size: needs --kv-eviction duo, got none"),
+    ],
+)  # fmt: skip
+def test_bad_sampling_and_cache_flags_are_refused_by_name(flags, message, capsys):
+    from kvfn.serving.server import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
+def test_valid_flags_parse_as_mlx_lm_server_does():
+    from kvfn.serving.server import parse_args
+
+    want = dict(port=8080, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, num_draft_tokens=3,
+                kv_bits=None, kv_group_size=64, quantized_kv_start=5000, chat_template_args={},
+                prompt_cache_bytes=None)  # fmt: skip
+    defaults = vars(parse_args([]))
+    assert {k: defaults[k] for k in want} == want
+    flags = "--prompt-cache-bytes 1.5GB --kv-bits 4 --kv-group-size 128 --port 0".split()
+    a = parse_args([*flags, "--chat-template-args", '{"enable_thinking": false}'])
+    assert (a.prompt_cache_bytes, a.kv_bits, a.kv_group_size, a.port) == (1_500_000_000, 4, 128, 0)
+    assert a.chat_template_args == {"enable_thinking": False}
+
+
 def test_disconnect_frees_the_sequence_and_its_cache(evicting):
     idle = evicting.get("/health")["kv_cache"]
     assert idle["active_sequences"] == 0 and idle["active_bytes"] == 0

@@ -161,8 +161,14 @@ class Duo(Policy):
             raise ValueError(
                 f"duo pattern must be a HeadPattern, got {type(self.pattern).__name__}"
             )
-        if any(type(x) is not bool for r in self.retrieval for x in r):
-            raise ValueError("duo retrieval entries must be bools (True: retrieval)")
+        if not isinstance(self.retrieval, tuple) or any(
+            not isinstance(r, (tuple, list)) or any(type(x) is not bool for x in r)
+            for r in self.retrieval
+        ):
+            raise ValueError(
+                "duo retrieval must be a tuple with, per layer, a tuple of bools (one per KV "
+                f"head, True: retrieval), got {self.retrieval!r}"
+            )
         if self.compress and self.budget == ALL:
             raise ValueError("duo with compress (duo-snapkv) needs a budget for retrieval heads")
 

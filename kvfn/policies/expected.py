@@ -17,13 +17,20 @@ import mlx.core as mx
 from ..scores import query_statistics
 from .policy import Policy, register_policy
 
+MAX_FUTURE = 65536  # positions whose rotations a score averages: a request may set it
 
-def average_rotation(rope, start: int, n: int, dim: int) -> mx.array:
+
+def average_rotation(rope, start: int, n: int, dim: int, chunk: int = 1024) -> mx.array:
     """The mean over positions ``start`` .. ``start + n - 1`` of ``rope``'s rotation, as a
-    (dim, dim) float32 matrix R with R @ q = mean_t rope(q at t) (rope is linear in q)."""
+    (dim, dim) float32 matrix R with R @ q = mean_t rope(q at t) (rope is linear in q); summed
+    ``chunk`` positions at a time, so memory does not grow with ``n``."""
     eye = mx.eye(dim, dtype=mx.float32)
-    rotated = rope(mx.broadcast_to(eye[None, :, None, :], (1, dim, n, dim)), offset=start)
-    return mx.mean(rotated[0].astype(mx.float32), axis=1).T  # column i: mean_t R(t) e_i
+    total = mx.zeros((dim, dim), mx.float32)
+    for s in range(0, n, chunk):
+        m = min(chunk, n - s)
+        rotated = rope(mx.broadcast_to(eye[None, :, None, :], (1, dim, m, dim)), offset=start + s)
+        total = total + mx.sum(rotated[0].astype(mx.float32), axis=1)
+    return (total / n).T  # column i: mean_t R(t) e_i
 
 
 def expected_attention(keys: mx.array, mean: mx.array, cov: Optional[mx.array], scale: float,
@@ -74,8 +81,10 @@ class ExpectedAttention(Policy):
 
     def validate(self) -> None:
         super().validate()
-        if self.future < 1:
-            raise ValueError(f"expected future must be >= 1 positions, got {self.future}")
+        if not 1 <= self.future <= MAX_FUTURE:
+            raise ValueError(
+                f"expected future must be 1 to {MAX_FUTURE} positions, got {self.future}"
+            )
         for name in ("covariance", "value_norm", "per_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"expected {name} must be a bool, got {getattr(self, name)!r}")

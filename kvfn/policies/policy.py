@@ -78,7 +78,10 @@ class Policy:
     def check_ints(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.type in (int, "int") and (type(value) is not int or value < 0):
+            optional = f.type in (Optional[int], "Optional[int]")
+            if optional and value is None:
+                continue
+            if (optional or f.type in (int, "int")) and (type(value) is not int or value < 0):
                 raise ValueError(f"{self.name} {f.name} must be a non-negative int, got {value!r}")
 
     def check_budget(self) -> None:
@@ -220,7 +223,7 @@ class Policy:
             prefix, digits = word[:1], word[1:]
             if word in cls.flags:
                 out.update(cls.flags[word])
-            elif prefix in cls.numbers and digits.isdigit():
+            elif prefix in cls.numbers and digits.isascii() and digits.isdecimal():
                 out[cls.numbers[prefix]] = int(digits)
             else:
                 known = [*cls.flags, *(f"{p}<N>" for p in cls.numbers)]

@@ -19,6 +19,11 @@ class RandomRows(Policy):
 
     name: ClassVar[str] = "random"
 
+    def validate(self) -> None:
+        super().validate()
+        if self.seed >= 2**64:  # what mx.random.key takes
+            raise ValueError(f"random seed must be below 2**64, got {self.seed}")
+
     def row_scores(self, scores, *, prompt_length, n_kv_heads, batch, layer):
         key = mx.random.split(mx.random.key(self.seed), layer + 1)[layer]
         return mx.random.uniform(shape=(batch, n_kv_heads, prompt_length), key=key)

@@ -3,6 +3,7 @@ policy they name: one flag group and one reading of it, so both take and refuse 
 
 import argparse
 import dataclasses
+import math
 from typing import Optional
 
 from ..policies.duo import HeadPattern
@@ -20,6 +21,22 @@ def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {value}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**64), got {value}")
     return value
 
 
@@ -53,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser, eviction_help: str) -> None:
                      help="streaming heads' sink rows (default: the pattern's)")  # fmt: skip
     duo.add_argument("--kv-recent-size", type=positive_int,
                      help="streaming heads' recent rows (default: the pattern's)")  # fmt: skip
+
+
+DUO_FLAGS = ("kv_head_pattern", "kv_retrieval_ratio", "kv_sink_size", "kv_recent_size")
 
 
 def takes_pattern(cls) -> bool:
@@ -104,8 +124,10 @@ def read(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if not args.kv_eviction:
         parser.error("argument --kv-eviction: must be a policy name or 'none', got ''")
     cls = POLICIES.get(args.kv_eviction.split("-")[0])
-    if args.kv_head_pattern is not None and not (cls and takes_pattern(cls)):
-        parser.error(f"argument --kv-head-pattern: needs --kv-eviction duo, got {args.kv_eviction}")
+    for flag in DUO_FLAGS:  # None unless given
+        if getattr(args, flag) is not None and not (cls and takes_pattern(cls)):
+            name = "--" + flag.replace("_", "-")
+            parser.error(f"argument {name}: needs --kv-eviction duo, got {args.kv_eviction}")
     if args.kv_eviction == "none":
         return
     if args.kv_budget < args.kv_sink_tokens + args.kv_window:

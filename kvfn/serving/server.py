@@ -67,13 +67,46 @@ from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator  # noqa: 
 from ..compaction import compact_steps  # noqa: E402
 from . import flags  # noqa: E402
 from .batch import HeadGroupsKVCache, RaggedLayerCache  # noqa: E402
-from .flags import non_negative_int, positive_int  # noqa: E402
+from .flags import (  # noqa: E402
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    probability,
+)
 from .interop import CompactedKVCache, QuantizedCompactedKVCache  # noqa: E402
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 
 # -- flags ---------------------------------------------------------------------------------------
+KV_BITS = (1, 2, 3, 4, 5, 6, 8)  # what mx.quantize takes
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    try:
+        return mlx_server._parse_size(text)
+    except (ArithmeticError, KeyError, ValueError):  # decimal.InvalidOperation, unknown unit
+        raise argparse.ArgumentTypeError(f"must be a size such as 500M or 2GB, got {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """mlx_lm.server's flags (its ``main`` builds and parses them inline, so they cannot be
     imported), then kvfn's."""
@@ -81,30 +114,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="a .gguf file or mlx-lm folder (default: embedded SmolLM2)")
     p.add_argument("--adapter-path", help="not supported (kept for mlx_lm.server's flag set)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=non_negative_int, default=8080, help="0 picks a free port")
+    p.add_argument("--port", type=port, default=8080, help="0 picks a free port")
     p.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*")
     p.add_argument("--draft-model", help="not supported (kept for mlx_lm.server's flag set)")
-    p.add_argument("--num-draft-tokens", type=int, default=3)
+    p.add_argument("--num-draft-tokens", type=non_negative_int, default=3)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
     )
     p.add_argument("--chat-template", default="")
     p.add_argument("--use-default-chat-template", action="store_true")
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--temp", type=non_negative_float, default=0.0)
+    p.add_argument("--top-p", type=probability, default=1.0)
+    p.add_argument("--top-k", type=non_negative_int, default=0)
+    p.add_argument("--min-p", type=probability, default=0.0)
     p.add_argument("--max-tokens", type=positive_int, default=512)
-    p.add_argument("--chat-template-args", type=json.loads, default="{}")
+    p.add_argument("--chat-template-args", type=json_object, default="{}")
     p.add_argument("--decode-concurrency", type=positive_int, default=32)
     p.add_argument("--prompt-concurrency", type=positive_int, default=8)
     p.add_argument("--prefill-step-size", type=positive_int, default=2048)
     p.add_argument("--prompt-cache-size", type=non_negative_int, default=10)
-    p.add_argument("--prompt-cache-bytes", type=mlx_server._parse_size)
-    p.add_argument("--kv-bits", type=int, default=None)
-    p.add_argument("--kv-group-size", type=int, default=64)
-    p.add_argument("--quantized-kv-start", type=int, default=mlx_server.DEFAULT_QUANTIZED_KV_START)
+    p.add_argument("--prompt-cache-bytes", type=byte_size)
+    p.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None)
+    p.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, default=64)
+    p.add_argument(
+        "--quantized-kv-start",
+        type=non_negative_int,
+        default=mlx_server.DEFAULT_QUANTIZED_KV_START,
+    )
     p.add_argument("--pipeline", action="store_true")
     flags.add_arguments(p, "none, or a policy: chunkkv (recommended: a request's prompt ends "
                         "with its question, and chunkkv kept the full cache's answers at 12.5%% "

@@ -96,6 +96,7 @@ def init(
             raise ValueError(f"{name} must be positive, got {v}")
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
+    check_capacity(capacity)
     if not mx.issubdtype(dtype, mx.floating):
         raise TypeError(f"a KV cache is floating point, got dtype {dtype}")
     if sliding_window is not None and sliding_window <= 0:
@@ -134,6 +135,15 @@ def from_full(keys: mx.array, values: mx.array, *, sliding_window: Optional[int]
         dense=True,
         packed=True,
     )
+
+
+def check_capacity(rows: int, what: str = "capacity") -> None:
+    """Raise a ValueError if ``rows`` is more than a state can hold: its positions are int32."""
+    if rows >= EMPTY:
+        raise ValueError(
+            f"{what} is {rows} rows, more than a state holds (int32 positions: fewer than "
+            f"{EMPTY})"
+        )
 
 
 def host_int(x: mx.array) -> Optional[int]:
@@ -355,6 +365,7 @@ def reserve(state: State, capacity: int) -> State:
     extra = capacity - state.capacity
     if extra < 0:
         raise ValueError(f"reserve cannot shrink capacity {state.capacity} to {capacity}")
+    check_capacity(capacity)
     if extra == 0:
         return state
     B, H, _, _ = state.keys.shape
