@@ -23,6 +23,8 @@ def _start(fmodel, tokens, states, capacity, dtype, check_ids: bool) -> tuple:
     if not isinstance(tokens, mx.array) or tokens.ndim != 2 or tokens.shape[1] < 1:
         shape = tuple(tokens.shape) if isinstance(tokens, mx.array) else type(tokens).__name__
         raise ValueError(f"prefill takes tokens of shape (batch, n >= 1), got {shape}")
+    if capacity is not None and capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
     if check_ids:  # once for every chunk
         wrapper.check_ids(tokens, fmodel.vocab_size)
     B, n = tokens.shape

@@ -207,6 +207,8 @@ def test_token_ids_and_states_that_do_not_fit_the_model_are_named():
         fm.decode(mx.array([[1]]), wide)
     with pytest.raises(TypeError, match="a KV cache is floating point, got dtype mlx.core.int32"):
         fm.init_states(1, 8, mx.int32)
+    with pytest.raises(ValueError, match="capacity must be >= 0, got -5"):
+        kvfn.prefill(fm, mx.array([[1, 2]]), capacity=-5)
 
 
 def test_unsupported_family_is_named():

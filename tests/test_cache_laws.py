@@ -213,6 +213,9 @@ def test_prefix_trim_lengths_are_checked_in_every_state_type():
                 module.prefix_trim(state, bad)
         with pytest.raises(TypeError, match="integer length, got dtype mlx.core.float32"):
             module.prefix_trim(state, mx.array([2.7]))
+        if module is not part:  # a partitioned layer masks each group with its module
+            with pytest.raises(ValueError, match="mask needs n_queries >= 0, got -1"):
+                module.mask(state, -1)
         below = module.prefix_trim(state, mx.array([-3]))  # an array's negative keeps nothing
         none = module.prefix_trim(state, 0)
         assert below.offset.tolist() == none.offset.tolist() == [0]
@@ -238,6 +241,13 @@ def test_a_hand_built_state_still_refuses_rows_past_its_capacity():
         kv.update(hand, mx.ones((1, 2, 3, 4)), mx.ones((1, 2, 3, 4)))
     two = kv.update(hand, mx.ones((1, 2, 2, 4)), mx.ones((1, 2, 2, 4)))
     assert (two.rows.item(), two.max_rows) == (5, 5)
+
+
+def test_stack_refuses_layers_of_different_dtypes():
+    a, b = full_state(1, 2, 3), full_state(1, 2, 3)
+    b = kv.from_full(b.keys.astype(mx.float16), b.values.astype(mx.float16))
+    with pytest.raises(ValueError, match="different dtypes \\['mlx.core.float16', 'mlx.core.fl"):
+        kv.stack([a, b])
 
 
 def test_from_full_checks_its_values_and_window():

@@ -126,6 +126,8 @@ def test_parser_names_policies_and_options():
         ("snapkv-w9", "unknown option 'w9' for policy 'snapkv' \\(options: avg, max, layer, gmax, k<N>\\)"),
         ("streaming-avg", "unknown option 'avg' for policy 'streaming' \\(options: none\\)"),
         ("", "a policy name must be a non-empty string"),
+        ("snapkv-k5-k7", "options 'k5' and 'k7' of policy 'snapkv' both set its kernel_size"),
+        ("snapkv-avg-max", "options 'avg' and 'max' of policy 'snapkv' both set its pooling"),
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             parse_policy(spec, budget=64)

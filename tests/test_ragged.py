@@ -329,5 +329,7 @@ def test_a_plan_across_layers_keeps_each_sequences_own_pairs_in_a_batch():
     per_layer = np.array([[int(mx.sum(s.lengths[b]).item()) for s in batch] for b in range(3)])
     assert len({tuple(r) for r in per_layer}) > 1  # the sequences share their budgets apart
     assert len(set(per_layer[0])) > 1  # and the layers theirs
-    with pytest.raises(ValueError, match="floor must be 0"):
+    with pytest.raises(ValueError, match="options 'global' and 'f20' .* both set its floor"):
         kvfn.parse_policy("adakvzip-global-f20", budget=64)
+    with pytest.raises(ValueError, match="floor must be 0"):
+        kvfn.AdaKVzip(budget=64, across_layers=True, floor=20)

@@ -218,19 +218,25 @@ class Policy:
     @classmethod
     def options(cls, words: list[str]) -> dict:
         """Field values from option words (see ``flags`` and ``numbers``)."""
-        out = {}
+        out, said = {}, {}
         for word in words:
             prefix, digits = word[:1], word[1:]
             if word in cls.flags:
-                out.update(cls.flags[word])
+                got = cls.flags[word]
             elif prefix in cls.numbers and digits.isascii() and digits.isdecimal():
-                out[cls.numbers[prefix]] = int(digits)
+                got = {cls.numbers[prefix]: int(digits)}
             else:
                 known = [*cls.flags, *(f"{p}<N>" for p in cls.numbers)]
                 raise ValueError(
                     f"unknown option {word!r} for policy {cls.name!r} "
                     f"(options: {', '.join(known) or 'none'})"
                 )
+            for field in got:
+                if field in said:
+                    raise ValueError(f"options {said[field]!r} and {word!r} of policy "
+                                     f"{cls.name!r} both set its {field}")  # fmt: skip
+                said[field] = word
+            out.update(got)
         return out
 
 

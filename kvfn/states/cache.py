@@ -146,6 +146,11 @@ def check_capacity(rows: int, what: str = "capacity") -> None:
         )
 
 
+def check_queries(n_queries: int) -> None:
+    if n_queries < 0:
+        raise ValueError(f"mask needs n_queries >= 0, got {n_queries}")
+
+
 def host_int(x: mx.array) -> Optional[int]:
     """A scalar array read on the host; None inside ``mx.compile`` or ``vmap``, where MLX reads
     nothing (a check that needs it is then left to the caller outside)."""
@@ -387,6 +392,7 @@ def mask(state: State, n_queries: int) -> mx.array:
     tokens (true positions ``offset - n_queries`` ...): causal over true positions, per head,
     limited to ``sliding_window`` for a sliding-window layer; free slots never attend."""
     _check(state)
+    check_queries(n_queries)
     q = state.offset[:, None] - n_queries + mx.arange(n_queries, dtype=mx.int32)[None]
     q = q[:, None, :, None]
     k = state.positions[:, :, None, :]
@@ -475,6 +481,9 @@ def stack(states: list[State]) -> State:
         raise ValueError(
             f"cannot stack layers with different sliding windows {sorted(windows, key=str)}"
         )
+    dtypes = {s.keys.dtype for s in states}
+    if len(dtypes) > 1:
+        raise ValueError(f"cannot stack layers of different dtypes {sorted(map(str, dtypes))}")
     capacity = max(s.capacity for s in states)
     rows = mx.max(mx.stack([s.rows for s in states]))
     padded = [reserve(s, capacity) for s in states]

@@ -204,6 +204,7 @@ def _own(state: RaggedKVCache) -> mx.array:
 def mask(state: RaggedKVCache, n_queries: int) -> mx.array:
     """(B, n_kv_heads, n_queries, S): for the last ``n_queries`` tokens (true positions
     ``offset - n_queries`` ...), each KV head's own rows at or before the query's position."""
+    kv.check_queries(n_queries)
     q = state.offset[:, None] - n_queries + mx.arange(n_queries, dtype=mx.int32)[None]
     seen = state.positions[:, None, :] <= q[:, :, None]  # (B, n, S)
     return _own(state)[:, :, None, :] & seen[:, None]

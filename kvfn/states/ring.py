@@ -23,7 +23,7 @@ import chex
 import mlx.core as mx
 from typeguard import typechecked
 
-from .cache import EMPTY, State, rebuilt, trim_lengths
+from .cache import EMPTY, State, check_queries, rebuilt, trim_lengths
 
 
 @chex.dataclass(frozen=True, repr=False)
@@ -165,6 +165,7 @@ def mask(ring: StreamingRing, n_queries: int) -> mx.array:
     ``n_queries`` tokens. Exact for one query; a longer chunk also needs the rows its own
     update pushed out (``kvfn.partitioned`` attends over the ring before the update plus the
     chunk)."""
+    check_queries(n_queries)
     return visible(ring, ring.positions, n_queries)
 
 
