@@ -7,7 +7,7 @@ cat doc.txt | python examples/generate.py --prompt-file -     # no eviction: pla
 
 Tensor parallel over 2 local processes (ring backend; only rank 0 prints, KV bytes are per rank;
 give the venv's python by its own path, not a resolved symlink):
-mlx.launch --backend ring -n 2 .venv/bin/python examples/generate.py --kv-eviction snapkv
+.venv/bin/mlx.launch --backend ring -n 2 .venv/bin/python examples/generate.py --kv-eviction snapkv
 """
 
 import argparse

@@ -133,8 +133,9 @@ def ignore_in_git(path: Path) -> None:
         print(f"added {top} to {target}")
 
 
-def print_calls(dirs: list, name: str) -> None:
-    """The device calls that carry one chunk each into $HOME/ship/NAME, and the join."""
+def print_calls(dirs: list, name: str, model: str = "") -> None:
+    """The device calls that carry one chunk each into $HOME/ship/NAME, and the join (then
+    ``--model`` names the joined folder, or ``model``, a file in it: a GGUF shipped as is)."""
     try:
         rel = [d.resolve().relative_to(ROOT) for d in dirs]
     except ValueError:
@@ -146,7 +147,7 @@ def print_calls(dirs: list, name: str) -> None:
               f'$HOME/ship/{name}/")')  # fmt: skip
     print(f'  run(command="source $HOME/mlx-env.sh && python3 examples/ship_model.py --join '
           f'$HOME/ship/{name} --out $HOME/models/{name} && python3 examples/evaluate.py '
-          f'--model $HOME/models/{name} ...")')  # fmt: skip
+          f'--model $HOME/models/{name}{"/" + model if model else ""} ...")')  # fmt: skip
 
 
 def gguf_folder(model: str | None, folder: Path) -> Path:
@@ -177,6 +178,7 @@ def make_chunks(args) -> None:
         converted = ship.convert(model, dtype=getattr(mx, args.dtype), bits=args.bits)
         del model
         folder = ship.save(converted, tokenizer, out / "model")
+    ggufs = [f.name for f in folder.glob("*.gguf")] if args.as_is else []
     dirs = ship.chunk(folder, out, limit=limit)
     total = sum(f.stat().st_size for f in folder.iterdir())
     if not args.keep_folder:
@@ -189,7 +191,7 @@ def make_chunks(args) -> None:
         room = (CALL_LIMIT - max(sizes)) / 2**20
         print(f"with them, a call has room for a working tree of {room:.1f} MiB; this one's is "
               f"{tree / 2**20:.1f} MiB")  # fmt: skip
-    print_calls(dirs, name)
+    print_calls(dirs, name, ggufs[0] if ggufs else "")
 
 
 def join(args) -> None:

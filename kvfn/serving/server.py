@@ -3,7 +3,7 @@
     kvfn-server                                   # embedded SmolLM2, no eviction: mlx_lm.server
     kvfn-server --kv-eviction snapkv --kv-budget 256 --port 0
     python -m kvfn.serving.server --model path/to/model.gguf --kv-eviction streaming
-    mlx.launch --backend ring -n 2 .venv/bin/python -m kvfn.serving.server --kv-eviction snapkv
+    .venv/bin/mlx.launch --backend ring -n 2 .venv/bin/python -m kvfn.serving.server --kv-eviction snapkv
         # tensor parallel (kvfn.distributed.shard): rank 0 serves HTTP, KV bytes are per rank
 
 Endpoints, flags, sampling, chat templates, continuous batching and the prompt cache are
