@@ -613,8 +613,6 @@ class FunctionalModel:
                     f"state {i} holds batch {s.offset.shape[0]}, state 0 batch "
                     f"{states[0].offset.shape[0]}"
                 )
-            if isinstance(s, kv.State):
-                _check_layer(s, i, self.n_kv_heads[i], self.head_dims[i])
             if isinstance(s, PER_HEAD) and not self._hooked[i]:
                 raise TypeError(
                     f"layer {i} holds a head-partitioned state, but its attention module "
@@ -623,10 +621,19 @@ class FunctionalModel:
                     "group"
                 )
 
-    def _prepare(self, tokens, states, check: bool = True) -> tuple[mx.array, tuple]:
+    def _check_layers(self, states) -> None:
+        """Each plain layer's heads, head_dim and dtype against the model's (for a compiled
+        step, when it traces: each new layout or shape, not each call)."""
+        for i, s in enumerate(states):
+            if isinstance(s, kv.State):
+                _check_layer(s, i, self.n_kv_heads[i], self.head_dims[i])
+
+    def _prepare(self, tokens, states, check: bool = True, eager: bool = True) -> tuple:
         """Checked tokens and states grown to take them; ``check``: the token ids too (one host
         read)."""
         self._check_states(states)
+        if eager:
+            self._check_layers(states)
         tokens = _check_tokens(tokens, states)
         if check:
             check_ids(tokens, self.vocab_size)
@@ -677,11 +684,12 @@ class FunctionalModel:
     def _scores_out(self, adapters, scores) -> tuple:
         return tuple(a.scores if a.query_slice is not None else s for a, s in zip(adapters, scores))
 
-    def _prepare_scored(self, tokens, states, scores, queries, check: bool) -> tuple:
+    def _prepare_scored(self, tokens, states, scores, queries, check: bool,
+                        eager: bool = True) -> tuple:  # fmt: skip
         if any(not isinstance(s, kv.State) for s in states):
             raise TypeError("a scored step needs plain states (score before partitioning)")
         old = [s.capacity for s in states] if isinstance(states, (tuple, list)) else None
-        tokens, states = self._prepare(tokens, states, check)
+        tokens, states = self._prepare(tokens, states, check, eager)
         sums = ("attention", "max_attention")  # scores over every slot
         grows = isinstance(queries, QuerySlice) and queries.statistic in sums
         if grows and old is not None and len(scores) == len(states):  # states grew: so do scores
@@ -728,7 +736,7 @@ class FunctionalModel:
         """Compiled: logits of the last position (B, vocab) and new states, for n >= 1 tokens.
         Traced once per layout and shapes (``traces``): a decode loop traces once per
         capacity, and capacities grow in buckets. ``check_ids`` as in ``forward``."""
-        tokens, states = self._prepare(tokens, states, check_ids)
+        tokens, states = self._prepare(tokens, states, check_ids, eager=False)
         return self._compiled_call(tokens, states)[:2]
 
     def decode(self, tokens, states) -> tuple:
@@ -744,7 +752,8 @@ class FunctionalModel:
     def scored_step(self, tokens, states, scores, queries: QuerySlice, *,
                     check_ids: bool = True) -> tuple:  # fmt: skip
         """Compiled ``scored_forward``: (logits of the last position, states, scores)."""
-        tokens, states, scores = self._prepare_scored(tokens, states, scores, queries, check_ids)
+        tokens, states, scores = self._prepare_scored(tokens, states, scores, queries, check_ids,
+                                                      eager=False)  # fmt: skip
         return self._compiled_call(tokens, states, scores, queries)
 
     def _compiled_call(self, tokens, states, scores=(), queries=None) -> tuple:
@@ -754,6 +763,7 @@ class FunctionalModel:
         def run(tokens, flat, scores):  # runs only when mx.compile traces
             self._traces += 1
             states_in = tuple(map(tree.unflatten, flat, static))
+            self._check_layers(states_in)
             logits, out, adapters = self._run(tokens, states_in, scores, queries, lockstep)
             new_scores = self._scores_out(adapters, scores) if queries is not None else ()
             return logits[:, -1], [tree.flatten(s)[0] for s in out], list(new_scores)

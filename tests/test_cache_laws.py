@@ -216,6 +216,11 @@ def test_prefix_trim_lengths_are_checked_in_every_state_type():
         if module is not part:  # a partitioned layer masks each group with its module
             with pytest.raises(ValueError, match="mask needs n_queries >= 0, got -1"):
                 module.mask(state, -1)
+        by_numpy = module.prefix_trim(state, np.int64(3))  # a numpy integer is an int
+        assert all(
+            mx.array_equal(a, b)
+            for a, b in zip(leaves(by_numpy), leaves(module.prefix_trim(state, 3)))
+        )
         below = module.prefix_trim(state, mx.array([-3]))  # an array's negative keeps nothing
         none = module.prefix_trim(state, 0)
         assert below.offset.tolist() == none.offset.tolist() == [0]
@@ -237,6 +242,7 @@ def test_a_hand_built_state_still_refuses_rows_past_its_capacity():
     s = full_state(1, 2, 3, capacity=5)
     hand = kv.State(**{f: getattr(s, f) for f in kv.ARRAY_FIELDS})  # max_rows unknown: None
     assert hand.max_rows is None
+    assert kv.prefix_trim(s, np.int32(2)).dense  # a plain cache's prefix stays plain
     with pytest.raises(ValueError, match="cannot append 3 rows to a state holding up to 3"):
         kv.update(hand, mx.ones((1, 2, 3, 4)), mx.ones((1, 2, 3, 4)))
     two = kv.update(hand, mx.ones((1, 2, 2, 4)), mx.ones((1, 2, 2, 4)))

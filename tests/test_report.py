@@ -175,6 +175,7 @@ def test_a_tie_goes_to_the_first_name_and_leads_by_zero():
     ref = samples(6, 0.5)
     rows = leaders(ref + [{**r, "method": "adakv"} for r in ref])
     assert [(r["method"], r["second"], r["difference"]) for r in rows] == [("adakv", "snapkv", 0)]
+    assert ", tied with snapkv (+0.0 [+0.0, +0.0])" in markdown_leaders(rows)
 
 
 def test_one_budget_across_lengths_and_chosen_pairs(tmp_path, capsys):

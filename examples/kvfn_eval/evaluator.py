@@ -239,7 +239,7 @@ def decode(fm, first: Callable, max_tokens: int, eos: set) -> list[list[int]]:
     for step in range(max_tokens):
         following = None
         if step + 1 < max_tokens:
-            logits, states = fm.forward(tokens[:, None], states)
+            logits, states = fm.forward(tokens[:, None], states, check_ids=False)  # its own ids
             following = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
             mx.async_eval(following)
         for b, token in enumerate(tokens.tolist()):

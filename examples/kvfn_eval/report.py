@@ -272,7 +272,8 @@ def markdown_differences(diffs: Sequence[dict], task: str = "average") -> str:
 
 def markdown_leaders(rows: Sequence[dict]) -> str:
     """Per mode, a table of who answers most: a row per length, a column per budget; a cell is
-    "leader score [95% interval], difference [95% interval] over the second"."""
+    "leader score [95% interval], difference [95% interval] over the second" (or "tied with
+    the second (difference)" where their means are equal)."""
     out = []
     budgets = sorted({r["budget"] for r in rows})
     for mode in sorted({r["mode"] for r in rows}):
@@ -290,7 +291,12 @@ def markdown_leaders(rows: Sequence[dict]) -> str:
                 text = f"{r['method']} {_interval(r['score'], r['lo'], r['hi'])}"
                 if r["difference"] is not None:
                     lead = _interval(r["difference"], r["difference_lo"], r["difference_hi"], "+")
-                    text += f", {lead} over {r['second']}"
+                    tied = r["second_score"] == r["score"]
+                    text += (
+                        f", tied with {r['second']} ({lead})"
+                        if tied
+                        else f", {lead} over {r['second']}"
+                    )
                 values.append(text)
             out.append(f"| {length} | " + " | ".join(values) + " |")
         out.append("")

@@ -24,6 +24,7 @@ same for every head, instead of a per-head mask from positions.
 """
 
 import dataclasses
+import operator
 from functools import lru_cache
 from typing import Optional
 
@@ -168,9 +169,13 @@ def trim_lengths(length, shape: tuple) -> mx.array:
         if not mx.issubdtype(length.dtype, mx.integer):
             raise TypeError(f"prefix_trim needs an integer length, got dtype {length.dtype}")
         return mx.maximum(mx.broadcast_to(length.astype(mx.int32), shape), 0)
-    if isinstance(length, bool) or not isinstance(length, int):
-        raise TypeError(f"prefix_trim needs an int or an integer mx.array, got {length!r}")
-    if not 0 <= length < EMPTY:
+    try:
+        length = operator.index(length)  # an int, a numpy integer
+    except TypeError:
+        raise TypeError(
+            f"prefix_trim needs an int or an integer mx.array, got {length!r}"
+        ) from None
+    if isinstance(length, bool) or not 0 <= length < EMPTY:
         raise ValueError(f"prefix_trim needs 0 <= length < {EMPTY}, got {length}")
     return mx.full(shape, length, mx.int32)
 
@@ -276,8 +281,11 @@ def prefix_trim(state: State, length) -> State:
     last kept slot.
     """
     _check(state)
-    static = length if state.static_rows is not None and isinstance(length, int) else None
-    length = trim_lengths(length, state.offset.shape)
+    lengths = trim_lengths(length, state.offset.shape)
+    static = None
+    if state.static_rows is not None and not isinstance(length, mx.array):
+        static = operator.index(length)
+    length = lengths
     slots = mx.arange(state.capacity, dtype=mx.int32)
     keep = (state.positions < length[:, None, None]) & (slots < state.rows)
     offset = mx.minimum(state.offset, length)
