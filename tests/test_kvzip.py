@@ -305,7 +305,7 @@ def test_parser_and_bad_settings_are_named():
         (lambda: KVzip(budget=64, prompt=(1, -2)), "kvzip prompt must be a tuple of token ids, got \\(1, -2\\)"),
         (lambda: KVzip(budget=64, resume=(1, 2.0)), "kvzip resume must be a tuple of token ids, got \\(1, 2.0\\)"),
         (lambda: KVzip(budget=64, suffix=("a",)), "kvzip suffix must be a tuple of token ids, got \\('a',\\)"),
-        (lambda: KVzip(budget=64, kernel_size=2), "kvzip kernel_size must be odd and >= 1, got 2"),
+        (lambda: KVzip(budget=64, kernel_size=2), "kvzip kernel_size must be odd, 1 to 255, got 2"),
         (lambda: KVzip(budget=64, chunk=0), "kvzip chunk must be >= 1, got 0"),
         (lambda: KVzip(budget=64, overlap=-1), "kvzip overlap must be a non-negative int, got -1"),
         (lambda: AdaKVzip(budget=64, overlap=-2), "adakvzip overlap must be a non-negative int, got -2"),

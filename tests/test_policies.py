@@ -122,7 +122,8 @@ def test_parser_names_policies_and_options():
     assert parse_policy("everyother", budget=64) == EveryOther(budget=64)
     for spec, message in [
         ("snap", "unknown policy 'snap' \\(known: .*snapkv"),
-        ("snapkv-k8", "kernel_size must be odd and >= 1, got 8"),
+        ("snapkv-k8", "kernel_size must be odd, 1 to 255, got 8"),
+        ("snapkv-k257", "snapkv kernel_size must be odd, 1 to 255, got 257"),
         ("snapkv-w9", "unknown option 'w9' for policy 'snapkv' \\(options: avg, max, layer, gmax, k<N>\\)"),
         ("streaming-avg", "unknown option 'avg' for policy 'streaming' \\(options: none\\)"),
         ("", "a policy name must be a non-empty string"),

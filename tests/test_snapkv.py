@@ -85,7 +85,7 @@ def test_short_prompts_are_kept_whole():
             dict(budget=8, window=2, sink_tokens=-1),
             "sink_tokens must be a non-negative int, got -1",
         ),
-        (dict(budget=8, window=2, kernel_size=4), "kernel_size must be odd and >= 1, got 4"),
+        (dict(budget=8, window=2, kernel_size=4), "kernel_size must be odd, 1 to 255, got 4"),
         (
             dict(budget=8, window=2, pooling="median"),
             "pooling must be 'max' or 'avg', got 'median'",

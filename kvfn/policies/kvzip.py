@@ -22,7 +22,7 @@ from ..passes import _drain, chunks, with_room
 from ..states import cache as kv
 from ..wrapper import FunctionalModel, QuerySlice
 from .policy import Policy, register_policy
-from .snapkv import pool1d
+from .snapkv import check_kernel, pool1d
 
 REPEAT = "\n\nRepeat the previous context exactly."
 RESUME = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -191,8 +191,7 @@ class KVzip(Policy):
                 raise ValueError(f"kvzip {name} must be a tuple of token ids, got {ids!r}")
         if not isinstance(self.per_head, bool):
             raise ValueError(f"kvzip per_head must be a bool, got {self.per_head!r}")
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"kvzip kernel_size must be odd and >= 1, got {self.kernel_size}")
+        check_kernel("kvzip", self.kernel_size)
         if self.chunk < 1:
             raise ValueError(f"kvzip chunk must be >= 1, got {self.chunk}")
 

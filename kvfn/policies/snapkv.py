@@ -12,6 +12,13 @@ import mlx.core as mx
 
 from .policy import Policy, register_policy
 
+MAX_KERNEL = 255  # pooling stacks a shifted copy of the scores per tap: a request may set it
+
+
+def check_kernel(name: str, kernel_size) -> None:
+    if type(kernel_size) is not int or not 1 <= kernel_size <= MAX_KERNEL or kernel_size % 2 == 0:
+        raise ValueError(f"{name} kernel_size must be odd, 1 to {MAX_KERNEL}, got {kernel_size!r}")
+
 
 def pool1d(x: mx.array, kernel_size: int, kind: str) -> mx.array:
     """Stride-1 'same' pooling over the last axis (max: pads with -inf; avg: zero-padded / k)."""
@@ -57,8 +64,7 @@ class SnapKV(Policy):
             raise ValueError(
                 f"snapkv window must be >= 1 (the observation window), got {self.window}"
             )
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"snapkv kernel_size must be odd and >= 1, got {self.kernel_size}")
+        check_kernel(self.name, self.kernel_size)
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"snapkv pooling must be 'max' or 'avg', got {self.pooling!r}")
         if self.group_reduce not in ("mean", "max"):
