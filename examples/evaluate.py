@@ -151,9 +151,10 @@ LEGEND = (
 def save(path: Path, config: dict, records: list, errors: list = ()) -> dict:
     """Records, summary, paired differences and leaders as JSON (gzipped when ``path`` ends in
     .gz)."""
-    result = dict(config=config, records=records, summary=report.summarize(records),
-                  differences=report.differences(records), leaders=report.leaders(records),
-                  errors=list(errors))  # fmt: skip
+    summary = report.summarize(records)
+    result = dict(config=config, records=records, summary=summary,
+                  differences=report.differences(records),
+                  leaders=report.leaders(records, summary), errors=list(errors))  # fmt: skip
     path.write_bytes(encode(path, json.dumps(result, indent=1)))
     return result
 

@@ -25,6 +25,7 @@ from .serving.flags import non_negative_int, positive_int, seed
 from .wrapper import FunctionalModel, QuerySlice
 
 METHODS = ("retrieval", "mass", "razor")
+MIN_LENGTH = 64  # probe prompt tokens
 FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
     "A quiet town sat beside the river, and its people kept to their old routines. "
@@ -124,8 +125,10 @@ def profile_heads(model, tokenizer=None, *, method: str = "retrieval", length: i
     (``retrieval`` / ``mass`` need the ``tokenizer``; ``razor`` uses random token ids)."""
     if method not in METHODS:
         raise ValueError(f"unknown head profiling method {method!r} (choose from {METHODS})")
-    if length < 64 or samples < 1:
-        raise ValueError(f"need length >= 64 and samples >= 1, got {length} and {samples}")
+    if length < MIN_LENGTH or samples < 1:
+        raise ValueError(
+            f"need length >= {MIN_LENGTH} and samples >= 1, got {length} and {samples}"
+        )
     if method != "razor" and tokenizer is None:
         raise ValueError(f"method {method!r} needs the model's tokenizer")
     fm = model if isinstance(model, FunctionalModel) else FunctionalModel(model)
@@ -158,10 +161,10 @@ def context_length(model) -> Optional[int]:
     return getattr(getattr(model, "args", None), "max_position_embeddings", None)
 
 
-def at_least_64(text: str) -> int:
+def probe_length(text: str) -> int:
     value = int(text)
-    if value < 64:
-        raise argparse.ArgumentTypeError(f"must be >= 64, got {value}")
+    if value < MIN_LENGTH:
+        raise argparse.ArgumentTypeError(f"must be >= {MIN_LENGTH}, got {value}")
     return value
 
 
@@ -179,7 +182,7 @@ def main(argv: Optional[list] = None) -> None:
     p.add_argument("--model", help="a .gguf file, mlx-lm folder or kvfn_models name "
                    "(default: embedded SmolLM2)")  # fmt: skip
     p.add_argument("--method", choices=METHODS, default="mass")
-    p.add_argument("--length", type=at_least_64, default=1024, help="probe prompt tokens")
+    p.add_argument("--length", type=probe_length, default=1024, help="probe prompt tokens")
     p.add_argument("--samples", type=positive_int, default=4)
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--sink-size", type=non_negative_int, default=64)

@@ -608,11 +608,6 @@ class FunctionalModel:
         for i, s in enumerate(states):
             if type(s) not in ADAPTERS:
                 raise TypeError(f"state {i} is a {type(s).__name__}, not a kvfn state")
-            if s.offset.shape != states[0].offset.shape:
-                raise ValueError(
-                    f"state {i} holds batch {s.offset.shape[0]}, state 0 batch "
-                    f"{states[0].offset.shape[0]}"
-                )
             if isinstance(s, PER_HEAD) and not self._hooked[i]:
                 raise TypeError(
                     f"layer {i} holds a head-partitioned state, but its attention module "
@@ -622,9 +617,15 @@ class FunctionalModel:
                 )
 
     def _check_layers(self, states) -> None:
-        """Each plain layer's heads, head_dim and dtype against the model's (for a compiled
-        step, when it traces: each new layout or shape, not each call)."""
+        """Each layer's batch against the first's, and each plain layer's heads, head_dim and
+        dtype against the model's (for a compiled step, when it traces: each new layout or
+        shape, not each call)."""
         for i, s in enumerate(states):
+            if s.offset.shape != states[0].offset.shape:
+                raise ValueError(
+                    f"state {i} holds batch {s.offset.shape[0]}, state 0 batch "
+                    f"{states[0].offset.shape[0]}"
+                )
             if isinstance(s, kv.State):
                 _check_layer(s, i, self.n_kv_heads[i], self.head_dims[i])
 

@@ -169,7 +169,7 @@ def test_settings_that_do_not_fit_the_model_or_states_are_named_before_tracing()
     with pytest.raises(ValueError, match="capacity is 1099511627776 rows, more than a state"):
         kvfn.compact_states(states, scores, SnapKV(budget=16, window=4), reserve=2**40 - 40)
     with pytest.raises(ValueError, match="n_kv_heads must be a positive divisor .* got 0"):
-        kvfn.snapkv_keep_indices(scores[0], 16, n_kv_heads=0)
+        kvfn.snapkv_keep_indices(scores[0], 16, n_kv_heads=0, window=4)
 
 
 def test_needs_scores_and_shapes_are_checked():
@@ -181,6 +181,8 @@ def test_needs_scores_and_shapes_are_checked():
         SnapKV(budget=40).keep_indices(mx.zeros((1, 2, 49)), prompt_length=50, n_kv_heads=1)
     with pytest.raises(ValueError, match="prompt_length must be >= 1, got 0"):
         StreamingLLM(budget=8).keep_indices(None, prompt_length=0, n_kv_heads=1)
+    with pytest.raises(ValueError, match="n_kv_heads must be a positive divisor .* got 0"):
+        StreamingLLM(budget=8).keep_indices(None, prompt_length=20, n_kv_heads=0)  # any policy
 
 
 def test_streaming_keeps_sinks_and_the_latest_rows():

@@ -159,16 +159,19 @@ def differences(records: Iterable[dict], references: Sequence[str] = REFERENCES,
     return sorted(rows, key=lambda r: (r["reference"], *_order(r)))
 
 
-def leaders(records: Iterable[dict], *, seed: int = SEED, resamples: int = RESAMPLES,
-            level: float = LEVEL) -> list[dict]:  # fmt: skip
+def leaders(records: Iterable[dict], summary: Optional[Sequence[dict]] = None, *, seed: int = SEED,
+            resamples: int = RESAMPLES, level: float = LEVEL) -> list[dict]:  # fmt: skip
     """Per (mode, length, budget), the evicting method whose macro-average answers most
     (``method``, ``score``, ``lo``, ``hi``; ties go to the first name) and the one after it
     (``second``, ``second_score``), with the leader's paired difference from it in points
     (``difference``, ``difference_lo``, ``difference_hi``): whether a lead is clear is whether
-    that interval leaves out zero. None where one method ran, or no sample has both."""
+    that interval leaves out zero. None where one method ran, or no sample has both.
+    ``summary``: ``summarize(records)`` with the same settings, if the caller has it."""
     records = list(records)
+    if summary is None:
+        summary = summarize(records, seed=seed, resamples=resamples, level=level)
     cells: dict[tuple, list[dict]] = defaultdict(list)
-    for row in summarize(records, seed=seed, resamples=resamples, level=level):
+    for row in summary:
         if row["task"] == "average" and row["budget"] is not None:
             cells[(row["mode"], row["target_tokens"], row["budget"])].append(row)
     out = []
@@ -199,9 +202,17 @@ def _order(row: dict):
             row["method"] != "full", row["method"], budget)  # fmt: skip
 
 
-def _interval(value: float, lo: Optional[float], hi: Optional[float], sign: str = "") -> str:
-    text = f"{value:{sign}.1f}"
-    return text if lo is None else f"{text} [{lo:{sign}.1f}, {hi:{sign}.1f}]"
+def _number(value: float, sign: str = "", short: bool = False) -> str:
+    """One decimal; ``short``: two significant figures at most (78, 5.6, +0.3)."""
+    return f"{value:{sign}.0f}" if short and abs(value) >= 9.95 else f"{value:{sign}.1f}"
+
+
+def _interval(value: float, lo: Optional[float], hi: Optional[float], sign: str = "",
+              short: bool = False) -> str:  # fmt: skip
+    text = _number(value, sign, short)
+    if lo is None:
+        return text
+    return f"{text} [{_number(lo, sign, short)}, {_number(hi, sign, short)}]"
 
 
 def _cell(row: Optional[dict]) -> str:
@@ -303,17 +314,6 @@ def markdown_leaders(rows: Sequence[dict]) -> str:
     return "\n".join(out)
 
 
-def _short(value: float, sign: str = "") -> str:
-    """Two significant figures at most: 78, 5.6, +0.3."""
-    return f"{value:{sign}.0f}" if abs(value) >= 9.95 else f"{value:{sign}.1f}"
-
-
-def _short_interval(value: float, lo: Optional[float], hi: Optional[float], sign: str = "") -> str:
-    if lo is None:
-        return _short(value, sign)
-    return f"{_short(value, sign)} [{_short(lo, sign)}, {_short(hi, sign)}]"
-
-
 def _tokens(length: int) -> str:
     return f"{length // 1024}K" if length % 1024 == 0 else str(length)
 
@@ -339,12 +339,12 @@ def markdown_budget(summary: Sequence[dict], budget, task: str = "average") -> s
         best = max(r["score"] for r in got if r is not None)
         values = []
         for r in got:
-            text = "" if r is None else _short_interval(r["score"], r["lo"], r["hi"])
+            text = "" if r is None else _interval(r["score"], r["lo"], r["hi"], short=True)
             values.append(f"**{text}**" if r is not None and r["score"] == best else text)
         label = f"{mode}, {_tokens(length)}"
         if (mode, length) in full:
             f = full[(mode, length)]
-            label += f" ({_short_interval(f['score'], f['lo'], f['hi'])})"
+            label += f" ({_interval(f['score'], f['lo'], f['hi'], short=True)})"
         out.append(f"| {label} | " + " | ".join(values) + " |")
     return "\n".join(out)
 
@@ -362,7 +362,7 @@ def markdown_pairs(diffs: Sequence[dict], pairs: Sequence[tuple], task: str = "a
         if not any(got):
             raise ValueError(f"no paired difference for {method} from {reference} at "
                              f"{_budget_name(budget)}, query-{mode}")  # fmt: skip
-        values = ["" if d is None else _short_interval(d["difference"], d["lo"], d["hi"], "+")
+        values = ["" if d is None else _interval(d["difference"], d["lo"], d["hi"], "+", True)
                   for d in got]  # fmt: skip
         label = f"{mode}, {method}, {_budget_name(budget)}, from {reference}"
         out.append(f"| {label} | " + " | ".join(values) + " |")
@@ -480,7 +480,7 @@ def main(argv=None) -> None:
         except ValueError as e:
             p.error(f"argument --pair: {e}")
     if args.leaders or not (args.budget or pairs):
-        print(markdown_leaders(leaders(records)))
+        print(markdown_leaders(leaders(records, summary)))
 
 
 def _budget(text):

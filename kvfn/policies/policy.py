@@ -152,6 +152,10 @@ class Policy:
         P = prompt_length
         if P < 1:
             raise ValueError(f"prompt_length must be >= 1, got {P}")
+        if not isinstance(n_kv_heads, int) or n_kv_heads < 1:
+            raise ValueError(
+                f"n_kv_heads must be a positive divisor of the query heads, got {n_kv_heads!r}"
+            )
         if self.keeps_whole(P):
             return mx.broadcast_to(mx.arange(P, dtype=mx.int32), (batch, n_kv_heads, P))
         if self.needs_scores:

@@ -94,9 +94,6 @@ def snapkv_keep_indices(
     indices (B, n_kv_heads, min(P, budget)). ``SnapKV(budget, **settings).keep_indices`` as
     one call (settings: window, sink_tokens, min_tokens, kernel_size, pooling, per_head,
     group_reduce)."""
-    B, n_heads, P = scores.shape
-    if not isinstance(n_kv_heads, int) or n_kv_heads < 1 or n_heads % n_kv_heads:
-        raise ValueError(f"n_kv_heads must be a positive divisor of the scores' {n_heads} "
-                         f"heads, got {n_kv_heads!r}")  # fmt: skip
+    B, _, P = scores.shape
     policy = SnapKV(budget=budget, **settings)
     return policy.keep_indices(scores, prompt_length=P, n_kv_heads=n_kv_heads, batch=B, layer=layer)

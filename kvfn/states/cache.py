@@ -281,14 +281,12 @@ def prefix_trim(state: State, length) -> State:
     last kept slot.
     """
     _check(state)
-    lengths = trim_lengths(length, state.offset.shape)
-    static = None
-    if state.static_rows is not None and not isinstance(length, mx.array):
-        static = operator.index(length)
-    length = lengths
+    lengths = trim_lengths(length, state.offset.shape)  # checks length
+    plain = state.static_rows is not None and not isinstance(length, mx.array)
+    static = operator.index(length) if plain else None
     slots = mx.arange(state.capacity, dtype=mx.int32)
-    keep = (state.positions < length[:, None, None]) & (slots < state.rows)
-    offset = mx.minimum(state.offset, length)
+    keep = (state.positions < lengths[:, None, None]) & (slots < state.rows)
+    offset = mx.minimum(state.offset, lengths)
     rows = mx.max(mx.where(keep, slots + 1, 0)).astype(mx.int32)
     out = state.replace(
         positions=tail_positions(mx.where(keep, state.positions, EMPTY), offset, rows),

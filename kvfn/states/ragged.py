@@ -260,7 +260,7 @@ def reserve(state: RaggedKVCache, room: int) -> RaggedKVCache:
         raise ValueError(f"reserve needs an int room >= 0, got {room!r}")
     B, H = state.starts.shape
     ends = _ends(state)
-    free = int(_free(state).item())
+    free = int(_free(state, ends).item())
     if room <= free:
         return state.replace(room=free)
     extra = room - free
@@ -287,9 +287,10 @@ def _ends(state: RaggedKVCache) -> mx.array:
     return mx.concatenate([state.starts[:, 1:], mx.full((B, 1), state.slots, mx.int32)], axis=1)
 
 
-def _free(state: RaggedKVCache) -> mx.array:
-    """The fewest free slots any head has after its rows."""
-    return mx.min(_ends(state) - state.starts - state.lengths)
+def _free(state: RaggedKVCache, ends: Optional[mx.array] = None) -> mx.array:
+    """The fewest free slots any head has after its rows (``ends``: ``_ends(state)``)."""
+    ends = _ends(state) if ends is None else ends
+    return mx.min(ends - state.starts - state.lengths)
 
 
 ARRAY_FIELDS = ("keys", "values", "positions", "starts", "lengths", "offset")
