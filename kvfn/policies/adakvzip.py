@@ -27,7 +27,7 @@ class AdaKVzip(KVzip, AdaKV):
     layer_totals: tuple = ()
 
     name: ClassVar[str] = "adakvzip"
-    flags: ClassVar[dict] = {"global": {"across_layers": True, "floor": 0}}
+    words: ClassVar[dict] = {"global": {"across_layers": True, "floor": 0}}
     numbers: ClassVar[dict] = {**KVzip.numbers, "f": "floor"}
 
     @property

@@ -136,7 +136,7 @@ class Duo(Policy):
     compress: bool = False
 
     name: ClassVar[str] = "duo"
-    flags: ClassVar[dict] = {"snapkv": {"compress": True}}
+    words: ClassVar[dict] = {"snapkv": {"compress": True}}
     numbers: ClassVar[dict] = {"r": "ratio"}
 
     @classmethod

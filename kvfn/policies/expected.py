@@ -68,7 +68,7 @@ class ExpectedAttention(Policy):
     name: ClassVar[str] = "expected"
     needs_scores: ClassVar[bool] = True
     statistic: ClassVar[str] = "moments"
-    flags: ClassVar[dict] = {
+    words: ClassVar[dict] = {
         "mean": {"covariance": False},
         "nov": {"value_norm": False},
         "layer": {"per_head": False},

@@ -176,7 +176,7 @@ class KVzip(Policy):
 
     name: ClassVar[str] = "kvzip"
     needs_scores: ClassVar[bool] = True
-    flags: ClassVar[dict] = {"layer": {"per_head": False}}
+    words: ClassVar[dict] = {"layer": {"per_head": False}}
     numbers: ClassVar[dict] = {"k": "kernel_size", "c": "chunk"}
 
     @property

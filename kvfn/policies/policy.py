@@ -64,7 +64,7 @@ class Policy:
     # each head keeps varies by prompt, and any two prompts' layers batch together
     ragged: ClassVar[bool] = False
     # option word -> field values, for names like "snapkv-avg-layer"
-    flags: ClassVar[dict] = {}
+    words: ClassVar[dict] = {}
     # option prefix -> int field, for names like "snapkv-k15"
     numbers: ClassVar[dict] = {}
 
@@ -220,17 +220,17 @@ class Policy:
         return kv.reserve(state.replace(max_rows=rows), max(state.capacity, rows + reserve))
 
     @classmethod
-    def options(cls, words: list[str]) -> dict:
-        """Field values from option words (see ``flags`` and ``numbers``)."""
+    def options(cls, parts: list[str]) -> dict:
+        """Field values from the option words of a name (see ``words`` and ``numbers``)."""
         out, said = {}, {}
-        for word in words:
+        for word in parts:
             prefix, digits = word[:1], word[1:]
-            if word in cls.flags:
-                got = cls.flags[word]
+            if word in cls.words:
+                got = cls.words[word]
             elif prefix in cls.numbers and digits.isascii() and digits.isdecimal():
                 got = {cls.numbers[prefix]: int(digits)}
             else:
-                known = [*cls.flags, *(f"{p}<N>" for p in cls.numbers)]
+                known = [*cls.words, *(f"{p}<N>" for p in cls.numbers)]
                 raise ValueError(
                     f"unknown option {word!r} for policy {cls.name!r} "
                     f"(options: {', '.join(known) or 'none'})"
@@ -249,7 +249,7 @@ def parse_policy(spec: str, **settings) -> Policy:
     budget=512)``; ``settings`` are the fields the name does not give (budget, window, ...)."""
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"a policy name must be a non-empty string, got {spec!r}")
-    head, *words = spec.split("-")
+    head, *parts = spec.split("-")
     cls = POLICIES.get(head)
     if cls is None:
         raise ValueError(f"unknown policy {spec!r} (known: {', '.join(sorted(POLICIES))})")
@@ -257,4 +257,4 @@ def parse_policy(spec: str, **settings) -> Policy:
     unknown = sorted(set(settings) - fields)
     if unknown:
         raise ValueError(f"policy {head!r} has no setting {', '.join(unknown)}")
-    return cls(**{**settings, **cls.options(words)})
+    return cls(**{**settings, **cls.options(parts)})

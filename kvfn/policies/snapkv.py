@@ -46,7 +46,7 @@ class SnapKV(Policy):
 
     name: ClassVar[str] = "snapkv"
     needs_scores: ClassVar[bool] = True
-    flags: ClassVar[dict] = {
+    words: ClassVar[dict] = {
         "avg": {"pooling": "avg"},
         "max": {"pooling": "max"},
         "layer": {"per_head": False},
