@@ -144,6 +144,7 @@ def compact_steps(
     context = _prompt(prompt_tokens, fmodel.vocab_size)[:, :-1]
     kv.check_capacity(context.shape[1] + max_new_tokens + 1, "the prompt plus max_new_tokens")
     P = context.shape[1]
+    policy.check_prompt(P)
     window = policy.observation_window(P)
     kwargs = dict(states=None, capacity=P, prefill_step_size=prefill_step_size, dtype=dtype,
                   compiled=False, settle=settle, check_ids=False)  # fmt: skip

@@ -11,6 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import kvfn
 from kvfn import KVzip, parse_policy, reconstruction_scores, repeat_prompt
 from kvfn.policies.adakvzip import AdaKVzip
+from kvfn.policies.kvzip import MAX_STEPS
 from kvfn_eval import answers, tasks
 from kvfn_eval.evaluator import Evaluator, Method, prompt_tokens, token_counter
 from tests.tiny import tiny_model
@@ -317,6 +318,21 @@ def test_parser_and_bad_settings_are_named():
             make()
     with pytest.raises(ValueError, match="kvzip needs reconstruction_scores"):
         KVzip(budget=40).keep_indices(None, prompt_length=50, n_kv_heads=1)
+
+
+def test_a_pass_of_too_many_chunks_is_refused_by_its_chunk():
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    P = MAX_STEPS + 1
+    ids = mx.zeros((1, P + 1), mx.int32)
+    message = f"kvzip chunk 1 cuts the {P}-token context into {P} steps .* at least 2\\)"
+    with pytest.raises(ValueError, match=message):
+        kvfn.compact(fm, ids, KVzip(budget=64, chunk=1), compiled=False)
+    with pytest.raises(ValueError, match=message):
+        reconstruction_scores(fm, ids[:, :-1], [], chunk=1)
+    with pytest.raises(ValueError, match="chunk 1 cuts"):
+        AdaKVzip(budget=64, chunk=1).check_prompt(P)
+    KVzip(budget=64, chunk=2).check_prompt(P)
+    KVzip(budget=P, chunk=1).check_prompt(P)  # kept whole: no pass
 
 
 def test_the_scoring_key_holds_every_setting_the_pass_reads():

@@ -219,6 +219,14 @@ def raw_post(port: int, path: str, body: bytes) -> tuple[int, dict]:
         (dict(messages="hello"), 400, "messages must be a non-empty list"),
         (dict(messages=[{"role": "user", "content": 7}]), 400, "cannot build a prompt"),
         (dict(messages=[{"role": "user", "content": "word " * 9000}]), 400, "exceeds the model"),
+        (
+            dict(
+                messages=[{"role": "user", "content": "word " * 5000}],
+                extra_body={"kv_eviction": "kvzip-c1"},
+            ),
+            400,
+            "steps of the reconstruction pass",
+        ),
     ],
 )
 def test_bad_input_is_a_4xx(evicting, kwargs, status, message):

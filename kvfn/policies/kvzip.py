@@ -27,6 +27,18 @@ from .snapkv import check_kernel, pool1d
 REPEAT = "\n\nRepeat the previous context exactly."
 RESUME = "\n\nRepeat the part of the previous context exactly, starting with"
 _MARKER = "\x00KVZIP\x00"
+MAX_STEPS = 4096  # a pass's chunks: each is a forward of the model, so this bounds its time
+
+
+def check_steps(prompt_length: int, chunk: int) -> None:
+    """Refuses a chunk that cuts a context this long into more than ``MAX_STEPS`` steps."""
+    steps = -(-prompt_length // chunk)
+    if steps > MAX_STEPS:
+        raise ValueError(
+            f"kvzip chunk {chunk} cuts the {prompt_length}-token context into {steps} steps of "
+            f"the reconstruction pass; at most {MAX_STEPS} (a chunk of at least "
+            f"{-(-prompt_length // MAX_STEPS)})"
+        )
 
 
 def assistant_suffix(tokenizer) -> str:
@@ -86,6 +98,7 @@ def reconstruction_steps(
     heads = [_token_ids(n, v) for n, v in (("prompt", prompt), ("resume", resume),
                                            ("suffix", suffix))]  # fmt: skip
     B, P = tokens.shape
+    check_steps(P, chunk)
     for s in states:
         if not isinstance(s, kv.State):
             raise TypeError(f"the reconstruction pass needs plain states, got {type(s).__name__}")
@@ -210,6 +223,10 @@ class KVzip(Policy):
 
     def observation_window(self, prompt_length: int) -> int:
         return 0  # the prefill scores nothing: ``score_steps`` does
+
+    def check_prompt(self, prompt_length: int) -> None:
+        if not self.keeps_whole(prompt_length):
+            check_steps(prompt_length, self.chunk)
 
     def score_steps(self, fmodel, tokens, states, gathered=None):
         """The reconstruction pass (``reconstruction_steps``), a chunk a step; None without

@@ -101,6 +101,10 @@ class Policy:
         ``min_tokens``)."""
         return prompt_length <= max(self.min_tokens, self.budget)
 
+    def check_prompt(self, prompt_length: int) -> None:
+        """Refuses, before any work, a context this long that the policy's settings would make
+        unreasonable (KVzip: a pass of too many chunks); nothing by default."""
+
     def observation_window(self, prompt_length: int) -> int:
         """How many of the prompt's last queries the prefill must score (0: none)."""
         if not self.needs_scores or self.keeps_whole(prompt_length):

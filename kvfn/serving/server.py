@@ -557,6 +557,8 @@ class KVAPIHandler(APIHandler):
             raise ValueError(f"cannot build a prompt from the request: {e}") from None
         if not prompt:
             raise ValueError("the prompt is empty")
+        if request.kv_policy is not None:  # it compacts all but the last token
+            request.kv_policy.check_prompt(len(prompt) - 1)
         context = provider.context_length
         if context and len(prompt) + self.max_tokens > context:
             raise ValueError(
