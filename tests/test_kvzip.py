@@ -327,6 +327,10 @@ def test_a_pass_of_too_many_chunks_is_refused_by_its_chunk():
     message = f"kvzip chunk 1 cuts the {P}-token context into {P} steps .* at least 2\\)"
     with pytest.raises(ValueError, match=message):
         kvfn.compact(fm, ids, KVzip(budget=64, chunk=1), compiled=False)
+    with pytest.raises(
+        ValueError, match=message
+    ):  # at the call: before its first step, the prefill
+        kvfn.compact_steps(fm, ids, KVzip(budget=64, chunk=1))
     with pytest.raises(ValueError, match=message):
         reconstruction_scores(fm, ids[:, :-1], [], chunk=1)
     with pytest.raises(ValueError, match="chunk 1 cuts"):
