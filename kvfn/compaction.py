@@ -87,7 +87,7 @@ def compact_states(
         raise ValueError(f"{len(scores)} score arrays for {len(states)} layers")
     kv.check_capacity(P + reserve)
     n_kv_heads = tuple(None if s.sliding_window else s.keys.shape[1] for s in states)
-    policy.check_layers(n_kv_heads)
+    policy.check_states(n_kv_heads, batch=states[0].keys.shape[0], prompt_length=P)
     policy = policy.planned(scores, prompt_length=P, n_kv_heads=n_kv_heads)
     # a dense state holds exactly P rows, so every kept row is a stored one: still packed
     statics = tuple((s.sliding_window, s.dense) for s in states)

@@ -333,3 +333,44 @@ def test_a_plan_across_layers_keeps_each_sequences_own_pairs_in_a_batch():
         kvfn.parse_policy("adakvzip-global-f20", budget=64)
     with pytest.raises(ValueError, match="floor must be 0"):
         kvfn.AdaKVzip(budget=64, across_layers=True, floor=20)
+
+
+def test_a_plan_of_counts_that_does_not_fit_is_refused_before_tracing(monkeypatch):
+    """``totals`` (AdaKV) and ``layer_totals`` (AdaKVzip) are a count a sequence: one for each
+    sequence of the batch, each between the rows every head must keep and ``budget`` a head (more
+    would run past the ragged buffer). A plan within them keeps exactly its counts."""
+    from kvfn import compaction
+
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = mx.array(np.random.default_rng(5).integers(0, 97, (2, 60)))
+    states, scores = kvfn.scored_prefill(fm, ids, window=4)
+    H, L = fm.n_kv_heads[0], len(states)
+    policy = kvfn.AdaKV(budget=20, window=4, sink_tokens=2, floor=0)  # each head keeps 6
+    least, most = 6 * H, 20 * H
+    kept, _ = kvfn.compact_states(states, scores, policy.replace(totals=(least, most)))
+    assert [[int(mx.sum(s.lengths[b]).item()) for b in range(2)] for s in kept] == [
+        [least, most]
+    ] * L
+
+    def traced(*args):
+        raise AssertionError("traced before the plan was checked")
+
+    monkeypatch.setattr(compaction, "_evictor", traced)
+    bad = [
+        (policy.replace(totals=(least,)), "adakv totals has 1 counts .* the batch has 2 sequences"),
+        (policy.replace(totals=(least, most + 1)), rf"adakv totals \[{most + 1}\] out of range .* "
+                                                   rf"at most {most} \(budget 20 a head\)"),
+        (policy.replace(totals=(least - 1, most)), rf"adakv totals \[{least - 1}\] out of range .* "
+                                                   rf"at least {least} \(the 6 sinks, window"),
+        (policy.replace(floor=50, totals=(least, most)), rf"adakv totals \[{least}\] out of range .* "
+                                                         rf"at least {16 * H} \(the 16 sinks"),
+        (kvfn.AdaKVzip(budget=20, window=4, sink_tokens=2, floor=0, layer_budgets=(20,) * L,
+                       layer_totals=((least, most), (least,), (least, most))),
+         "adakvzip totals has 1 counts .* the batch has 2 sequences"),
+        (kvfn.AdaKVzip(budget=20, window=4, sink_tokens=2, floor=0, layer_budgets=(10, 20, 20),
+                       layer_totals=((least, most),) * L),
+         rf"adakvzip totals \[{most}\] out of range .* at most {10 * H} \(budget 10 a head\)"),
+    ]  # fmt: skip
+    for plan, message in bad:
+        with pytest.raises(ValueError, match=message):
+            kvfn.compact_states(states, scores, plan)

@@ -80,6 +80,31 @@ class AdaKV(SnapKV):
             forced = forced | top_mask(mx.where(forced, -mx.inf, s), self.guard)
         return mx.where(forced, mx.inf, s)
 
+    def check_states(self, n_kv_heads: tuple, *, batch: int, prompt_length: int) -> None:
+        for i, h in enumerate(n_kv_heads):
+            if h is not None:
+                self.for_layer(i, len(n_kv_heads)).check_totals(h, batch, prompt_length)
+
+    def check_totals(self, n_kv_heads: int, batch: int, prompt_length: int) -> None:
+        """Raise a ValueError unless ``totals`` (if set) holds a count for each of ``batch``
+        sequences, each at least the rows every head must keep and at most what ``budget`` rows
+        a head hold (a larger count would run past the ragged buffer)."""
+        if not self.totals:
+            return
+        H, P = n_kv_heads, prompt_length
+        if len(self.totals) != batch:
+            raise ValueError(f"{self.name} totals has {len(self.totals)} counts (one a "
+                             f"sequence); the batch has {batch} sequences")  # fmt: skip
+        forced = min(P, self.sink_tokens + self.window + self.guard)
+        least, most = H * forced, H * self.budget
+        bad = [t for t in self.totals if not least <= t <= most]
+        if bad:
+            raise ValueError(
+                f"{self.name} totals {bad} out of range for {H} KV heads and a {P}-row prompt: "
+                f"at least {least} (the {forced} sinks, window and floor rows each head keeps), "
+                f"at most {most} (budget {self.budget} a head)"
+            )
+
     def keep_mask(self, scores, *, prompt_length: int, n_kv_heads: int, batch: int = 1,
                   layer: int = 0, totals: Optional[tuple] = None) -> mx.array:  # fmt: skip
         """(B, n_kv_heads, P) bool: the rows each head keeps, ``budget x n_kv_heads`` a
@@ -113,8 +138,7 @@ class AdaKV(SnapKV):
         if totals is None and self.keeps_whole(P):  # even where the budget reaches the prompt
             return super().compact_layer(state, scores, prompt_length=P, layer=layer,
                                          reserve=reserve)  # fmt: skip
-        if totals is not None and len(totals) != B:
-            raise ValueError(f"a plan for {len(totals)} sequences applied to {B}")
+        self.check_totals(H, B, P)
         keep = self.keep_mask(scores, prompt_length=P, n_kv_heads=H, batch=B, layer=layer,
                               totals=totals)  # fmt: skip
         total = self.budget * H

@@ -83,7 +83,7 @@ class AdaKVzip(KVzip, AdaKV):
         totals = tuple(tuple(int(c) for c in counts[:, i]) for i in range(len(n_kv_heads)))
         return self.replace(layer_budgets=tuple(budgets), layer_totals=totals)
 
-    def check_layers(self, n_kv_heads: tuple) -> None:
+    def check_states(self, n_kv_heads: tuple, *, batch: int, prompt_length: int) -> None:
         for name in ("layer_budgets", "layer_totals"):
             given = getattr(self, name)
             if given and len(given) != len(n_kv_heads):
@@ -91,6 +91,7 @@ class AdaKVzip(KVzip, AdaKV):
                     f"adakvzip {name} has {len(given)} entries; the model has "
                     f"{len(n_kv_heads)} layers (one entry each)"
                 )
+        super().check_states(n_kv_heads, batch=batch, prompt_length=prompt_length)
 
     def for_layer(self, layer: int, n_layers: int) -> "AdaKVzip":
         if not self.layer_budgets:

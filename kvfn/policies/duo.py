@@ -204,7 +204,7 @@ class Duo(Policy):
     def _snapkv(self) -> SnapKV:
         return SnapKV(budget=self.budget, window=self.window, sink_tokens=self.sink_tokens)
 
-    def check_layers(self, n_kv_heads: tuple) -> None:
+    def check_states(self, n_kv_heads: tuple, *, batch: int, prompt_length: int) -> None:
         want = [len(r) for r in self.heads]
         if len(want) != len(n_kv_heads) or any(
             h is not None and h != w for h, w in zip(n_kv_heads, want)

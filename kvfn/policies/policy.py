@@ -204,9 +204,11 @@ class Policy:
         budget across layers sets each layer's here, on the host, before tracing)."""
         return self
 
-    def check_layers(self, n_kv_heads: tuple[Optional[int], ...]) -> None:
-        """Raise a ValueError if the policy cannot apply to layers of these KV-head counts (one
-        per full-attention layer, None for a sliding-window layer); called before tracing."""
+    def check_states(self, n_kv_heads: tuple[Optional[int], ...], *, batch: int,
+                     prompt_length: int) -> None:  # fmt: skip
+        """Raise a ValueError if the policy cannot compact prefilled states of these shapes: a
+        KV-head count per layer (None for a sliding-window layer), ``batch`` sequences of
+        ``prompt_length`` rows; called before tracing."""
 
     def compact_layer(self, state: kv.State, scores: Optional[mx.array], *, prompt_length: int,
                       layer: int, reserve: int, group=None):  # fmt: skip
