@@ -11,8 +11,13 @@
 #   env G15 / G05: groups "LENGTHS:WORKERS:BATCH;..." for the 1.5B / 0.5B (unset: none)
 #   env EXTRA15 / EXTRA05: evaluate.py's sample arguments (default: the grid's --fill 20)
 #   env LONGEST: a sample's longest seconds (default 110): none starts later than END less it
+#   env METHODS / BUDGETS / MODES: evaluate.py's (default: the grid's twelve methods, three
+#     budgets, both modes)
 set -u
 TAG=${1:?TAG} END=${2:?END} LONGEST=${LONGEST:-110}
+METHODS=${METHODS:-"full snapkv pyramidkv chunkkv streaming random expected kvzip adakv adakvzip
+  adakvzip-global duo-r50-snapkv"}
+BUDGETS=${BUDGETS:-"0.25 0.125 0.0625"} MODES=${MODES:-"aware agnostic"}
 T0=$(date +%s)
 source $HOME/mlx-env.sh
 export PYTHONPATH=$HOME/pp${PYTHONPATH:+:$PYTHONPATH}
@@ -39,10 +44,8 @@ launch() {  # SHORT HEADS GROUPS EXTRA OUTNAME
     echo "$name g$g: lengths $lengths workers $workers batch $batch deadline $dl timeout $left"
     timeout -k 10 $left python3 examples/evaluate.py --model $HOME/conv/$short/model \
       --head-pattern examples/results/heads/$heads --dtype bfloat16 --lengths $lengths \
-      --budgets 0.25 0.125 0.0625 --questions 2 --seed 1 \
-      --tasks niah_single niah_multikey niah_multivalue variable_tracking \
-      --methods full snapkv pyramidkv chunkkv streaming random expected kvzip adakv adakvzip \
-                adakvzip-global duo-r50-snapkv \
+      --budgets $BUDGETS --modes $MODES --questions 2 --seed 1 \
+      --tasks niah_single niah_multikey niah_multivalue variable_tracking --methods $METHODS \
       --prefill-step-size 2048 --workers $workers --batch $batch --deadline $dl $WARM \
       $extra --out $R/$name-g$g > $R/$name-g$g.log 2>&1 &
   done

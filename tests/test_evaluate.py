@@ -99,6 +99,7 @@ def test_evaluator_accounts_memory_and_time_and_keeps_whole_prompts_exact(smollm
         for q in (0, 1):
             full = by[(mode, "full", None, q)]
             assert full["kv_fraction"] == 1.0 and full["needle_kept"] == 1.0
+            assert full["needle_kept_layers"] == [1.0] * 30  # SmolLM2's layers
             # a budget over the prompt keeps every row: the same answer as the full cache
             assert by[(mode, "snapkv", 4096, q)]["prediction"] == full["prediction"]
             assert by[(mode, "random", 4096, q)]["prediction"] == full["prediction"]
@@ -107,6 +108,8 @@ def test_evaluator_accounts_memory_and_time_and_keeps_whole_prompts_exact(smollm
             per_row = 1 + 4 / (2 * 64 * 4)  # float32 keys + values, and an int32 position per head
             assert abs(small["kv_fraction"] - 40 * per_row / full["rows"]) < 1e-9
             assert 0 <= small["needle_kept"] <= 1
+            layers = small["needle_kept_layers"]  # every layer has 3 KV heads: the mean's mean
+            assert len(layers) == 30 and abs(np.mean(layers) - small["needle_kept"]) < 1e-12
             kv8 = by[(mode, "kv8", None, q)]
             assert abs(kv8["kv_fraction"] - quantized_row_fraction(64, 4, 8)) < 1e-9
             both = by[(mode, "snapkv+kv8", 40, q)]
@@ -372,6 +375,26 @@ def test_head_positions_read_from_the_host_are_each_heads_rows():
             sorted(p for p in row if p != kvfn.EMPTY)
             for row in np.array(layer.positions)[0, :, : layer.max_rows].tolist()
         ]
+
+
+def test_needle_fractions_are_each_heads_share_of_the_needle_rows():
+    """Per full-attention layer and KV head, the needle tokens among the rows it keeps: a
+    ragged head keeps its own, so the heads' shares differ; a sliding-window layer has none."""
+    from kvfn_eval.evaluator import head_arrays, needle_fractions
+    from tests.tiny import tiny_model
+
+    fm = kvfn.FunctionalModel(tiny_model("qwen2"))
+    ids = mx.array([np.random.default_rng(5).integers(0, 97, 60).tolist()])
+    states, scores = kvfn.scored_prefill(fm, ids, window=4)
+    ada = kvfn.compact_states(states, scores, kvfn.AdaKV(budget=12, window=4, sink_tokens=2))[0]
+    mx.eval([a for s in ada for a in head_arrays(s)])
+    needles = list(range(10, 40))
+    got = needle_fractions(ada, needles)
+    want = [[np.isin(needles, np.array(kvfn.ragged.head_rows(s, 0, h)[2])).mean()
+             for h in range(s.n_kv_heads)] for s in ada]  # fmt: skip
+    assert got == want and len({f for layer in got for f in layer}) > 1
+    windowed = states[0].replace(sliding_window=8)
+    assert needle_fractions([windowed, *ada[1:]], needles) == want[1:]
 
 
 def test_a_batch_of_questions_out_of_length_order_is_refused(smollm2):

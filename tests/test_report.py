@@ -14,6 +14,7 @@ from kvfn_eval.report import (
     markdown_budget,
     markdown_differences,
     markdown_leaders,
+    markdown_needles,
     markdown_pairs,
     plot,
     styles,
@@ -226,6 +227,40 @@ def test_one_budget_across_lengths_and_chosen_pairs(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path / "missing.json")])
     assert "is not a result evaluate.py wrote" in capsys.readouterr().err
+
+
+def test_the_needle_table_shows_the_layer_that_keeps_least(tmp_path, capsys):
+    """Per (length, method): the mean score, the needle rows' mean share, the mean of each
+    answer's least layer share, and the layer that is least most often; records without
+    per-layer shares (other budgets, modes, tasks without needles) are left out."""
+
+    def layered(method, score, layers, budget=0.25, mode="agnostic"):
+        r = rec("niah", method, budget, score, budget, float(np.mean(layers)), mode=mode)
+        return {**r, "needle_kept_layers": layers}
+
+    records = [
+        layered("adakvzip", 0.0, [0.9, 0.1, 0.8]),
+        layered("adakvzip", 1.0, [0.9, 0.5, 0.2]),
+        layered("adakvzip", 0.0, [0.7, 0.0, 0.8]),
+        layered("adakvzip-global", 1.0, [0.6, 0.4, 0.5]),
+        layered("adakvzip-global", 1.0, [0.0, 0.9, 0.9], budget=0.125),
+        layered("adakvzip-global", 0.0, [0.0, 0.9, 0.9], mode="aware"),
+        rec("common_words", "adakvzip", 0.25, 1.0, 0.25, mode="agnostic"),
+    ]
+    lines = markdown_needles(records, "agnostic", 0.25).splitlines()
+    assert lines[2:] == [
+        "| 1000 | adakvzip | 3 | 33.3 | 0.544 | 0.100 | 1 |",
+        "| 1000 | adakvzip-global | 1 | 100.0 | 0.500 | 0.400 | 1 |",
+    ]
+    with pytest.raises(ValueError, match="no records with needle_kept_layers at 6.25%"):
+        markdown_needles(records, "agnostic", 0.0625)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(dict(records=records)))
+    main([str(path), "--needles", "agnostic:0.25"])
+    assert capsys.readouterr().out.strip() == "\n".join(lines)
+    with pytest.raises(SystemExit):
+        main([str(path), "--needles", "agnostic:0.5"])
+    assert "argument --needles: expected MODE:BUDGET" in capsys.readouterr().err
 
 
 def test_records_without_a_seed_pair_by_their_order():

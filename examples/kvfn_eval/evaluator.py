@@ -112,14 +112,16 @@ class Prompt:
 @dataclass(frozen=True)
 class Cell:
     """One method at one budget on one call's states (a mode, and in query-aware mode a
-    question): its rows, whether it evicted, the needle rows it kept, its own scoring pass's
-    seconds, its KV bytes, and whether mlx-lm decodes it (it keeps every row, or is quantized)."""
+    question): its rows, whether it evicted, the needle rows it kept (over all full-attention
+    layers and KV heads, and each such layer's share), its own scoring pass's seconds, its KV
+    bytes, and whether mlx-lm decodes it (it keeps every row, or is quantized)."""
 
     method: Method
     budget: Optional[Union[int, float]]
     rows: Optional[int]
     evicted: bool
     kept: Optional[float]
+    kept_layers: Optional[tuple]
     seconds: float
     nbytes: int
     by_mlx: bool
@@ -213,16 +215,14 @@ def head_positions(state) -> list:
     return out
 
 
-def needle_fraction(states: Sequence, tokens) -> float:
-    """Mean over full-attention layers and KV heads of the fraction of ``tokens`` (prompt
-    positions) among the kept rows."""
-    fractions = [
-        np.isin(tokens, positions).mean()
+def needle_fractions(states: Sequence, tokens) -> list[list[float]]:
+    """Per full-attention layer, per KV head: the fraction of ``tokens`` (prompt positions)
+    among its kept rows."""
+    return [
+        [float(np.isin(tokens, positions).mean()) for positions in head_positions(s)]
         for s in states
         if s.sliding_window is None
-        for positions in head_positions(s)
     ]
-    return float(np.mean(fractions))
 
 
 def decode(fm, first: Callable, max_tokens: int, eos: set) -> list[list[int]]:
@@ -395,9 +395,11 @@ class Evaluator:
         return max(self.window + self.sink_tokens, round(budget * prompt_rows))
 
     def cell(self, method: Method, budget, rows: Optional[int], states, evicted: bool,
-             kept: Optional[float], seconds: float) -> Cell:  # fmt: skip
+             kept: tuple, seconds: float) -> Cell:  # fmt: skip
         """A compacted cell's record: its KV bytes (with the positions that an evicted cache
-        must keep: the kept rows' bytes, known on the host) and the decoder it takes."""
+        must keep: the kept rows' bytes, known on the host) and the decoder it takes. ``kept``:
+        the needle rows' share over all layers and heads, and per layer (Nones without
+        needles)."""
         plain = all(isinstance(s, kvfn.PositionPreservingKVCache) for s in states)
         if method.kv_bits is not None and not plain:
             raise ValueError(f"{method.name}: per-head states are not quantized")
@@ -407,7 +409,7 @@ class Evaluator:
             nbytes = self.caches(states, method, evicted)[1]
         else:
             nbytes = self.kept_bytes(states)
-        return Cell(method, budget, rows, evicted, kept, seconds, nbytes, by_mlx)
+        return Cell(method, budget, rows, evicted, *kept, seconds, nbytes, by_mlx)
 
     def answers(self, cells: Sequence[Cell], held: list, asks: Sequence[tuple],
                 n_new: int) -> tuple[list, int]:  # fmt: skip
@@ -532,10 +534,14 @@ class Evaluator:
             spans = prompts[tails[0][0]].needles  # the context's: the same for all
             needles = [t for n in spans for t in n]
             for method, budget, rows, kept_states, evicted, seconds in made:
-                kept = None  # without needle offsets
+                kept = layers = None  # without needle offsets
                 if spans:
-                    kept = needle_fraction(kept_states, needles) if evicted else 1.0
-                cells.append(self.cell(method, budget, rows, kept_states, evicted, kept, seconds))
+                    full = sum(s.sliding_window is None for s in kept_states)
+                    heads = needle_fractions(kept_states, needles) if evicted else [[1.0]] * full
+                    kept = float(np.mean([f for layer in heads for f in layer]))
+                    layers = tuple(float(np.mean(layer)) for layer in heads)
+                cells.append(self.cell(method, budget, rows, kept_states, evicted, (kept, layers),
+                                       seconds))  # fmt: skip
                 held.append(kept_states)
             del made
             # the scored pass over the context's last tokens (and, asked, the question) and every
@@ -577,7 +583,8 @@ class Evaluator:
                         prompt_tokens=len(head) + len(prompts[q].tail), mode=mode,
                         method=cell.method.name, budget=cell.budget, rows=rows,
                         kv_bytes=cell.nbytes, kv_fraction=cell.nbytes / full_bytes,
-                        needle_kept=cell.kept, score_seconds=cell.seconds,
+                        needle_kept=cell.kept, needle_kept_layers=cell.kept_layers and list(cell.kept_layers),
+                        score_seconds=cell.seconds,
                         prefill_seconds=prefill_seconds, prefill_peak_gib=prefill_peak,
                         question=q, prediction=prediction,
                         score=answers.match_all(prediction, sample.questions[q].answers),

@@ -369,6 +369,31 @@ def markdown_pairs(diffs: Sequence[dict], pairs: Sequence[tuple], task: str = "a
     return "\n".join(out)
 
 
+def markdown_needles(records: Iterable[dict], mode: str, budget) -> str:
+    """Where one budget's needle rows go, in one mode: a row per (length, method) with its
+    answers' mean score, the needle rows' share kept over every full-attention layer and KV
+    head, that share in the layer keeping least of it, and that layer (the most frequent);
+    means over answers, from records that carry ``needle_kept_layers``."""
+    cells = defaultdict(list)
+    for r in records:
+        if r["mode"] == mode and r["budget"] == budget and r.get("needle_kept_layers"):
+            cells[(r["target_tokens"], r["method"])].append(r)
+    if not cells:
+        raise ValueError(f"no records with needle_kept_layers at {_budget_name(budget)}, "
+                         f"query-{mode}")  # fmt: skip
+    out = ["| tokens | method | answers | score | needle rows kept | in the layer keeping least "
+           "| that layer |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for (length, method), rs in sorted(cells.items()):
+        least = [int(np.argmin(r["needle_kept_layers"])) for r in rs]
+        out.append(
+            f"| {_tokens(length)} | {method} | {len(rs)} | {100 * mean(r['score'] for r in rs):.1f} "
+            f"| {mean(r['needle_kept'] for r in rs):.3f} "
+            f"| {mean(min(r['needle_kept_layers']) for r in rs):.3f} "
+            f"| {max(set(least), key=least.count)} |"
+        )
+    return "\n".join(out)
+
+
 def styles(methods: Sequence[str]) -> dict:
     """A (colour, marker, line style) per method, distinct for up to 30 methods and the same in
     every panel: ten colours, then the ten again with other markers and lines."""
@@ -449,6 +474,9 @@ def main(argv=None) -> None:
         metavar="MODE:METHOD:BUDGET:FROM",
         help="a paired difference across lengths, e.g. aware:chunkkv:0.125:snapkv",
     )
+    p.add_argument("--needles", action="append", default=[], metavar="MODE:BUDGET",
+                   help="the needle rows' share kept, overall and in the layer keeping least, "
+                        "per length and method, e.g. agnostic:0.25")  # fmt: skip
     p.add_argument("--leaders", action="store_true",
                    help="who answers most, per cell (what prints when nothing else is asked)")  # fmt: skip
     args = p.parse_args(argv)
@@ -479,7 +507,14 @@ def main(argv=None) -> None:
                   end="\n\n")  # fmt: skip
         except ValueError as e:
             p.error(f"argument --pair: {e}")
-    if args.leaders or not (args.budget or pairs):
+    for needles in args.needles:
+        mode, _, budget = needles.partition(":")
+        try:
+            print(markdown_needles(records, mode, _budget(budget)), end="\n\n")
+        except ValueError as e:
+            p.error(f"argument --needles: expected MODE:BUDGET with records that carry "
+                    f"needle_kept_layers, got {needles!r} ({e})")  # fmt: skip
+    if args.leaders or not (args.budget or pairs or args.needles):
         print(markdown_leaders(leaders(records, summary)))
 
 
