@@ -578,12 +578,13 @@ class Evaluator:
                 for q, _ in tails:
                     prediction = self.tokenizer.decode(next(got))
                     rows = min(cell.rows, P) if cell.rows is not None else P
+                    layers = None if cell.kept_layers is None else list(cell.kept_layers)
                     records.append(dict(
                         task=sample.task, seed=sample.seed, target_tokens=sample.target_tokens,
                         prompt_tokens=len(head) + len(prompts[q].tail), mode=mode,
                         method=cell.method.name, budget=cell.budget, rows=rows,
                         kv_bytes=cell.nbytes, kv_fraction=cell.nbytes / full_bytes,
-                        needle_kept=cell.kept, needle_kept_layers=cell.kept_layers and list(cell.kept_layers),
+                        needle_kept=cell.kept, needle_kept_layers=layers,
                         score_seconds=cell.seconds,
                         prefill_seconds=prefill_seconds, prefill_peak_gib=prefill_peak,
                         question=q, prediction=prediction,
