@@ -362,8 +362,8 @@ def test_a_plan_of_counts_that_does_not_fit_is_refused_before_tracing(monkeypatc
                                                    rf"at most {most} \(budget 20 a head\)"),
         (policy.replace(totals=(least - 1, most)), rf"adakv totals \[{least - 1}\] out of range .* "
                                                    rf"at least {least} \(the 6 sinks, window"),
-        (policy.replace(floor=50, totals=(least, most)), rf"adakv totals \[{least}\] out of range .* "
-                                                         rf"at least {16 * H} \(the 16 sinks"),
+        (policy.replace(floor=50, totals=(least, most)),
+         rf"adakv totals \[{least}\] out of range .* at least {16 * H} \(the 16 sinks"),
         (kvfn.AdaKVzip(budget=20, window=4, sink_tokens=2, floor=0, layer_budgets=(20,) * L,
                        layer_totals=((least, most), (least,), (least, most))),
          "adakvzip totals has 1 counts .* the batch has 2 sequences"),

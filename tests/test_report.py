@@ -229,10 +229,10 @@ def test_one_budget_across_lengths_and_chosen_pairs(tmp_path, capsys):
     assert "is not a result evaluate.py wrote" in capsys.readouterr().err
 
 
-def test_the_needle_table_shows_the_layer_that_keeps_least(tmp_path, capsys):
-    """Per (length, method): the mean score, the needle rows' mean share, the mean of each
-    answer's least layer share, and the layer that is least most often; records without
-    per-layer shares (other budgets, modes, tasks without needles) are left out."""
+def test_the_needle_table_shows_the_layers_that_keep_least_and_most(tmp_path, capsys):
+    """Per (length, method): the mean score, the needle rows' mean share, the means of each
+    answer's least and most layer shares, and the layer that keeps most most often; records
+    without per-layer shares (other budgets, modes, tasks without needles) are left out."""
 
     def layered(method, score, layers, budget=0.25, mode="agnostic"):
         r = rec("niah", method, budget, score, budget, float(np.mean(layers)), mode=mode)
@@ -249,8 +249,8 @@ def test_the_needle_table_shows_the_layer_that_keeps_least(tmp_path, capsys):
     ]
     lines = markdown_needles(records, "agnostic", 0.25).splitlines()
     assert lines[2:] == [
-        "| 1000 | adakvzip | 3 | 33.3 | 0.544 | 0.100 | 1 |",
-        "| 1000 | adakvzip-global | 1 | 100.0 | 0.500 | 0.400 | 1 |",
+        "| 1000 | adakvzip | 3 | 33.3 | 0.544 | 0.100 | 0.867 | 0 |",
+        "| 1000 | adakvzip-global | 1 | 100.0 | 0.500 | 0.400 | 0.600 | 0 |",
     ]
     with pytest.raises(ValueError, match="no records with needle_kept_layers at 6.25%"):
         markdown_needles(records, "agnostic", 0.0625)

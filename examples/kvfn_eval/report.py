@@ -372,8 +372,9 @@ def markdown_pairs(diffs: Sequence[dict], pairs: Sequence[tuple], task: str = "a
 def markdown_needles(records: Iterable[dict], mode: str, budget) -> str:
     """Where one budget's needle rows go, in one mode: a row per (length, method) with its
     answers' mean score, the needle rows' share kept over every full-attention layer and KV
-    head, that share in the layer keeping least of it, and that layer (the most frequent);
-    means over answers, from records that carry ``needle_kept_layers``."""
+    head, that share in the layer keeping least of it and in the layer keeping most, and the
+    latter layer (the most frequent); means over answers, from records that carry
+    ``needle_kept_layers``."""
     cells = defaultdict(list)
     for r in records:
         if r["mode"] == mode and r["budget"] == budget and r.get("needle_kept_layers"):
@@ -382,14 +383,15 @@ def markdown_needles(records: Iterable[dict], mode: str, budget) -> str:
         raise ValueError(f"no records with needle_kept_layers at {_budget_name(budget)}, "
                          f"query-{mode}")  # fmt: skip
     out = ["| tokens | method | answers | score | needle rows kept | in the layer keeping least "
-           "| that layer |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+           "| in the layer keeping most | that layer |", "|---" * 8 + "|"]  # fmt: skip
     for (length, method), rs in sorted(cells.items()):
-        least = [int(np.argmin(r["needle_kept_layers"])) for r in rs]
+        layers = [r["needle_kept_layers"] for r in rs]
+        most = [int(np.argmax(k)) for k in layers]
+        score = 100 * mean(r["score"] for r in rs)
         out.append(
-            f"| {_tokens(length)} | {method} | {len(rs)} | {100 * mean(r['score'] for r in rs):.1f} "
-            f"| {mean(r['needle_kept'] for r in rs):.3f} "
-            f"| {mean(min(r['needle_kept_layers']) for r in rs):.3f} "
-            f"| {max(set(least), key=least.count)} |"
+            f"| {_tokens(length)} | {method} | {len(rs)} | {score:.1f} "
+            f"| {mean(r['needle_kept'] for r in rs):.3f} | {mean(min(k) for k in layers):.3f} "
+            f"| {mean(max(k) for k in layers):.3f} | {max(set(most), key=most.count)} |"
         )
     return "\n".join(out)
 
@@ -475,8 +477,8 @@ def main(argv=None) -> None:
         help="a paired difference across lengths, e.g. aware:chunkkv:0.125:snapkv",
     )
     p.add_argument("--needles", action="append", default=[], metavar="MODE:BUDGET",
-                   help="the needle rows' share kept, overall and in the layer keeping least, "
-                        "per length and method, e.g. agnostic:0.25")  # fmt: skip
+                   help="the needle rows' share kept, overall and in the layers keeping least "
+                        "and most, per length and method, e.g. agnostic:0.25")  # fmt: skip
     p.add_argument("--leaders", action="store_true",
                    help="who answers most, per cell (what prints when nothing else is asked)")  # fmt: skip
     args = p.parse_args(argv)
