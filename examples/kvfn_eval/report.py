@@ -3,7 +3,8 @@
 A record is one answer: a dict with at least ``mode``, ``target_tokens``, ``task``, ``method``,
 ``budget`` (None for methods that keep every row), ``score``, ``kv_fraction`` (KV bytes over
 the full cache's) and ``needle_kept`` (None for tasks without needles), and the ``seed`` of its
-sample.
+sample; ``needle_kept_layers`` (each full-attention layer's share) where ``markdown_needles``
+reads it.
 
 Intervals are 95% percentile bootstraps over samples, not answers: the answers to one sample's
 questions share its context and move together. A sample is (task, target_tokens, seed), which
