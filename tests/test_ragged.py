@@ -347,10 +347,14 @@ def test_a_plan_of_counts_that_does_not_fit_is_refused_before_tracing(monkeypatc
     H, L = fm.n_kv_heads[0], len(states)
     policy = kvfn.AdaKV(budget=20, window=4, sink_tokens=2, floor=0)  # each head keeps 6
     least, most = 6 * H, 20 * H
-    kept, _ = kvfn.compact_states(states, scores, policy.replace(totals=(least, most)))
-    assert [[int(mx.sum(s.lengths[b]).item()) for b in range(2)] for s in kept] == [
-        [least, most]
-    ] * L
+
+    def counts(plan):
+        kept, _ = kvfn.compact_states(states, scores, plan)
+        return [[int(mx.sum(s.lengths[b]).item()) for b in range(2)] for s in kept]
+
+    assert counts(policy.replace(totals=(least, most))) == [[least, most]] * L
+    whole = policy.replace(budget=100, totals=(60 * H, least))  # a budget past the prompt's rows
+    assert counts(whole) == [[60 * H, least]] * L
 
     def traced(*args):
         raise AssertionError("traced before the plan was checked")
@@ -359,7 +363,7 @@ def test_a_plan_of_counts_that_does_not_fit_is_refused_before_tracing(monkeypatc
     bad = [
         (policy.replace(totals=(least,)), "adakv totals has 1 counts .* the batch has 2 sequences"),
         (policy.replace(totals=(least, most + 1)), rf"adakv totals \[{most + 1}\] out of range .* "
-                                                   rf"at most {most} \(budget 20 a head\)"),
+                                                   rf"at most {most} \(20 rows a head"),
         (policy.replace(totals=(least - 1, most)), rf"adakv totals \[{least - 1}\] out of range .* "
                                                    rf"at least {least} \(the 6 sinks, window"),
         (policy.replace(floor=50, totals=(least, most)),
@@ -369,8 +373,10 @@ def test_a_plan_of_counts_that_does_not_fit_is_refused_before_tracing(monkeypatc
          "adakvzip totals has 1 counts .* the batch has 2 sequences"),
         (kvfn.AdaKVzip(budget=20, window=4, sink_tokens=2, floor=0, layer_budgets=(10, 20, 20),
                        layer_totals=((least, most),) * L),
-         rf"adakvzip totals \[{most}\] out of range .* at most {10 * H} \(budget 10 a head\)"),
+         rf"adakvzip totals \[{most}\] out of range .* at most {10 * H} \(10 rows a head"),
     ]  # fmt: skip
+    bad.append((whole.replace(totals=(60 * H + 1, least)),
+                rf"at most {60 * H} \(60 rows a head: the budget, or the prompt\)"))  # fmt: skip
     for plan, message in bad:
         with pytest.raises(ValueError, match=message):
             kvfn.compact_states(states, scores, plan)

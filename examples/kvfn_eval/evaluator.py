@@ -538,7 +538,8 @@ class Evaluator:
                 if spans:
                     full = sum(s.sliding_window is None for s in kept_states)
                     heads = needle_fractions(kept_states, needles) if evicted else [[1.0]] * full
-                    kept = float(np.mean([f for layer in heads for f in layer]))
+                    shares = [f for layer in heads for f in layer]  # none: every layer windowed
+                    kept = float(np.mean(shares)) if shares else None if evicted else 1.0
                     layers = tuple(float(np.mean(layer)) for layer in heads)
                 cells.append(self.cell(method, budget, rows, kept_states, evicted, (kept, layers),
                                        seconds))  # fmt: skip

@@ -88,7 +88,7 @@ class AdaKV(SnapKV):
     def check_totals(self, n_kv_heads: int, batch: int, prompt_length: int) -> None:
         """Raise a ValueError unless ``totals`` (if set) holds a count for each of ``batch``
         sequences, each at least the rows every head must keep and at most what ``budget`` rows
-        a head hold (a larger count would run past the ragged buffer)."""
+        a head hold (a larger count would run past the ragged buffer), and at most every row."""
         if not self.totals:
             return
         H, P = n_kv_heads, prompt_length
@@ -96,13 +96,13 @@ class AdaKV(SnapKV):
             raise ValueError(f"{self.name} totals has {len(self.totals)} counts (one a "
                              f"sequence); the batch has {batch} sequences")  # fmt: skip
         forced = min(P, self.sink_tokens + self.window + self.guard)
-        least, most = H * forced, H * self.budget
+        least, most = H * forced, H * min(P, self.budget)
         bad = [t for t in self.totals if not least <= t <= most]
         if bad:
             raise ValueError(
                 f"{self.name} totals {bad} out of range for {H} KV heads and a {P}-row prompt: "
                 f"at least {least} (the {forced} sinks, window and floor rows each head keeps), "
-                f"at most {most} (budget {self.budget} a head)"
+                f"at most {most} ({min(P, self.budget)} rows a head: the budget, or the prompt)"
             )
 
     def keep_mask(self, scores, *, prompt_length: int, n_kv_heads: int, batch: int = 1,
