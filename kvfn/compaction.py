@@ -87,12 +87,8 @@ def compact_states(
         raise ValueError(f"{len(scores)} score arrays for {len(states)} layers")
     kv.check_capacity(P + reserve)
     n_kv_heads = tuple(None if s.sliding_window else s.keys.shape[1] for s in states)
-    B = states[0].keys.shape[0]
-    policy.check_states(n_kv_heads, batch=B, prompt_length=P)
-    planned = policy.planned(scores, prompt_length=P, n_kv_heads=n_kv_heads)
-    if planned is not policy:  # a plan made here is checked before tracing too
-        planned.check_states(n_kv_heads, batch=B, prompt_length=P)
-    policy = planned
+    policy = policy.planned(scores, prompt_length=P, n_kv_heads=n_kv_heads)
+    policy.check_states(n_kv_heads, batch=states[0].keys.shape[0], prompt_length=P)
     # a dense state holds exactly P rows, so every kept row is a stored one: still packed
     statics = tuple((s.sliding_window, s.dense) for s in states)
     flat = [kv.flatten(s)[0] for s in states]

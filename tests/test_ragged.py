@@ -374,9 +374,9 @@ def test_a_plan_of_counts_that_does_not_fit_is_refused_before_tracing(monkeypatc
         (kvfn.AdaKVzip(budget=20, window=4, sink_tokens=2, floor=0, layer_budgets=(10, 20, 20),
                        layer_totals=((least, most),) * L),
          rf"adakvzip totals \[{most}\] out of range .* at most {10 * H} \(10 rows a head"),
+        (whole.replace(totals=(60 * H + 1, least)),
+         rf"at most {60 * H} \(60 rows a head: the budget, or the prompt\)"),
     ]  # fmt: skip
-    bad.append((whole.replace(totals=(60 * H + 1, least)),
-                rf"at most {60 * H} \(60 rows a head: the budget, or the prompt\)"))  # fmt: skip
     for plan, message in bad:
         with pytest.raises(ValueError, match=message):
             kvfn.compact_states(states, scores, plan)

@@ -395,11 +395,10 @@ class Evaluator:
         return max(self.window + self.sink_tokens, round(budget * prompt_rows))
 
     def cell(self, method: Method, budget, rows: Optional[int], states, evicted: bool,
-             kept: tuple, seconds: float) -> Cell:  # fmt: skip
+             kept: Optional[float], kept_layers: Optional[tuple],
+             seconds: float) -> Cell:  # fmt: skip
         """A compacted cell's record: its KV bytes (with the positions that an evicted cache
-        must keep: the kept rows' bytes, known on the host) and the decoder it takes. ``kept``:
-        the needle rows' share over all layers and heads, and per layer (Nones without
-        needles)."""
+        must keep: the kept rows' bytes, known on the host) and the decoder it takes."""
         plain = all(isinstance(s, kvfn.PositionPreservingKVCache) for s in states)
         if method.kv_bits is not None and not plain:
             raise ValueError(f"{method.name}: per-head states are not quantized")
@@ -409,7 +408,7 @@ class Evaluator:
             nbytes = self.caches(states, method, evicted)[1]
         else:
             nbytes = self.kept_bytes(states)
-        return Cell(method, budget, rows, evicted, *kept, seconds, nbytes, by_mlx)
+        return Cell(method, budget, rows, evicted, kept, kept_layers, seconds, nbytes, by_mlx)
 
     def answers(self, cells: Sequence[Cell], held: list, asks: Sequence[tuple],
                 n_new: int) -> tuple[list, int]:  # fmt: skip
@@ -538,10 +537,9 @@ class Evaluator:
                 if spans:
                     full = sum(s.sliding_window is None for s in kept_states)
                     heads = needle_fractions(kept_states, needles) if evicted else [[1.0]] * full
-                    shares = [f for layer in heads for f in layer]  # none: every layer windowed
-                    kept = float(np.mean(shares)) if shares else None if evicted else 1.0
-                    layers = tuple(float(np.mean(layer)) for layer in heads)
-                cells.append(self.cell(method, budget, rows, kept_states, evicted, (kept, layers),
+                    kept = float(np.mean([f for h in heads for f in h])) if evicted else 1.0
+                    layers = tuple(float(np.mean(h)) for h in heads)
+                cells.append(self.cell(method, budget, rows, kept_states, evicted, kept, layers,
                                        seconds))  # fmt: skip
                 held.append(kept_states)
             del made

@@ -87,8 +87,8 @@ class AdaKV(SnapKV):
 
     def check_totals(self, n_kv_heads: int, batch: int, prompt_length: int) -> None:
         """Raise a ValueError unless ``totals`` (if set) holds a count for each of ``batch``
-        sequences, each at least the rows every head must keep and at most what ``budget`` rows
-        a head hold (a larger count would run past the ragged buffer), and at most every row."""
+        sequences, each at least the rows every head must keep and at most ``min(budget,
+        prompt_length)`` a head (a larger count would run past the ragged buffer)."""
         if not self.totals:
             return
         H, P = n_kv_heads, prompt_length
@@ -138,7 +138,6 @@ class AdaKV(SnapKV):
         if totals is None and self.keeps_whole(P):  # even where the budget reaches the prompt
             return super().compact_layer(state, scores, prompt_length=P, layer=layer,
                                          reserve=reserve)  # fmt: skip
-        self.check_totals(H, B, P)
         keep = self.keep_mask(scores, prompt_length=P, n_kv_heads=H, batch=B, layer=layer,
                               totals=totals)  # fmt: skip
         total = self.budget * H

@@ -201,7 +201,8 @@ class Policy:
 
     def planned(self, scores, *, prompt_length: int, n_kv_heads: tuple) -> "Policy":
         """The policy that compacts these scores' layers (itself; a policy that shares one
-        budget across layers sets each layer's here, on the host, before tracing)."""
+        budget across layers sets each layer's here, on the host, before tracing). It returns
+        itself where its settings already hold a plan, so ``check_states`` runs after it."""
         return self
 
     def check_states(self, n_kv_heads: tuple[Optional[int], ...], *, batch: int,
