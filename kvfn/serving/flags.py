@@ -110,10 +110,13 @@ def make_policy(name: str, budget: int, window: int, sink_tokens: int, min_token
     if cls is not None:  # a policy without a window (or sinks) takes only its own settings
         fields = {f.name for f in dataclasses.fields(cls)}
         settings = {k: v for k, v in settings.items() if k in fields}
-    if duo and cls is not None and takes_pattern(cls):
+    if cls is not None and takes_pattern(cls):
+        if not duo:
+            raise ValueError(f"{cls.name} needs a head pattern: start with --kv-head-pattern "
+                             "DIR (make one with `kvfn heads`)")  # fmt: skip
         settings.update(duo)
     policy = parse_policy(name, **settings)
-    getattr(policy, "heads", None)  # a duo policy without a pattern says so now
+    getattr(policy, "heads", None)  # a pattern that does not fit says so now
     return policy
 
 

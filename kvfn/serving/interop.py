@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache
 from typeguard import typechecked
 
@@ -280,6 +280,16 @@ class BatchCompactedKVCache(BatchKVCache):
     def trim(self, n: int) -> int:
         """Drop up to ``n`` of the rows appended in this batch (never a compacted prefix)."""
         return super().trim(min([n, *self.appended()]))
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        """Attention over this layer's rows with this layer's own mask (called by
+        ``kvfn.wrapper.attending_copy``'s attention, after ``update_and_fetch``). An mlx-lm model
+        builds one mask from its first layer's cache, which is wrong where layers keep different
+        numbers of rows (pyramidkv) or are padded differently; where they agree, the two masks
+        are the same."""
+        n = queries.shape[2]
+        own = create_causal_mask(n, offset=self._idx - n, left_padding=self.left_padding)
+        return scaled_dot_product_attention(queries, keys, values, self, scale, own, sinks)
 
     @property
     def nbytes(self) -> int:

@@ -41,20 +41,27 @@ import argparse
 import gc
 import json
 import logging
+import select
 import socket
 import sys
+import threading
 import time
 import weakref
 from collections import OrderedDict, deque
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from queue import Empty as QueueEmpty
 from types import SimpleNamespace
 from typing import Optional
 
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 from mlx_lm import server as mlx_server  # noqa: E402
-from mlx_lm.generate import BatchGenerator, PromptProcessingBatch  # noqa: E402
+from mlx_lm.generate import (  # noqa: E402
+    BatchGenerator,
+    GenerationBatch,
+    PromptProcessingBatch,
+)
 from mlx_lm.models.cache import (  # noqa: E402
     KVCache,
     LRUPromptCache,
@@ -62,7 +69,12 @@ from mlx_lm.models.cache import (  # noqa: E402
     make_prompt_cache,
     trim_prompt_cache,
 )
-from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator  # noqa: E402
+from mlx_lm.server import (  # noqa: E402
+    APIHandler,
+    GenerationContext,
+    ModelProvider,
+    ResponseGenerator,
+)
 
 from ..compaction import compact_steps  # noqa: E402
 from . import flags  # noqa: E402
@@ -213,13 +225,14 @@ class KVModelProvider(ModelProvider):
             self.is_batchable = all(type(c) is KVCache for c in caches)
         self.head_groups = head_groups_of(self.cli_args.policy, self.functional_model())
         self.ragged = self.cli_args.policy is not None and self.cli_args.policy.ragged
-        if self.per_head:
-            if not self.is_batchable or self.tensor_group is not None:
-                raise ValueError(
-                    f"{self.cli_args.policy.name} keeps per-head rows, served only for a "
-                    "single-process model whose layers all use full attention"
-                )
-            self.model = kvfn.wrapper.attending_copy(model)  # attention per head (group)
+        if self.per_head and (not self.is_batchable or self.tensor_group is not None):
+            raise ValueError(
+                f"{self.cli_args.policy.name} keeps per-head rows, served only for a "
+                "single-process model whose layers all use full attention"
+            )
+        if self.cli_args.policy is not None and self.is_batchable:
+            # each layer's batch cache attends with its own mask (per-layer row counts, heads)
+            self.model = kvfn.wrapper.attending_copy(model)
 
     @property
     def per_head(self) -> bool:
@@ -251,6 +264,37 @@ def head_groups_of(policy, fm) -> Optional[list]:
     return [g or (tuple(range(h)),) for g, h in zip(groups, fm.n_kv_heads)]
 
 
+# -- one request's failure ----------------------------------------------------------------------
+class ClientGone(Exception):
+    """The client closed its connection: its request's work stops at the next step."""
+
+
+class RequestFailed(Exception):
+    """One request failed in the generation loop; ``status`` is the HTTP status it answers."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def request_failure(error: Exception) -> Exception:
+    """What a request is answered when ``error`` ends its work: a ``ValueError`` of kvfn's own
+    checks (the input is at fault) is a 400; anything else, MLX's own errors included (their
+    messages start with "[op]"), a 500 that names it. A client that left stays ``ClientGone``."""
+    if isinstance(error, (RequestFailed, ClientGone)):
+        return error
+    if isinstance(error, ValueError) and not str(error).startswith("["):
+        return RequestFailed(400, str(error))
+    return RequestFailed(500, f"kvfn-server failed on this request: {type(error).__name__}: "
+                              f"{error}")  # fmt: skip
+
+
+def _raising(error: Exception):
+    """A job whose first step raises ``error``."""
+    raise error
+    yield  # noqa: unreachable: makes this a generator
+
+
 # -- the prompt cache: compaction and the reuse rule -------------------------------------------
 def is_lossy(cache) -> bool:
     """True when eviction removed rows from this layer (stored rows below its true offset)."""
@@ -274,12 +318,16 @@ class PendingCompaction:
     sequence aside and advances its job one step per batch step; the caches it returns are the
     sequence's. ``nbytes``: what its prefill's states hold."""
 
-    def __init__(self, steps, nbytes: int):
+    def __init__(self, steps, nbytes: int, gone=None):
         self.steps, self.nbytes = steps, nbytes
+        self.gone = gone  # the client's check: True once it has left (ClientGone)
         self.progress = (0, 0)  # (done, total) after the latest step
 
     def advance(self) -> Optional[list]:
-        """Run one step: None, or the sequence's caches once the job has returned them."""
+        """Run one step: None, or the sequence's caches once the job has returned them.
+        ``ClientGone`` before the step when the client has left."""
+        if self.gone is not None and self.gone():
+            raise ClientGone()
         try:
             self.progress = next(self.steps)
         except StopIteration as end:
@@ -317,12 +365,27 @@ class EvictingPromptCache(LRUPromptCache):
         self.provider = provider
         self.policy = provider.cli_args.policy  # set per request by the response generator
         self.interleave = True
+        self.gone = None  # set per request: its client's check (KVAPIHandler.client_gone)
         self.evictions = OrderedDict()  # (policy, prompt) -> usage fields, the latest 256
         self.compacted_requests = 0
         self.refused_inserts = 0
+        self.failed_inserts = 0
 
     def fetch_nearest_cache(self, model, tokens):
+        """The request's caches and the tokens left to process. On the batch path a failure
+        is the request's own: a job whose first step raises it, so the batch generator fails
+        that sequence alone."""
+        try:
+            return self._fetch(model, tokens)
+        except Exception as e:
+            if not self.interleave:
+                raise
+            return PendingCompaction(_raising(e), 0), tokens[-1:]
+
+    def _fetch(self, model, tokens):
         policy = self.policy
+        if policy is not None and policy.keeps_whole(len(tokens) - 1):
+            self.note_kept_whole(policy, tokens)
         if self.provider.per_head:  # rule 4
             if policy is None or policy.keeps_whole(len(tokens) - 1):
                 fm, step = (
@@ -359,22 +422,34 @@ class EvictingPromptCache(LRUPromptCache):
         tokenized = policy.for_tokenizer(self.provider.tokenizer)  # KVzip's repeat instruction
         steps = compact_steps(fm, tokens, tokenized, max_new_tokens=1, prefill_step_size=step)
         job = PendingCompaction(self._caches_after(steps, policy, tokens),
-                                prefill_bytes(fm, len(tokens) - 1))  # fmt: skip
+                                prefill_bytes(fm, len(tokens) - 1), self.gone)  # fmt: skip
         return job if self.interleave else job.finish()
+
+    def note(self, policy, tokens, usage: dict) -> None:
+        """Record a request's ``usage.kv_eviction`` (the latest 256 prompts)."""
+        self.evictions[(policy, tuple(tokens))] = {"policy": policy.name, **usage}
+        while len(self.evictions) > 256:
+            self.evictions.popitem(last=False)
+
+    def note_kept_whole(self, policy, tokens) -> None:
+        """A prompt within the policy's budget (or ``min_tokens``): every row kept."""
+        fm = self.provider.functional_model()
+        n = len(tokens) - 1
+        rows, nbytes = n * sum(fm.n_kv_heads), prefill_bytes(fm, n)
+        self.note(policy, tokens, {"kept_whole": True, "rows_kept": rows, "rows_total": rows,
+                                   "bytes_kept": nbytes, "bytes_total": nbytes})  # fmt: skip
 
     def _caches_after(self, steps, policy, tokens):
         """``steps``, then the caches of the states they return (their eviction recorded)."""
         states, result = yield from steps
         caches = self.as_mlx_caches(states)
-        self.evictions[(policy, tuple(tokens))] = {
-            "policy": policy.name,
+        self.note(policy, tokens, {
+            "kept_whole": False,
             "rows_kept": result.total_rows_after,
             "rows_total": result.total_rows_before,
             "bytes_kept": result.total_bytes_after,
             "bytes_total": result.total_bytes_before,
-        }
-        while len(self.evictions) > 256:
-            self.evictions.popitem(last=False)
+        })  # fmt: skip
         self.compacted_requests += 1
         return caches
 
@@ -394,7 +469,11 @@ class EvictingPromptCache(LRUPromptCache):
         if any(is_lossy(c) or isinstance(c, per_head) for c in prompt_cache):
             self.refused_inserts += 1
             return
-        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        try:  # a cache that cannot be stored costs a later request its reuse, nothing more
+            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        except Exception:
+            logging.exception("kvfn-server: a prompt cache entry could not be stored")
+            self.failed_inserts += 1
 
     def lossy_entries(self) -> int:
         """Entries that break rule 1 (always 0; the tests read it)."""
@@ -407,6 +486,7 @@ class EvictingPromptCache(LRUPromptCache):
 
 # -- generation ---------------------------------------------------------------------------------
 _LIVE_BATCHES = weakref.WeakSet()
+_handler = threading.local()  # on an HTTP thread: its request's client check and last progress
 
 
 class TrackedBatchGenerator(BatchGenerator):
@@ -419,11 +499,19 @@ class TrackedBatchGenerator(BatchGenerator):
     batch, then at most one chunk of prompt processing), then one step of the oldest job,
     reported as a prompt-processing response (the server sends its progress to the client as
     mlx-lm's keepalive); a finished job's sequence joins mlx-lm's queue with its caches, first
-    in line. A pending sequence has no cache to extract; removing it drops its job."""
+    in line. A pending sequence has no cache to extract; removing it drops its job.
+
+    Failures are one request's: a job step that raises (or whose client has left) drops that
+    job alone; a step of mlx-lm's own batches that raises (a batched prefill chunk or decode
+    step, which no one sequence can be blamed for) drops the sequences of those batches. A
+    failed sequence's error (``request_failure``) is reported as its prompt response at every
+    step until the server removes it, which frees nothing more: its rows went with the job or
+    the batch."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._jobs = deque()
+        self._failed = {}  # uid -> the exception its request is answered with
         self.kv_bytes, self.sequences, self.compacting = 0, 0, 0
         _LIVE_BATCHES.add(self)
 
@@ -447,21 +535,61 @@ class TrackedBatchGenerator(BatchGenerator):
         return out
 
     def _next(self):
-        prompt_responses, generation_responses = super()._next()
+        try:
+            prompt_responses, generation_responses = super()._next()
+        except Exception as e:
+            logging.exception("kvfn-server: a batched step failed; its sequences fail")
+            prompt_responses, generation_responses = [], []
+            self._fail_batches(e)
+        self._drop_abandoned_jobs()
         if self._jobs and len(self._generation_batch) < self.completion_batch_size:
-            prompt_responses.append(self._advance_job())
+            prompt_responses += self._advance_job()
+        for uid, error in self._failed.items():
+            prompt_responses.append(PromptProcessingBatch.Response(uid, error, False, False))
         return prompt_responses, generation_responses
 
-    def _advance_job(self) -> PromptProcessingBatch.Response:
+    def _advance_job(self) -> list:
+        """One step of the oldest job: its progress as a prompt response, or none when it
+        failed (``_failed`` reports it)."""
         sequence = self._jobs[0]
         job = sequence[3]
         tic = time.perf_counter()
-        caches = job.advance()
-        self._counters.prompt_time += time.perf_counter() - tic
+        try:
+            caches = job.advance()
+        except Exception as e:
+            if not isinstance(e, ClientGone):
+                logging.exception("kvfn-server: a compaction step failed; its request fails")
+            self._fail_job(sequence, e)
+            return []
+        finally:
+            self._counters.prompt_time += time.perf_counter() - tic
         if caches is not None:
             self._jobs.popleft()
             self._unprocessed_sequences.appendleft((*sequence[:3], caches, *sequence[4:]))
-        return PromptProcessingBatch.Response(sequence[0], job.progress, False, False)
+        return [PromptProcessingBatch.Response(sequence[0], job.progress, False, False)]
+
+    def _fail_job(self, sequence, error: Exception) -> None:
+        sequence[3].close()
+        self._jobs = deque(s for s in self._jobs if s is not sequence)
+        self._failed[sequence[0]] = request_failure(error)
+
+    def _drop_abandoned_jobs(self) -> None:
+        """Jobs behind the first whose clients have left go now, not when their turn comes."""
+        for sequence in list(self._jobs)[1:]:
+            gone = sequence[3].gone
+            if gone is not None and gone():
+                self._fail_job(sequence, ClientGone())
+
+    def _fail_batches(self, error: Exception) -> None:
+        """mlx-lm's prompt and generation batches failed in one step: their sequences fail
+        and the batches start empty (what the failed step left in them is not reused)."""
+        for uid in [*self._prompt_batch.uids, *self._generation_batch.uids]:
+            self._failed[uid] = request_failure(error)
+        self._prompt_batch = PromptProcessingBatch.empty(
+            self.model, self.sampler, prefill_step_size=self.prefill_step_size
+        )
+        self._generation_batch = GenerationBatch.empty(self.model, self.sampler)
+        self._currently_processing = []
 
     def insert_segments(self, *args, **kwargs):
         out = super().insert_segments(*args, **kwargs)
@@ -480,17 +608,73 @@ class TrackedBatchGenerator(BatchGenerator):
             if sequence[0] in gone:
                 sequence[3].close()
         self._jobs = deque(s for s in self._jobs if s[0] not in gone)
+        self._failed = {uid: e for uid, e in self._failed.items() if uid not in gone}
         out = super().remove(uids, return_prompt_caches)
         self._note()
         return out
 
 
 class KVResponseGenerator(ResponseGenerator):
-    """mlx-lm's generation thread; it hands each request's policy to the prompt cache."""
+    """mlx-lm's generation thread; it hands each request's policy and its client's check to
+    the prompt cache, and says why it stopped if it ever does (``failure``).
+
+    On the HTTP threads, ``_await_response`` (each item a request's queue gives) raises
+    ``ClientGone`` once the request's client has left, having stopped its generation context,
+    so that the loop removes the sequence at its next step; and it passes on a progress report
+    only when it changed."""
+
+    failure = None  # why the generation thread stopped, once it has
+
+    def _run_generate(self):
+        try:
+            self._generate()
+        except Exception as e:  # mlx-lm's own, noting why
+            logging.exception(f"kvfn-server generation thread died: {e}")
+            self.failure = f"the generation thread stopped: {type(e).__name__}: {e}"
+            self._generation_failed = True
 
     def _tokenize(self, tokenizer, request, args):
         self.prompt_cache.policy = getattr(request, "kv_policy", self.cli_args.policy)
+        self.prompt_cache.gone = getattr(request, "kv_client_gone", None)
         return super()._tokenize(tokenizer, request, args)
+
+    def generate(self, request, generation_args, progress_callback=None):
+        _handler.gone = getattr(request, "kv_client_gone", None)
+        _handler.progress = None
+        try:
+            return super().generate(request, generation_args, progress_callback)
+        except ClientGone:
+            raise
+        except Exception as e:
+            request.kv_failure = self.answer(e)
+            raise request.kv_failure from None
+
+    def answer(self, error: Exception) -> Exception:
+        """``request_failure``, or a 503 when the generation thread has stopped."""
+        if not self.generation_available():
+            return RequestFailed(503, self.failure or "the generation thread stopped")
+        return request_failure(error)
+
+    def _await_response(self, response_queue):
+        gone = getattr(_handler, "gone", None)
+        while True:
+            try:
+                item = response_queue.get(timeout=0.25)
+            except QueueEmpty:
+                if not self.generation_available():
+                    raise RequestFailed(503, self.failure or "the generation thread stopped")
+                continue
+            if gone is not None and gone():
+                if isinstance(item, GenerationContext):
+                    item.stop()
+                raise ClientGone()
+            if isinstance(item, tuple):  # progress
+                if item == _handler.progress:
+                    continue
+                _handler.progress = item
+            elif isinstance(item, Exception):
+                item = self.answer(item)
+            return item
 
     def _serve_single(self, request, stream):
         # mlx-lm's one-request path (a seed, --kv-bits, a model it cannot batch) takes the
@@ -535,7 +719,55 @@ class KVAPIHandler(APIHandler):
             return self.send_error_json(404, str(e.args[0]))
         except (ValueError, TypeError) as e:
             return self.send_error_json(400, str(e))
-        return super().handle_completion(request, stop_words)
+        request.kv_client_gone = self.client_gone
+        self.kv_request = request
+        try:
+            return super().handle_completion(request, stop_words)
+        except (ClientGone, BrokenPipeError, ConnectionResetError):
+            logging.info("kvfn-server: the client left; its request was dropped")
+        except RequestFailed as e:
+            self.send_failure(e)
+
+    def client_gone(self) -> bool:
+        """Whether the client has closed its connection (it has nothing more to send, so a
+        readable socket with no bytes is a close). Called from any thread."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and not self.connection.recv(1, socket.MSG_PEEK)
+        except (OSError, ValueError):
+            return True
+
+    def send_failure(self, failure: RequestFailed) -> None:
+        """A request that failed after its response began: a stream's headers went out when
+        it started, so it ends with an error event (as OpenAI's streams do); a plain response
+        has sent nothing yet, so its buffered 200 headers give way to the failure's status."""
+        if self.stream:
+            error = {"message": str(failure), "type": "server_error", "code": failure.status}
+            self.wfile.write(f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode())
+            self.wfile.flush()
+            return
+        self._headers_buffer = []  # http.server's buffer: the 200 status line, unsent
+        self.send_error_json(failure.status, str(failure))
+
+    def _set_completion_headers(self, status_code: int = 200):
+        # mlx-lm answers any failure to start a generation with 404; say what it was
+        failure = getattr(getattr(self, "kv_request", None), "kv_failure", None)
+        if status_code == 404 and failure is not None:
+            status_code = failure.status
+        super()._set_completion_headers(status_code)
+
+    def unavailable(self) -> Optional[str]:
+        """Why the server cannot serve (its generation thread stopped), or None."""
+        generator = self.response_generator
+        if generator.generation_available():
+            return None
+        return generator.failure or "the generation thread stopped"
+
+    def do_POST(self):
+        why = self.unavailable()
+        if why is not None:
+            return self.send_error_json(503, why)
+        return super().do_POST()
 
     def check_request(self, request) -> list:
         """Checks mlx-lm leaves to the generation thread (or skips); returns the prompt tokens."""
@@ -633,6 +865,9 @@ class KVAPIHandler(APIHandler):
         return response
 
     def do_GET(self):
+        why = self.unavailable()
+        if why is not None and self.path != "/health":
+            return self.send_json(503, {"error": why, "kv_cache": self.response_generator.kv_stats()})
         if self.path == "/metrics":
             return self.send_json(200, self.response_generator.kv_stats())
         return super().do_GET()
@@ -647,6 +882,8 @@ class KVAPIHandler(APIHandler):
         healthy = self.response_generator.is_healthy
         cli = self.response_generator.cli_args
         body = {"status": "ok" if healthy else "unavailable"}
+        if not healthy:
+            body["error"] = self.unavailable()
         body["kv_cache"] = self.response_generator.kv_stats()
         body["kv_eviction"] = cli.kv_eviction
         if cli.policy is not None:
