@@ -6,6 +6,7 @@ python examples/benchmark_server.py                                  # 2K-token 
 python examples/benchmark_server.py --prompt-tokens 384 --max-tokens 24   # a slow CPU
 python examples/benchmark_server.py --stall                          # GPU: 2K prompt, 256 chunks
 python examples/benchmark_server.py --stall --prompt-tokens 1024 --prefill-step-size 128  # CPU
+python examples/benchmark_server.py --arrive --prompt-tokens 1400      # a new request beside kvzip
 
 Each mode runs in its own kvfn-server process on a free loopback port. Decode tokens/s is the
 completion tokens of a level over the span from its first streamed token to its last; KV bytes
@@ -15,6 +16,11 @@ held is the peak of /health's kv_cache.active_bytes during the level (sampled ev
 come, a long prompt arrives, compacted by kvfn-server (each --stall-policies policy), against
 mlx-lm's own path prefilling it uncompacted, a --prefill-step-size chunk between decode steps
 (kvfn-server --kv-eviction none: mlx_lm.server's code).
+
+--arrive: a request that is not compacted (``kv_eviction: none``, a short prompt and a
+--decode-tokens counting answer) arrives while a long prompt's --arrive-policy compaction runs
+(sent once its first keepalive has come); its time to first token and inter-token p99 against
+the same request alone on the same server, --rounds rounds after a warm-up.
 The decoding stream's inter-token latency (ITL) is the gaps between its streamed tokens from the
 last one before the prompt was sent to the first one after the prompt's own first token; p50 and
 p99 are over every gap of --rounds rounds, after one warm-up round (its largest gap printed as
@@ -54,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-step-size", type=int, default=256, help="the servers' (--stall)")
     p.add_argument("--decode-tokens", type=int, default=256, help="the decoding stream's (--stall)")
     p.add_argument("--rounds", type=int, default=2, help="measured rounds per mode (--stall)")
+    p.add_argument("--arrive", action="store_true",
+                   help="a new request's first token and ITL beside a compaction")  # fmt: skip
+    p.add_argument("--arrive-policy", default="kvzip", help="the long prompt's (--arrive)")
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.concurrency.split(",")]
     args.policies = [x for x in args.stall_policies.split(",") if x]
@@ -235,10 +244,72 @@ def stall(args) -> list:
     return rows
 
 
+def counted(url: str, max_tokens: int) -> dict:
+    """A streamed counting completion that is not compacted: its time to first token and the
+    gaps between its tokens (s)."""
+    body = {"model": "default_model", "prompt": COUNTING, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "kv_eviction": "none"}  # fmt: skip
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode())
+    sent, times = time.perf_counter(), []
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        for line in r:
+            if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0].get("text"):
+                times.append(time.perf_counter())
+    return {"ttft": times[0] - sent, "gaps": [b - a for a, b in zip(times, times[1:])]}
+
+
+def compacting(url: str, text: str, policy: str, started: threading.Event) -> None:
+    """A streamed request compacted by ``policy``; ``started`` is set at its first keepalive."""
+    body = {"model": "default_model", "messages": [{"role": "user", "content": text}],
+            "max_tokens": 4, "temperature": 0, "stream": True, "kv_eviction": policy}  # fmt: skip
+    req = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode())
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        for line in r:
+            if line.startswith(b": keepalive"):
+                started.set()
+    started.set()
+
+
+def arrive(args) -> dict:
+    flags = ["--kv-eviction", "snapkv", "--kv-budget", str(args.kv_budget), "--kv-window",
+             str(args.kv_window), "--prefill-step-size", str(args.prefill_step_size),
+             "--max-tokens", str(max(args.decode_tokens, 8))]  # fmt: skip
+    proc, url = start(flags)
+    alone, beside = [], []
+    try:
+        for r in range(args.rounds + 1):  # the first: warm-up (traces, kernel builds)
+            solo = counted(url, args.decode_tokens)
+            started = threading.Event()
+            with ThreadPoolExecutor(1) as pool:
+                long = pool.submit(compacting, url, prompt(f"a{r}", args.prompt_tokens),
+                                   args.arrive_policy, started)  # fmt: skip
+                started.wait()
+                new = counted(url, args.decode_tokens)
+                long.result()
+            if r:
+                alone.append(solo)
+                beside.append(new)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    row = {"policy": args.arrive_policy, "prompt_tokens": args.prompt_tokens}
+    for name, runs in (("alone", alone), ("beside", beside)):
+        gaps = 1e3 * np.array([g for x in runs for g in x["gaps"]])
+        row[f"{name}_ttft_ms"] = round(1e3 * float(np.mean([x["ttft"] for x in runs])), 1)
+        row[f"{name}_itl_p99_ms"] = round(float(np.percentile(gaps, 99)), 1)
+    row["ttft_x"] = round(row["beside_ttft_ms"] / row["alone_ttft_ms"], 2)
+    row["itl_p99_x"] = round(row["beside_itl_p99_ms"] / row["alone_itl_p99_ms"], 2)
+    print(json.dumps(row), flush=True)
+    print("target: ttft_x <= 2 and itl_p99_x <= 2")
+    return row
+
+
 def main(argv=None) -> list:
     args = parse_args(argv)
     if args.stall:
         return stall(args)
+    if args.arrive:
+        return [arrive(args)]
     modes = {
         "off": [],
         "on": ["--kv-eviction", args.kv_eviction, "--kv-budget", str(args.kv_budget),

@@ -486,7 +486,7 @@ class EvictingPromptCache(LRUPromptCache):
 
 # -- generation ---------------------------------------------------------------------------------
 _LIVE_BATCHES = weakref.WeakSet()
-_handler = threading.local()  # on an HTTP thread: its request's client check and last progress
+_handler = threading.local()  # on an HTTP thread: its request's client check
 
 
 class TrackedBatchGenerator(BatchGenerator):
@@ -620,8 +620,7 @@ class KVResponseGenerator(ResponseGenerator):
 
     On the HTTP threads, ``_await_response`` (each item a request's queue gives) raises
     ``ClientGone`` once the request's client has left, having stopped its generation context,
-    so that the loop removes the sequence at its next step; and it passes on a progress report
-    only when it changed."""
+    so that the loop removes the sequence at its next step."""
 
     failure = None  # why the generation thread stopped, once it has
 
@@ -640,7 +639,6 @@ class KVResponseGenerator(ResponseGenerator):
 
     def generate(self, request, generation_args, progress_callback=None):
         _handler.gone = getattr(request, "kv_client_gone", None)
-        _handler.progress = None
         try:
             return super().generate(request, generation_args, progress_callback)
         except ClientGone:
@@ -668,13 +666,7 @@ class KVResponseGenerator(ResponseGenerator):
                 if isinstance(item, GenerationContext):
                     item.stop()
                 raise ClientGone()
-            if isinstance(item, tuple):  # progress
-                if item == _handler.progress:
-                    continue
-                _handler.progress = item
-            elif isinstance(item, Exception):
-                item = self.answer(item)
-            return item
+            return self.answer(item) if isinstance(item, Exception) else item
 
     def _serve_single(self, request, stream):
         # mlx-lm's one-request path (a seed, --kv-bits, a model it cannot batch) takes the
@@ -831,8 +823,9 @@ class KVAPIHandler(APIHandler):
         info = self.response_generator.prompt_cache.evictions.get((policy, tuple(self.kv_prompt)))
         if info is not None:
             usage["kv_eviction"] = dict(info)
-            # mlx-lm counts the compacted prompt as cached; nothing came from the prompt cache
-            usage["prompt_tokens_details"] = {"cached_tokens": 0}
+            if not info["kept_whole"]:
+                # mlx-lm counts the compacted prompt as cached; none came from the prompt cache
+                usage["prompt_tokens_details"] = {"cached_tokens": 0}
         return usage
 
     def handle_chat_completions(self):
