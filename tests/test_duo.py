@@ -662,8 +662,10 @@ def test_adakv_decodes_like_per_head_masked_full_attention():
     assert all(len(k[0]) + len(k[1]) == 40 for k in kept)
     assert kept_sets_gap(fm, ids, states, kept) < TOL
     assert result.total_bytes_after < result.total_bytes_before
-    with pytest.raises(ValueError, match="per_head"):
+    with pytest.raises(ValueError, match="unknown option 'layer' for policy 'adakv'"):
         kvfn.parse_policy("adakv-layer", budget=64)
+    with pytest.raises(ValueError, match="per_head"):
+        kvfn.AdaKV(budget=64, per_head=False)
 
 
 def test_a_chunk_after_duo_compaction_sees_what_each_head_keeps():

@@ -41,6 +41,8 @@ class AdaKV(SnapKV):
     totals: tuple = ()
 
     name: ClassVar[str] = "adakv"
+    # SnapKV's option words but "layer": the allocation is among a layer's heads
+    words: ClassVar[dict] = {k: v for k, v in SnapKV.words.items() if k != "layer"}
     numbers: ClassVar[dict] = {**SnapKV.numbers, "f": "floor"}
     ragged: ClassVar[bool] = True
 
