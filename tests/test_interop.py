@@ -156,3 +156,28 @@ def test_quantized_compacted_cache_file_round_trip_and_trim(smollm2, compacted, 
     rows = loaded[0].size()  # 64 and the generated rows: a contiguous tail
     assert loaded[0].trim(rows - 64) == rows - 64 and loaded[0].size() == 64
     assert loaded[0].nbytes == loaded[0].kv_nbytes + 4 * 3 * 64  # int32 positions, 3 heads
+
+
+def test_per_head_states_are_refused_by_name():
+    """Ragged rows (Ada-KV), head groups (Duo) and slots keep a row count per KV head, which no
+    mlx-lm cache object holds: ``to_mlx_cache`` names the kind and what decodes it instead."""
+    import kvfn
+    from kvfn import slots as sl
+    from kvfn.policies.duo import Duo
+    from tests.test_duo import PATTERN
+    from tests.tiny import tiny_model
+
+    fm = FunctionalModel(tiny_model("llama"))
+    ids = list(range(3, 43))
+    ragged, _ = kvfn.compact(fm, ids, kvfn.AdaKV(budget=16, window=4, sink_tokens=2))
+    groups, _ = kvfn.compact(fm, ids, Duo(retrieval=PATTERN[: len(fm.n_kv_heads)],
+                                          sink_tokens=2, recent=6))  # fmt: skip
+    slots = sl.pack_layers(groups)
+    for states in (ragged, groups, slots):
+        kind = next(type(s).__name__ for s in states if type(s) is not kv.State)
+        with pytest.raises(ValueError, match=f"a {kind} keeps its rows per KV head.*decode it"):
+            to_mlx_cache(states)
+    plain, _ = kvfn.compact(fm, ids, kvfn.SnapKV(budget=16, window=4, sink_tokens=2))
+    assert len(to_mlx_cache(plain)) == len(plain)
+    with pytest.raises(TypeError, match="not a kvfn layer state"):
+        to_mlx_cache([plain[0], "layer"])

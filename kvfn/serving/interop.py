@@ -17,6 +17,7 @@ from mlx_lm.models.cache import BatchKVCache
 from typeguard import typechecked
 
 from ..states import cache as kv
+from ..states import tree
 
 
 class _TruePositions:
@@ -306,9 +307,21 @@ def register() -> None:
 
 
 @typechecked
-def to_mlx_cache(states: Sequence[kv.State]) -> list:
-    """mlx-lm cache objects for the given layer states (batch size 1, rows without holes)."""
+def to_mlx_cache(states: Sequence) -> list:
+    """mlx-lm cache objects for the given layer states (batch size 1, rows without holes).
+
+    A layer of a per-head kind (ragged rows, head groups, slots) keeps a row count per head,
+    which no mlx-lm cache object holds (a model builds one mask for every head): a ValueError
+    names it and what takes it instead."""
     register()
+    for i, s in enumerate(states):
+        tree.kind(s)  # a TypeError for what is no kvfn layer state
+        if type(s) is not kv.State:
+            raise ValueError(
+                f"layer {i}: a {type(s).__name__} keeps its rows per KV head, which mlx-lm's "
+                "cache objects cannot hold; decode it with FunctionalModel.decode (kvfn-server "
+                "serves it through its per-head batch caches)"
+            )
     caches = []
     for i, s in enumerate(states):
         if s.keys.shape[0] != 1:

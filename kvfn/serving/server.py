@@ -487,6 +487,9 @@ class EvictingPromptCache(LRUPromptCache):
 # -- generation ---------------------------------------------------------------------------------
 _LIVE_BATCHES = weakref.WeakSet()
 _handler = threading.local()  # on an HTTP thread: its request's client check
+# id(request) -> its client's check (KVAPIHandler.client_gone), while its handler runs; kept
+# off the request, which mlx.launch's rank 0 pickles for the other ranks
+_CLIENTS = {}
 
 
 class TrackedBatchGenerator(BatchGenerator):
@@ -634,11 +637,12 @@ class KVResponseGenerator(ResponseGenerator):
 
     def _tokenize(self, tokenizer, request, args):
         self.prompt_cache.policy = getattr(request, "kv_policy", self.cli_args.policy)
-        self.prompt_cache.gone = getattr(request, "kv_client_gone", None)
+        # under mlx.launch every rank runs each step: a job stops only by the shared removal
+        self.prompt_cache.gone = None if self._is_distributed else _CLIENTS.get(id(request))
         return super()._tokenize(tokenizer, request, args)
 
     def generate(self, request, generation_args, progress_callback=None):
-        _handler.gone = getattr(request, "kv_client_gone", None)
+        _handler.gone = _CLIENTS.get(id(request))
         try:
             return super().generate(request, generation_args, progress_callback)
         except ClientGone:
@@ -711,14 +715,16 @@ class KVAPIHandler(APIHandler):
             return self.send_error_json(404, str(e.args[0]))
         except (ValueError, TypeError) as e:
             return self.send_error_json(400, str(e))
-        request.kv_client_gone = self.client_gone
         self.kv_request = request
+        _CLIENTS[id(request)] = self.client_gone
         try:
             return super().handle_completion(request, stop_words)
         except (ClientGone, BrokenPipeError, ConnectionResetError):
             logging.info("kvfn-server: the client left; its request was dropped")
         except RequestFailed as e:
             self.send_failure(e)
+        finally:
+            _CLIENTS.pop(id(request), None)
 
     def client_gone(self) -> bool:
         """Whether the client has closed its connection (it has nothing more to send, so a
