@@ -64,12 +64,14 @@ def compact_states(
     policy: Policy,
     *,
     reserve: int = 0,
-    compiled: bool = True,
+    compiled: bool = False,
     group: Optional[mx.distributed.Group] = None,
 ) -> tuple[tuple, EvictionResult]:
     """Apply ``policy`` to freshly prefilled ``states`` of one prompt length (and its
     ``scored_prefill`` scores, if it needs them): select, gather and reserve room for
-    ``reserve`` more rows, in one compiled step for a static policy and prompt length.
+    ``reserve`` more rows; eagerly, or with ``compiled`` as one compiled step per policy and
+    prompt length (its trace costs more than it saves at any length not repeated: on an H100,
+    3.6-3.8 s per new prompt length against tens of ms saved at a repeated one).
     Sliding-window layers are cut to their window (lossless). ``group``: the states hold this
     rank's slice of every layer's heads, split evenly over the group (``FunctionalModel.group``
     of a sharded model); every rank then keeps the rows one process would keep."""
@@ -128,7 +130,7 @@ def compact_steps(
     max_new_tokens: int = 256,
     prefill_step_size: int = 512,
     dtype: Optional[mx.Dtype] = None,
-    compiled: bool = True,
+    compiled: bool = False,
     settle: bool = True,
 ) -> Generator[tuple[int, int], None, tuple[tuple, EvictionResult]]:
     """``compact`` one step at a time, for a caller that interleaves other work between steps
@@ -191,12 +193,13 @@ def compact(
     prefill_step_size: int = 512,
     dtype: Optional[mx.Dtype] = None,
     progress: Optional[Callable[[int, int], None]] = None,
-    compiled: bool = True,
+    compiled: bool = False,
 ) -> tuple[tuple, EvictionResult]:
     """Prefill all but the last prompt token (eagerly, scoring the policy's observation
     window), keep the policy's rows in every full-attention layer and reserve room for
-    ``max_new_tokens`` (decoding further grows the states), the eviction compiled unless
-    ``compiled=False``. The caller decodes from the last prompt token. Takes one prompt (a list
+    ``max_new_tokens`` (decoding further grows the states), the eviction eager unless
+    ``compiled`` (``compact_states``: worth it only for many prompts of one length). The
+    caller decodes from the last prompt token. Takes one prompt (a list
     of ints) or a batch of equal-length prompts (B, n). On a sharded model (every rank runs
     this alike) each rank keeps its heads' share of the single-process selection.
     ``progress(done, total)``: after each of ``compact_steps``' steps."""

@@ -286,28 +286,36 @@ def _check_layer(state: kv.State, i: int, kv_heads: int, head_dim: int) -> None:
         raise TypeError(f"state {i} holds {state.keys.dtype} keys; a KV cache is floating point")
 
 
-def grown(state, n: int):
+def grown(state, n: int, bucket: bool = False):
     """``state`` with room for ``n`` more rows: unchanged if they fit, else a capacity at least
     double, in multiples of ``GROWTH`` (so a decode loop retraces O(log steps) times). A
-    partitioned layer grows its groups of plain rows (a ring has a fixed size)."""
+    partitioned layer grows its groups of plain rows (a ring has a fixed size). ``bucket``
+    (decode): a capacity of plain rows that is no multiple of ``GROWTH`` is first rounded up to
+    one, so that prompts of different lengths decode through one trace a bucket."""
     if isinstance(state, part.HeadPartitionedKVCache):
-        groups = tuple(grown(g, n) if isinstance(g, kv.State) else g for g in state.groups)
+        groups = tuple(grown(g, n, bucket) if isinstance(g, kv.State) else g
+                       for g in state.groups)  # fmt: skip
         same = all(a is b for a, b in zip(groups, state.groups))
         return state if same else state.replace(groups=groups)
     if isinstance(state, sl.HeadSlotsKVCache):
-        if state.max_rows is not None and state.max_rows + n <= state.capacity:
+        fits = state.max_rows is not None and state.max_rows + n <= state.capacity
+        if fits and not (bucket and state.capacity % GROWTH):
             return state
-        return sl.from_partitioned(grown(sl.to_partitioned(state), n))
+        return sl.from_partitioned(grown(sl.to_partitioned(state), n, bucket))
     if isinstance(state, rgd.RaggedKVCache):
-        if state.room is not None and n <= state.room:
-            return state
-        room = 0 if state.room is None else state.room
-        return rgd.reserve(state, -(-max(room + n, 2 * room) // GROWTH) * GROWTH)
+        if state.room is None or n > state.room:
+            room = 0 if state.room is None else state.room
+            state = rgd.reserve(state, -(-max(room + n, 2 * room) // GROWTH) * GROWTH)
+        if bucket and state.slots % GROWTH:
+            state = rgd.padded(state, -(-state.slots // GROWTH) * GROWTH)
+        return state
     if state.max_rows is None:
         state = state.replace(max_rows=int(state.rows.item()))
     need = state.max_rows + n
     if need <= state.capacity:
-        return state
+        if not bucket or state.capacity % GROWTH == 0 or state.sliding_window is not None:
+            return state
+        return kv.reserve(state, -(-state.capacity // GROWTH) * GROWTH)
     capacity = -(-max(need, 2 * state.capacity) // GROWTH) * GROWTH
     return kv.reserve(state, capacity)
 
@@ -410,16 +418,17 @@ class FunctionalModel:
             if isinstance(s, kv.State):
                 _check_layer(s, i, self.n_kv_heads[i], self.head_dims[i])
 
-    def _prepare(self, tokens, states, check: bool = True, eager: bool = True) -> tuple:
-        """Checked tokens and states grown to take them; ``check``: the token ids too (one host
-        read)."""
+    def _prepare(self, tokens, states, check: bool = True, eager: bool = True,
+                 bucket: bool = False) -> tuple:  # fmt: skip
+        """Checked tokens and states grown to take them (``grown``; ``bucket``: capacities in
+        multiples of ``GROWTH``); ``check``: the token ids too (one host read)."""
         self._check_states(states)
         if eager:
             self._check_layers(states)
         tokens = _check_tokens(tokens, states)
         if check:
             check_ids(tokens, self.vocab_size)
-        return tokens, tuple(grown(s, tokens.shape[1]) for s in states)
+        return tokens, tuple(grown(s, tokens.shape[1], bucket) for s in states)
 
     # -- the pure forward pass ----------------------------------------------------------------
     @staticmethod
@@ -518,7 +527,7 @@ class FunctionalModel:
         """Compiled: logits of the last position (B, vocab) and new states, for n >= 1 tokens.
         Traced once per layout and shapes (``traces``): a decode loop traces once per
         capacity, and capacities grow in buckets. ``check_ids`` as in ``forward``."""
-        tokens, states = self._prepare(tokens, states, check_ids, eager=False)
+        tokens, states = self._prepare(tokens, states, check_ids, eager=False, bucket=True)
         return self._compiled_call(tokens, states)[:2]
 
     def decode(self, tokens, states) -> tuple:

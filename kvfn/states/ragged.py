@@ -281,6 +281,20 @@ def reserve(state: RaggedKVCache, room: int) -> RaggedKVCache:
     )
 
 
+def padded(state: RaggedKVCache, slots: int) -> RaggedKVCache:
+    """The same rows in a buffer of ``slots`` slots (at least ``state.slots``): the new slots
+    are the last head's free slots, so every head's room is what it was. A decode loop pads its
+    states to a bucket so that prompts of different allocations share a trace."""
+    extra = slots - state.slots
+    if extra < 0:
+        raise ValueError(f"padded takes slots >= the state's {state.slots}, got {slots}")
+    if extra == 0:
+        return state
+    pad = lambda x: mx.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    positions = _free_positions(pad(state.positions), state.starts, state.lengths, state.offset)
+    return state.replace(keys=pad(state.keys), values=pad(state.values), positions=positions)
+
+
 def _ends(state: RaggedKVCache) -> mx.array:
     """(B, H): the slot past each head's range (the next head's start; the last, S)."""
     B = state.starts.shape[0]

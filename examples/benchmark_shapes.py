@@ -1,0 +1,158 @@
+"""Every prompt its own length: what a new prompt length costs, policy by policy, through the
+public API (``kvfn.compact`` or ``kvfn.prefill``, then ``fm.decode``), against the same policy at
+a repeated length and mlx-lm's ``generate_step`` over a full cache of the same prompt, in one
+process, on a random-weight model.
+
+python examples/benchmark_shapes.py                                   # tiny shape, CPU-sized
+python examples/benchmark_shapes.py --shape qwen05 --lengths 3000:4100:8 --dtype bfloat16   # GPU
+python examples/benchmark_shapes.py ... --eager-compaction            # compact_states uncompiled
+
+Per request: the compaction (or prefill) with its arrays evaluated, the first decode step, and
+decode tokens/s over the rest; ``traces``: the compiled steps ``fm.decode`` traced meanwhile.
+"new" rows are the lengths after the first (each a length not seen before), "repeat" the first
+length again at the end (everything warm), "cold" the first request.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
+import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.models import llama, qwen2  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+SHAPES = {
+    "tiny": (llama, dict(model_type="llama", hidden_size=256, num_hidden_layers=4,
+                         intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=64, vocab_size=4096)),
+    "qwen05": (qwen2, dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24,
+                           intermediate_size=4864, num_attention_heads=14,
+                           num_key_value_heads=2, vocab_size=151936)),
+    "8b": (llama, dict(model_type="llama", hidden_size=4096, num_hidden_layers=32,
+                       intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=128, vocab_size=32000)),
+}  # fmt: skip
+POLICIES = "full,snapkv,streaming,chunkkv,kvzip,adakvzip-global,duo"
+
+
+def random_model(shape: str, dtype):
+    module, settings = SHAPES[shape]
+    args = module.ModelArgs(rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
+                            **settings)  # fmt: skip
+    model = module.Model(args)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def make_policy(name: str, fm, budget: int, window: int):
+    if name == "full":
+        return None
+    if name == "duo":  # half the KV heads of each layer retrieval heads
+        heads = tuple(tuple(h % 2 == 0 for h in range(n)) for n in fm.n_kv_heads)
+        return kvfn.Duo(retrieval=heads, sink_tokens=4, recent=budget - 4)
+    return kvfn.parse_policy(name, budget=budget, window=window)
+
+
+def request(fm, ids, policy, new_tokens: int, compiled: bool) -> dict:
+    traces = fm.traces
+    tic = time.perf_counter()
+    if policy is None:
+        states = kvfn.prefill(fm, mx.array([ids[:-1]]), capacity=len(ids) + new_tokens)
+    else:
+        states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=new_tokens, compiled=compiled)
+    mx.eval(kvfn.tree.arrays(states))
+    compacted = time.perf_counter()
+    token = mx.array([[ids[-1]]])
+    for i in range(new_tokens):
+        logits, states = fm.decode(token, states)
+        token = mx.argmax(logits, axis=-1)[:, None]
+        mx.async_eval(token)
+        if i == 0:
+            mx.eval(token)
+            first = time.perf_counter()
+    mx.eval(token)
+    done = time.perf_counter()
+    return {"compact_s": compacted - tic, "first_s": first - compacted,
+            "decode_tps": (new_tokens - 1) / (done - first), "traces": fm.traces - traces}  # fmt: skip
+
+
+def mlx_lm_request(model, ids, new_tokens: int) -> dict:
+    tic = time.perf_counter()
+    steps = generate_step(mx.array(ids), model, prompt_cache=make_prompt_cache(model),
+                          max_tokens=new_tokens)  # fmt: skip
+    next(steps)
+    first = time.perf_counter()
+    for _ in steps:
+        pass
+    done = time.perf_counter()
+    return {"compact_s": 0.0, "first_s": first - tic,
+            "decode_tps": (new_tokens - 1) / (done - first), "traces": 0}  # fmt: skip
+
+
+def summary(rows: list[dict]) -> dict:
+    keys = ("compact_s", "first_s", "decode_tps", "traces")
+    return {k: round(float(np.mean([r[k] for r in rows])), 3) for k in keys}
+
+
+def main(argv=None) -> list:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--lengths", default="300:420:6", help="LOW:HIGH:N distinct prompt lengths")
+    p.add_argument("--policies", default=POLICIES)
+    p.add_argument("--budget", type=float, default=0.125, help="a share of the shortest prompt")
+    p.add_argument("--window", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=12)
+    p.add_argument("--eager-compaction", action="store_true", help="compact_states uncompiled")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    low, high, n = (int(x) for x in args.lengths.split(":"))
+    if not 2 <= low < high or n < 2 or n > high - low:
+        p.error(f"--lengths needs 2 <= LOW < HIGH and 2 <= N <= HIGH - LOW, got {args.lengths}")
+    rng = np.random.default_rng(args.seed)
+    lengths = sorted(rng.choice(np.arange(low, high), size=n, replace=False).tolist())
+    model = random_model(args.shape, getattr(mx, args.dtype))
+    vocab = SHAPES[args.shape][1]["vocab_size"]
+    prompts = {L: rng.integers(0, vocab, size=L).tolist() for L in lengths}
+    budget = max(int(args.budget * low), args.window + 8)
+    out = []
+    for name in ["mlx-lm", *args.policies.split(",")]:
+        fm = kvfn.FunctionalModel(model)  # each policy starts cold
+        policy = None if name == "mlx-lm" else make_policy(name, fm, budget, args.window)
+
+        def one(L):
+            if name == "mlx-lm":
+                return mlx_lm_request(model, prompts[L], args.new_tokens)
+            return request(fm, prompts[L], policy, args.new_tokens, not args.eager_compaction)
+
+        rows = [one(L) for L in lengths] + [one(lengths[0])]
+        row = {"policy": name, "budget": budget, "cold": summary(rows[:1]),
+               "new": summary(rows[1:-1]), "repeat": summary(rows[-1:])}
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    base = out[0]["new"]
+    print(f"\n{args.shape} {args.dtype}, lengths {lengths}, budget {budget}, "
+          f"{'eager' if args.eager_compaction else 'compiled'} compaction; seconds per request")
+    print(f"{'policy':<16}{'cold':>8}{'new':>8}{'repeat':>8}{'new/rep':>9}{'vs mlx-lm':>10}"
+          f"{'tok/s new':>10}{'traces new':>11}")  # fmt: skip
+    for r in out:
+        total = {k: r[k]["compact_s"] + r[k]["first_s"] + (args.new_tokens - 1) / r[k]["decode_tps"]
+                 for k in ("cold", "new", "repeat")}  # fmt: skip
+        ref = base["first_s"] + (args.new_tokens - 1) / base["decode_tps"]
+        print(f"{r['policy']:<16}{total['cold']:>8.3f}{total['new']:>8.3f}{total['repeat']:>8.3f}"
+              f"{total['new'] / total['repeat']:>9.2f}{total['new'] / ref:>10.2f}"
+              f"{r['new']['decode_tps']:>10.1f}{r['new']['traces']:>11}")  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    main()

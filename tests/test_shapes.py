@@ -1,0 +1,103 @@
+"""Every prompt its own length: no trace on the request path for a prompt length not seen before.
+
+``fm.traces`` counts the traces of the compiled steps (``fm.decode``, ``fm.step``). A decode step
+rounds a state's capacity up to a multiple of ``kvfn.wrapper.GROWTH`` (256 rows), so prompts of
+lengths inside one bucket decode through one trace, and a decode loop traces once a growth
+(O(log steps)); the compaction runs eagerly unless asked to compile (a trace per length).
+"""
+
+import math
+
+import mlx.core as mx
+import pytest
+
+import kvfn
+from kvfn import slots as sl
+from kvfn.policies.policy import POLICIES as REGISTRY
+from kvfn.wrapper import GROWTH
+from tests.test_duo import PATTERN
+from tests.tiny import tiny_model
+
+LIBRARY = sorted(n for n, cls in REGISTRY.items() if cls.__module__.startswith("kvfn.policies."))
+
+
+def policy_of(name: str, fm):
+    if name == "duo":
+        return kvfn.Duo(retrieval=PATTERN[: len(fm.n_kv_heads)], sink_tokens=2, recent=8)
+    settings = dict(budget=16, window=4, sink_tokens=2)
+    if name == "streaming":
+        settings.pop("window")
+    return kvfn.parse_policy(name, **settings)
+
+
+def greedy(fm, states, token: int, steps: int):
+    token = mx.array([[token]])
+    for _ in range(steps):
+        logits, states = fm.decode(token, states)
+        token = mx.argmax(logits, axis=-1)[:, None]
+    mx.eval(token)
+    return states
+
+
+@pytest.fixture(scope="module")
+def fm():
+    return kvfn.FunctionalModel(tiny_model("llama"))
+
+
+@pytest.mark.parametrize("name", LIBRARY)
+def test_prompts_of_new_lengths_decode_without_a_trace(fm, name):
+    """20 prompts of distinct lengths inside one bucket: after the first, compacting and
+    decoding them traces nothing."""
+    policy = policy_of(name, fm)
+    traces = []
+    for i, length in enumerate(range(40, 100, 3)):  # 20 lengths
+        ids = [(7 * j + i) % 90 + 3 for j in range(length)]
+        before = fm.traces
+        states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=4)
+        greedy(fm, states, ids[-1], 6)
+        traces.append(fm.traces - before)
+    assert len(traces) == 20 and sum(traces[1:]) == 0, traces
+
+
+def test_a_full_prompt_of_a_new_length_decodes_without_a_trace(fm):
+    traces = []
+    for length in range(40, 100, 3):
+        ids = mx.array([[(5 * j) % 90 + 3 for j in range(length)]])
+        states = kvfn.prefill(fm, ids[:, :-1], capacity=length + 8)
+        before = fm.traces
+        greedy(fm, states, int(ids[0, -1].item()), 4)
+        traces.append(fm.traces - before)
+    assert sum(traces[1:]) == 0, traces
+
+
+def test_the_compaction_compiles_nothing_unless_asked(fm, monkeypatch):
+    compiled = []
+    real = mx.compile
+    monkeypatch.setattr(mx, "compile", lambda fn, *a, **k: compiled.append(fn) or real(fn, *a, **k))
+    ids = [j % 90 + 3 for j in range(57)]
+    kvfn.compact(fm, ids, kvfn.SnapKV(budget=16, window=4, sink_tokens=2))
+    assert compiled == []
+    kvfn.compact(fm, ids, kvfn.SnapKV(budget=16, window=4, sink_tokens=2), compiled=True)
+    assert len(compiled) == 1
+
+
+def kinds(fm):
+    """One state of every kind, compacted from one prompt: plain, ragged, head groups (with a
+    streaming ring), slots."""
+    ids = list(range(3, 50))
+    plain, _ = kvfn.compact(fm, ids, kvfn.SnapKV(budget=16, window=4, sink_tokens=2))
+    ragged, _ = kvfn.compact(fm, ids, kvfn.AdaKV(budget=16, window=4, sink_tokens=2))
+    groups, _ = kvfn.compact(fm, ids, policy_of("duo", fm))
+    return {"plain": plain, "ragged": ragged, "groups": groups,
+            "slots": sl.pack_layers(groups)}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["plain", "ragged", "groups", "slots"])
+def test_a_300_step_decode_loop_traces_once_a_growth(kind):
+    """A decode loop traces when its capacity grows (doubling, in buckets), never per step: a
+    loop that retraced each step fails here."""
+    fm = kvfn.FunctionalModel(tiny_model("llama"))  # its own: no trace from another test
+    states = kinds(fm)[kind]
+    before = fm.traces
+    greedy(fm, states, 5, 300)
+    assert 1 <= fm.traces - before <= 1 + math.ceil(math.log2(300 / GROWTH + 1)), fm.traces
