@@ -5,7 +5,7 @@ process, on a random-weight model.
 
 python examples/benchmark_shapes.py                                   # tiny shape, CPU-sized
 python examples/benchmark_shapes.py --shape qwen05 --lengths 3000:4100:8 --dtype bfloat16   # GPU
-python examples/benchmark_shapes.py ... --eager-compaction            # compact_states uncompiled
+python examples/benchmark_shapes.py ... --compiled-compaction         # compact_states compiled
 
 Per request: the compaction (or prefill) with its arrays evaluated, the first decode step, and
 decode tokens/s over the rest; ``traces``: the compiled steps ``fm.decode`` traced meanwhile.
@@ -112,7 +112,8 @@ def main(argv=None) -> list:
     p.add_argument("--budget", type=float, default=0.125, help="a share of the shortest prompt")
     p.add_argument("--window", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=12)
-    p.add_argument("--eager-compaction", action="store_true", help="compact_states uncompiled")
+    p.add_argument("--compiled-compaction", action="store_true",
+                   help="compact_states compiled (a trace per prompt length)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     low, high, n = (int(x) for x in args.lengths.split(":"))
@@ -132,7 +133,7 @@ def main(argv=None) -> list:
         def one(L):
             if name == "mlx-lm":
                 return mlx_lm_request(model, prompts[L], args.new_tokens)
-            return request(fm, prompts[L], policy, args.new_tokens, not args.eager_compaction)
+            return request(fm, prompts[L], policy, args.new_tokens, args.compiled_compaction)
 
         rows = [one(L) for L in lengths] + [one(lengths[0])]
         row = {"policy": name, "budget": budget, "cold": summary(rows[:1]),
@@ -141,7 +142,7 @@ def main(argv=None) -> list:
         out.append(row)
     base = out[0]["new"]
     print(f"\n{args.shape} {args.dtype}, lengths {lengths}, budget {budget}, "
-          f"{'eager' if args.eager_compaction else 'compiled'} compaction; seconds per request")
+          f"{'compiled' if args.compiled_compaction else 'eager'} compaction; seconds per request")
     print(f"{'policy':<16}{'cold':>8}{'new':>8}{'repeat':>8}{'new/rep':>9}{'vs mlx-lm':>10}"
           f"{'tok/s new':>10}{'traces new':>11}")  # fmt: skip
     for r in out:

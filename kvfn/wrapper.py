@@ -428,7 +428,10 @@ class FunctionalModel:
         tokens = _check_tokens(tokens, states)
         if check:
             check_ids(tokens, self.vocab_size)
-        return tokens, tuple(grown(s, tokens.shape[1], bucket) for s in states)
+        out = tuple(grown(s, tokens.shape[1], bucket) for s in states)
+        if not eager and any(a is not b for a, b in zip(out, states)):
+            self._check_layers(states)  # the caller's shapes, before new buffers replace them
+        return tokens, out
 
     # -- the pure forward pass ----------------------------------------------------------------
     @staticmethod
@@ -527,18 +530,23 @@ class FunctionalModel:
         """Compiled: logits of the last position (B, vocab) and new states, for n >= 1 tokens.
         Traced once per layout and shapes (``traces``): a decode loop traces once per
         capacity, and capacities grow in buckets. ``check_ids`` as in ``forward``."""
-        tokens, states = self._prepare(tokens, states, check_ids, eager=False, bucket=True)
+        return self._step(tokens, states, check_ids, bucket=False)
+
+    def _step(self, tokens, states, check_ids: bool, bucket: bool) -> tuple:
+        tokens, states = self._prepare(tokens, states, check_ids, eager=False, bucket=bucket)
         return self._compiled_call(tokens, states)[:2]
 
     def decode(self, tokens, states) -> tuple:
-        """``step`` for one new token per sequence: tokens (B, 1). Its ids are not checked: a
-        host read each step would stall the loop (the token is most often the model's own)."""
+        """``step`` for one new token per sequence: tokens (B, 1), each state's capacity first
+        rounded up to a multiple of ``GROWTH`` (``grown``), so that prompts of different
+        lengths decode through one trace a bucket. Its ids are not checked: a host read each
+        step would stall the loop (the token is most often the model's own)."""
         if isinstance(tokens, mx.array) and tokens.ndim == 2 and tokens.shape[1] != 1:
             raise ValueError(
                 f"decode takes one token per sequence, shape (batch, 1); got "
                 f"{tuple(tokens.shape)} (use step for a chunk)"
             )
-        return self.step(tokens, states, check_ids=False)
+        return self._step(tokens, states, check_ids=False, bucket=True)
 
     def scored_step(self, tokens, states, scores, queries: QuerySlice, *,
                     check_ids: bool = True) -> tuple:  # fmt: skip
