@@ -41,7 +41,6 @@ import argparse
 import gc
 import json
 import logging
-import select
 import socket
 import sys
 import threading
@@ -538,12 +537,17 @@ class TrackedBatchGenerator(BatchGenerator):
         return out
 
     def _next(self):
+        queued = {s[0] for s in self._unprocessed_sequences}
+        held = {*self._prompt_batch.uids, *self._generation_batch.uids, *queued}
         try:
             prompt_responses, generation_responses = super()._next()
         except Exception as e:
             logging.exception("kvfn-server: a batched step failed; its sequences fail")
             prompt_responses, generation_responses = [], []
-            self._fail_batches(e)
+            # the step may have moved sequences out of the queue or the batches before it
+            # raised (a merge, a split into decoding, a finish): each of them fails too
+            still_queued = {s[0] for s in self._unprocessed_sequences}
+            self._fail_batches(e, held - still_queued)
         self._drop_abandoned_jobs()
         if self._jobs and len(self._generation_batch) < self.completion_batch_size:
             prompt_responses += self._advance_job()
@@ -577,17 +581,20 @@ class TrackedBatchGenerator(BatchGenerator):
         self._failed[sequence[0]] = request_failure(error)
 
     def _drop_abandoned_jobs(self) -> None:
-        """Jobs behind the first whose clients have left go now, not when their turn comes."""
-        for sequence in list(self._jobs)[1:]:
+        """Jobs whose clients have left go now, not when their turn comes."""
+        for sequence in list(self._jobs):
             gone = sequence[3].gone
             if gone is not None and gone():
                 self._fail_job(sequence, ClientGone())
 
-    def _fail_batches(self, error: Exception) -> None:
-        """mlx-lm's prompt and generation batches failed in one step: their sequences fail
-        and the batches start empty (what the failed step left in them is not reused)."""
-        for uid in [*self._prompt_batch.uids, *self._generation_batch.uids]:
-            self._failed[uid] = request_failure(error)
+    def _fail_batches(self, error: Exception, uids: set) -> None:
+        """mlx-lm's prompt and generation batches failed in one step: ``uids`` and their
+        sequences fail with a 500 (no one input is at fault), and the batches start empty (what
+        the failed step left in them is not reused)."""
+        failure = RequestFailed(500, f"kvfn-server failed on a batched step: "
+                                     f"{type(error).__name__}: {error}")  # fmt: skip
+        for uid in {*uids, *self._prompt_batch.uids, *self._generation_batch.uids}:
+            self._failed[uid] = failure
         self._prompt_batch = PromptProcessingBatch.empty(
             self.model, self.sampler, prefill_step_size=self.prefill_step_size
         )
@@ -642,7 +649,7 @@ class KVResponseGenerator(ResponseGenerator):
         return super()._tokenize(tokenizer, request, args)
 
     def generate(self, request, generation_args, progress_callback=None):
-        _handler.gone = _CLIENTS.get(id(request))
+        _handler.gone, _handler.ctx = _CLIENTS.get(id(request)), None
         try:
             return super().generate(request, generation_args, progress_callback)
         except ClientGone:
@@ -665,10 +672,15 @@ class KVResponseGenerator(ResponseGenerator):
             except QueueEmpty:
                 if not self.generation_available():
                     raise RequestFailed(503, self.failure or "the generation thread stopped")
+                if gone is not None and _handler.ctx is not None and gone():
+                    _handler.ctx.stop()  # no item may come for a while (a queued sequence)
+                    raise ClientGone()
                 continue
+            if isinstance(item, GenerationContext):
+                _handler.ctx = item
             if gone is not None and gone():
-                if isinstance(item, GenerationContext):
-                    item.stop()
+                if _handler.ctx is not None:
+                    _handler.ctx.stop()
                 raise ClientGone()
             return self.answer(item) if isinstance(item, Exception) else item
 
@@ -720,6 +732,9 @@ class KVAPIHandler(APIHandler):
         try:
             return super().handle_completion(request, stop_words)
         except (ClientGone, BrokenPipeError, ConnectionResetError):
+            # mlx-lm's own write of the stream's headers may fail before it would stop the ctx
+            if getattr(_handler, "ctx", None) is not None:
+                _handler.ctx.stop()
             logging.info("kvfn-server: the client left; its request was dropped")
         except RequestFailed as e:
             self.send_failure(e)
@@ -728,10 +743,12 @@ class KVAPIHandler(APIHandler):
 
     def client_gone(self) -> bool:
         """Whether the client has closed its connection (it has nothing more to send, so a
-        readable socket with no bytes is a close). Called from any thread."""
+        socket with an end of stream to read is a close; a client that only half-closes after
+        its request reads as gone). Called from any thread."""
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and not self.connection.recv(1, socket.MSG_PEEK)
+            return not self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:  # nothing to read: still connected
+            return False
         except (OSError, ValueError):
             return True
 
