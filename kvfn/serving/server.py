@@ -323,10 +323,7 @@ class PendingCompaction:
         self.progress = (0, 0)  # (done, total) after the latest step
 
     def advance(self) -> Optional[list]:
-        """Run one step: None, or the sequence's caches once the job has returned them.
-        ``ClientGone`` before the step when the client has left."""
-        if self.gone is not None and self.gone():
-            raise ClientGone()
+        """Run one step: None, or the sequence's caches once the job has returned them."""
         try:
             self.progress = next(self.steps)
         except StopIteration as end:
@@ -334,10 +331,14 @@ class PendingCompaction:
         return None
 
     def finish(self) -> list:
-        """Run every step left, now."""
-        while (caches := self.advance()) is None:
-            pass
-        return caches
+        """Run every step left, now; ``ClientGone`` before a step once the client has left."""
+        while True:
+            if self.gone is not None and self.gone():
+                self.close()
+                raise ClientGone()
+            caches = self.advance()
+            if caches is not None:
+                return caches
 
     def close(self) -> None:
         """Drop the job and the arrays it holds."""
@@ -489,6 +490,7 @@ _handler = threading.local()  # on an HTTP thread: its request's client check
 # id(request) -> its client's check (KVAPIHandler.client_gone), while its handler runs; kept
 # off the request, which mlx.launch's rank 0 pickles for the other ranks
 _CLIENTS = {}
+_NOTHING = object()  # what a wait on a request's queue got when it timed out
 
 
 class TrackedBatchGenerator(BatchGenerator):
@@ -658,11 +660,16 @@ class KVResponseGenerator(ResponseGenerator):
             request.kv_failure = self.answer(e)
             raise request.kv_failure from None
 
+    def unavailable(self) -> Optional[str]:
+        """Why the server cannot serve (its generation thread stopped), or None."""
+        if self.generation_available():
+            return None
+        return self.failure or "the generation thread stopped"
+
     def answer(self, error: Exception) -> Exception:
         """``request_failure``, or a 503 when the generation thread has stopped."""
-        if not self.generation_available():
-            return RequestFailed(503, self.failure or "the generation thread stopped")
-        return request_failure(error)
+        why = self.unavailable()
+        return request_failure(error) if why is None else RequestFailed(503, why)
 
     def _await_response(self, response_queue):
         gone = getattr(_handler, "gone", None)
@@ -670,19 +677,17 @@ class KVResponseGenerator(ResponseGenerator):
             try:
                 item = response_queue.get(timeout=0.25)
             except QueueEmpty:
-                if not self.generation_available():
-                    raise RequestFailed(503, self.failure or "the generation thread stopped")
-                if gone is not None and _handler.ctx is not None and gone():
-                    _handler.ctx.stop()  # no item may come for a while (a queued sequence)
-                    raise ClientGone()
-                continue
+                why = self.unavailable()
+                if why is not None:
+                    raise RequestFailed(503, why)
+                item = _NOTHING  # none may come for a while (a queued sequence): check anyway
             if isinstance(item, GenerationContext):
                 _handler.ctx = item
-            if gone is not None and gone():
-                if _handler.ctx is not None:
-                    _handler.ctx.stop()
+            if gone is not None and _handler.ctx is not None and gone():
+                _handler.ctx.stop()
                 raise ClientGone()
-            return self.answer(item) if isinstance(item, Exception) else item
+            if item is not _NOTHING:
+                return self.answer(item) if isinstance(item, Exception) else item
 
     def _serve_single(self, request, stream):
         # mlx-lm's one-request path (a seed, --kv-bits, a model it cannot batch) takes the
@@ -772,11 +777,7 @@ class KVAPIHandler(APIHandler):
         super()._set_completion_headers(status_code)
 
     def unavailable(self) -> Optional[str]:
-        """Why the server cannot serve (its generation thread stopped), or None."""
-        generator = self.response_generator
-        if generator.generation_available():
-            return None
-        return generator.failure or "the generation thread stopped"
+        return self.response_generator.unavailable()
 
     def do_POST(self):
         why = self.unavailable()
