@@ -39,7 +39,18 @@ from .states import tree
 ATTENTION_NAMES = ("self_attn", "attention", "attn")
 N_HEADS_NAMES = ("n_heads", "num_heads", "num_attention_heads")
 N_KV_HEADS_NAMES = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
-GROWTH = 256  # capacities grow to multiples of this, at least doubling
+GROWTH = 256  # the smallest step of a capacity (``bucket``)
+
+
+def bucket(rows: int) -> int:
+    """The capacity a compiled step gives ``rows`` rows: a multiple of ``GROWTH`` up to four of
+    them, above that the next of four steps an octave (at most 25% more than ``rows``), so that
+    prompts of any length decode through about four traces an octave. Doubling a bucket gives a
+    bucket."""
+    if rows <= 4 * GROWTH:
+        return max(-(-rows // GROWTH), 1) * GROWTH
+    step = 1 << ((rows - 1).bit_length() - 3)
+    return -(-rows // step) * step
 
 _current = contextvars.ContextVar("kvfn_layer_adapter", default=None)
 
@@ -286,38 +297,36 @@ def _check_layer(state: kv.State, i: int, kv_heads: int, head_dim: int) -> None:
         raise TypeError(f"state {i} holds {state.keys.dtype} keys; a KV cache is floating point")
 
 
-def grown(state, n: int, bucket: bool = False):
+def grown(state, n: int, bucket_rows: bool = False):
     """``state`` with room for ``n`` more rows: unchanged if they fit, else a capacity at least
-    double, in multiples of ``GROWTH`` (so a decode loop retraces O(log steps) times). A
-    partitioned layer grows its groups of plain rows (a ring has a fixed size). ``bucket``
-    (decode): a capacity of plain rows that is no multiple of ``GROWTH`` is first rounded up to
-    one, so that prompts of different lengths decode through one trace a bucket."""
+    double, a ``bucket`` (so a decode loop retraces O(log steps) times). A partitioned layer
+    grows its groups of plain rows (a ring has a fixed size). ``bucket_rows`` (decode): a
+    capacity of plain rows that is no bucket is first rounded up to one, so that prompts of
+    different lengths decode through one trace a bucket."""
     if isinstance(state, part.HeadPartitionedKVCache):
-        groups = tuple(grown(g, n, bucket) if isinstance(g, kv.State) else g
+        groups = tuple(grown(g, n, bucket_rows) if isinstance(g, kv.State) else g
                        for g in state.groups)  # fmt: skip
         same = all(a is b for a, b in zip(groups, state.groups))
         return state if same else state.replace(groups=groups)
     if isinstance(state, sl.HeadSlotsKVCache):
         fits = state.max_rows is not None and state.max_rows + n <= state.capacity
-        if fits and not (bucket and state.capacity % GROWTH):
+        if fits and not (bucket_rows and state.capacity != bucket(state.capacity)):
             return state
-        return sl.from_partitioned(grown(sl.to_partitioned(state), n, bucket))
+        return sl.from_partitioned(grown(sl.to_partitioned(state), n, bucket_rows))
     if isinstance(state, rgd.RaggedKVCache):
         if state.room is None or n > state.room:
             room = 0 if state.room is None else state.room
-            state = rgd.reserve(state, -(-max(room + n, 2 * room) // GROWTH) * GROWTH)
-        if bucket and state.slots % GROWTH:
-            state = rgd.padded(state, -(-state.slots // GROWTH) * GROWTH)
+            state = rgd.reserve(state, bucket(max(room + n, 2 * room)))
+        if bucket_rows and state.slots != bucket(state.slots):
+            state = rgd.padded(state, bucket(state.slots))
         return state
     if state.max_rows is None:
         state = state.replace(max_rows=int(state.rows.item()))
     need = state.max_rows + n
     if need <= state.capacity:
-        if not bucket or state.capacity % GROWTH == 0 or state.sliding_window is not None:
-            return state
-        return kv.reserve(state, -(-state.capacity // GROWTH) * GROWTH)
-    capacity = -(-max(need, 2 * state.capacity) // GROWTH) * GROWTH
-    return kv.reserve(state, capacity)
+        exact = state.capacity == bucket(state.capacity) or state.sliding_window is not None
+        return state if not bucket_rows or exact else kv.reserve(state, bucket(state.capacity))
+    return kv.reserve(state, bucket(max(need, 2 * state.capacity)))
 
 
 class FunctionalModel:
@@ -419,16 +428,16 @@ class FunctionalModel:
                 _check_layer(s, i, self.n_kv_heads[i], self.head_dims[i])
 
     def _prepare(self, tokens, states, check: bool = True, eager: bool = True,
-                 bucket: bool = False) -> tuple:  # fmt: skip
-        """Checked tokens and states grown to take them (``grown``; ``bucket``: capacities in
-        multiples of ``GROWTH``); ``check``: the token ids too (one host read)."""
+                 bucket_rows: bool = False) -> tuple:  # fmt: skip
+        """Checked tokens and states grown to take them (``grown``; ``bucket_rows``: capacities
+        rounded up to a ``bucket``); ``check``: the token ids too (one host read)."""
         self._check_states(states)
         if eager:
             self._check_layers(states)
         tokens = _check_tokens(tokens, states)
         if check:
             check_ids(tokens, self.vocab_size)
-        out = tuple(grown(s, tokens.shape[1], bucket) for s in states)
+        out = tuple(grown(s, tokens.shape[1], bucket_rows) for s in states)
         if not eager and any(a is not b for a, b in zip(out, states)):
             self._check_layers(states)  # the caller's shapes, before new buffers replace them
         return tokens, out
@@ -530,23 +539,24 @@ class FunctionalModel:
         """Compiled: logits of the last position (B, vocab) and new states, for n >= 1 tokens.
         Traced once per layout and shapes (``traces``): a decode loop traces once per
         capacity, and capacities grow in buckets. ``check_ids`` as in ``forward``."""
-        return self._step(tokens, states, check_ids, bucket=False)
+        return self._step(tokens, states, check_ids, bucket_rows=False)
 
-    def _step(self, tokens, states, check_ids: bool, bucket: bool) -> tuple:
-        tokens, states = self._prepare(tokens, states, check_ids, eager=False, bucket=bucket)
+    def _step(self, tokens, states, check_ids: bool, bucket_rows: bool) -> tuple:
+        tokens, states = self._prepare(tokens, states, check_ids, eager=False,
+                                       bucket_rows=bucket_rows)  # fmt: skip
         return self._compiled_call(tokens, states)[:2]
 
     def decode(self, tokens, states) -> tuple:
         """``step`` for one new token per sequence: tokens (B, 1), each state's capacity first
-        rounded up to a multiple of ``GROWTH`` (``grown``), so that prompts of different
-        lengths decode through one trace a bucket. Its ids are not checked: a host read each
+        rounded up to a ``bucket`` (``grown``), so that prompts of different lengths decode
+        through one trace a bucket. Its ids are not checked: a host read each
         step would stall the loop (the token is most often the model's own)."""
         if isinstance(tokens, mx.array) and tokens.ndim == 2 and tokens.shape[1] != 1:
             raise ValueError(
                 f"decode takes one token per sequence, shape (batch, 1); got "
                 f"{tuple(tokens.shape)} (use step for a chunk)"
             )
-        return self._step(tokens, states, check_ids=False, bucket=True)
+        return self._step(tokens, states, check_ids=False, bucket_rows=True)
 
     def scored_step(self, tokens, states, scores, queries: QuerySlice, *,
                     check_ids: bool = True) -> tuple:  # fmt: skip

@@ -1,8 +1,8 @@
 """Every prompt its own length: no trace on the request path for a prompt length not seen before.
 
 ``fm.traces`` counts the traces of the compiled steps (``fm.decode``, ``fm.step``). A decode step
-rounds a state's capacity up to a multiple of ``kvfn.wrapper.GROWTH`` (256 rows), so prompts of
-lengths inside one bucket decode through one trace, and a decode loop traces once a growth
+rounds a state's capacity up to a ``kvfn.wrapper.bucket`` (multiples of 256 rows to 1024, then
+four an octave), so prompts of lengths inside one bucket decode through one trace, and a decode loop traces once a growth
 (O(log steps)); the compaction runs eagerly unless asked to compile (a trace per length).
 """
 
@@ -14,7 +14,7 @@ import pytest
 import kvfn
 from kvfn import slots as sl
 from kvfn.policies.policy import POLICIES as REGISTRY
-from kvfn.wrapper import GROWTH
+from kvfn.wrapper import GROWTH, bucket
 from tests.test_duo import PATTERN
 from tests.tiny import tiny_model
 
@@ -101,3 +101,31 @@ def test_a_300_step_decode_loop_traces_once_a_growth(kind):
     before = fm.traces
     greedy(fm, states, 5, 300)
     assert 1 <= fm.traces - before <= 1 + math.ceil(math.log2(300 / GROWTH + 1)), fm.traces
+
+
+def test_buckets_are_few_and_close():
+    """A bucket holds its rows with at most 25% to spare past 1024 rows (256-row steps below),
+    a bucket is its own bucket and doubles into one, and an octave holds four of them."""
+    sizes = {bucket(n) for n in range(1, 1 << 16)}
+    for n in range(1, 1 << 16, 7):
+        b = bucket(n)
+        assert n <= b <= max(-(-n // GROWTH) * GROWTH, int(1.25 * n)), (n, b)
+        assert bucket(b) == b and bucket(2 * b) == 2 * b, (n, b)
+    for low in (1024, 2048, 1 << 14):
+        assert len({s for s in sizes if low < s <= 2 * low}) == 4, low
+
+
+def test_benchmark_shapes_pairs_each_new_length_with_its_repeat(capsys):
+    """The varied-length benchmark: every length after the first runs new then repeated; a
+    compacted state's capacity follows the budget, so its new lengths find their bucket warm,
+    and the full cache's follows the prompt (lengths 60-120 fit one 256-row bucket here)."""
+    from examples import benchmark_shapes
+
+    out = benchmark_shapes.main(["--lengths", "60:120:3", "--policies", "full,snapkv",
+                                 "--new-tokens", "3", "--window", "4"])  # fmt: skip
+    rows = {r["policy"]: r for r in out}
+    assert list(rows) == ["mlx-lm", "full", "snapkv"]
+    assert rows["snapkv"]["warm_new"] == rows["full"]["warm_new"] == 2
+    assert rows["snapkv"]["new"]["traces"] == rows["snapkv"]["repeat"]["traces"] == 0
+    assert rows["snapkv"]["warm_new_x"] > 0
+    assert "warm new/rep" in capsys.readouterr().out
