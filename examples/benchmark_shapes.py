@@ -121,10 +121,14 @@ def ratio(rows: list, against: list, args) -> Optional[float]:
 def table(out: list, lengths: list, budget: int, args) -> None:
     base = seconds(out[0]["new"], args.new_tokens)
     snap = next((r["new"]["decode_tps"] for r in out if r["policy"] == "snapkv"), None)
-    print(f"\n{args.shape} {args.dtype}, lengths {lengths}, budget {budget}, "
-          f"{'compiled' if args.compiled_compaction else 'eager'} compaction; seconds per request")
-    print(f"{'policy':<16}{'cold':>8}{'new':>8}{'repeat':>8}{'vs mlx-lm':>10}"
-          f"{'warm new/rep':>14}{'tok/s new':>10}{'step/snapkv':>12}{'traces new':>11}")
+    print(
+        f"\n{args.shape} {args.dtype}, lengths {lengths}, budget {budget}, "
+        f"{'compiled' if args.compiled_compaction else 'eager'} compaction; seconds per request"
+    )
+    print(
+        f"{'policy':<16}{'cold':>8}{'new':>8}{'repeat':>8}{'vs mlx-lm':>10}"
+        f"{'warm new/rep':>14}{'tok/s new':>10}{'step/snapkv':>12}{'traces new':>11}"
+    )
     for r in out:
         t = {k: seconds(r[k], args.new_tokens) for k in ("cold", "new", "repeat")}
         warm = "-" if r["warm_new_x"] is None else f"{r['warm_new_x']:.2f} ({r['warm_new']})"
@@ -132,8 +136,10 @@ def table(out: list, lengths: list, budget: int, args) -> None:
         print(f"{r['policy']:<16}{t['cold']:>8.3f}{t['new']:>8.3f}{t['repeat']:>8.3f}"
               f"{t['new'] / base:>10.2f}{warm:>14}{r['new']['decode_tps']:>10.1f}{step:>12}"
               f"{r['new']['traces']:>11}")  # fmt: skip
-    print("targets: warm new/rep <= 1.10; vs mlx-lm <= 1.2 (window-scored, scoring-free); "
-          "adakvzip-global step/snapkv <= 1.2")
+    print(
+        "targets: warm new/rep <= 1.10; vs mlx-lm <= 1.2 (window-scored, scoring-free); "
+        "adakvzip-global step/snapkv <= 1.2"
+    )
 
 
 def main(argv=None) -> list:
@@ -172,9 +178,15 @@ def main(argv=None) -> list:
         pairs = [(one(L), one(L)) for L in lengths[1:]]
         news = [new for new, _ in pairs]
         warm = [i for i, new in enumerate(news) if new["traces"] == 0]
-        row = {"policy": name, "budget": budget, "cold": summary([cold]), "new": summary(news),
-               "repeat": summary([rep for _, rep in pairs]), "warm_new": len(warm),
-               "warm_new_x": ratio([news[i] for i in warm], [pairs[i][1] for i in warm], args)}
+        row = {
+            "policy": name,
+            "budget": budget,
+            "cold": summary([cold]),
+            "new": summary(news),
+            "repeat": summary([rep for _, rep in pairs]),
+            "warm_new": len(warm),
+            "warm_new_x": ratio([news[i] for i in warm], [pairs[i][1] for i in warm], args),
+        }
         print(json.dumps(row), flush=True)
         out.append(row)
     table(out, lengths, budget, args)

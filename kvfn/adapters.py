@@ -15,6 +15,7 @@ from .scores import (
     window_attention_scores,
 )
 from .states import cache as kv
+from .states import layout
 from .states import partitioned as part
 from .states import ragged as rgd
 from .states import slots as sl
@@ -45,13 +46,9 @@ class Call:
         alone."""
         if not self.lockstep:
             return None
-        if isinstance(group, part.StreamingRing):
-            if n != 1:
-                return None
-            key = ("ring", group.sink, group.recent)
-            if key not in self.shared:
-                self.shared[key] = part.rg.appended(group)
-            return self.shared[key]
+        return part.lockstep_derived(group, n, self.shared, self._plain_derived)
+
+    def _plain_derived(self, group: kv.State, n: int):
         return self.derived(group, n)[0] if self.in_lockstep(group) else None
 
     def slots_derived(self, state: sl.HeadSlotsKVCache):
@@ -225,9 +222,13 @@ class RaggedAdapter(PartitionedAdapter):
 
 
 ADAPTERS = {
-    kv.State: LayerAdapter,
-    part.HeadPartitionedKVCache: PartitionedAdapter,
-    sl.HeadSlotsKVCache: SlotsAdapter,
-    rgd.RaggedKVCache: RaggedAdapter,
-}
-PER_HEAD = (part.HeadPartitionedKVCache, sl.HeadSlotsKVCache, rgd.RaggedKVCache)
+    kv.Layout: LayerAdapter,
+    part.Layout: PartitionedAdapter,
+    sl.Layout: SlotsAdapter,
+    rgd.Layout: RaggedAdapter,
+}  # a new kind's own adapter is added here, by its layout
+
+
+def adapter_of(state):
+    """The adapter class of ``state``'s kind."""
+    return ADAPTERS[layout.of(state)]

@@ -8,8 +8,9 @@ import numpy as np
 from typeguard import typechecked
 
 from .states import cache as kv
+from .states import layout
 from .states import partitioned as part
-from .states import ragged
+from .states.cache import row_bytes, stored_bytes  # noqa: F401  (kvfn.eviction's own names)
 
 
 class _Bytes:
@@ -50,16 +51,6 @@ class EvictionResult(_Bytes):
         )
 
 
-def row_bytes(state: kv.State) -> float:
-    """Bytes one stored row of every head takes (keys, values, positions; whole batch)."""
-    return state.nbytes / max(state.capacity, 1)
-
-
-def stored_bytes(state: kv.State, rows: int) -> int:
-    """Bytes of ``rows`` stored rows of every head (keys, values, positions)."""
-    return int(row_bytes(state) * rows)
-
-
 @dataclass(frozen=True)
 class HeadPartitionedEvictionResult(_Bytes):
     """What a per-head eviction kept, per layer: the union of rows any head keeps (what a
@@ -81,19 +72,8 @@ class HeadPartitionedEvictionResult(_Bytes):
 
 
 def kept(state) -> tuple[int, int]:
-    """Rows a KV head stores (the mean over a partitioned layer's heads) and bytes stored."""
-    if isinstance(state, kv.State):
-        return state.max_rows, stored_bytes(state, state.max_rows)
-    if isinstance(state, ragged.RaggedKVCache):  # rows a head keeps, on average over the batch
-        B, H = state.starts.shape
-        total = B * state.kept if state.kept is not None else int(mx.sum(state.lengths).item())
-        return round(total / (B * H)), int(state.nbytes / state.slots * total / B)
-    rows, nbytes = 0, 0
-    for heads, group in zip(state.heads, state.groups):
-        r = group.max_rows if isinstance(group, kv.State) else group.capacity
-        rows += r * len(heads)
-        nbytes += int(group.nbytes / group.capacity * r)
-    return round(rows / state.n_kv_heads), nbytes
+    """Rows a KV head stores (the mean over a layer's heads) and bytes stored."""
+    return layout.of(state).kept(state)
 
 
 def result_of(states: Sequence[kv.State], before: Sequence[int], after: Sequence):

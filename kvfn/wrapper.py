@@ -28,30 +28,15 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from .adapters import ADAPTERS, PER_HEAD, Call
+from .adapters import Call, adapter_of
 from .distributed import head_group
 from .states import cache as kv
-from .states import partitioned as part
-from .states import ragged as rgd
-from .states import slots as sl
-from .states import tree
+from .states import layout, ragged, slots, tree  # noqa: F401  (ragged, slots: their layouts)
+from .states.layout import GROWTH, bucket, grown  # noqa: F401  (kvfn.wrapper's own names)
 
 ATTENTION_NAMES = ("self_attn", "attention", "attn")
 N_HEADS_NAMES = ("n_heads", "num_heads", "num_attention_heads")
 N_KV_HEADS_NAMES = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
-GROWTH = 256  # the smallest step of a capacity (``bucket``)
-
-
-def bucket(rows: int) -> int:
-    """The capacity a compiled step gives ``rows`` rows: a multiple of ``GROWTH`` up to four of
-    them, above that the next of four steps an octave (at most 25% more than ``rows``), so that
-    prompts of any length decode through about four traces an octave. Doubling a bucket gives a
-    bucket."""
-    if rows <= 4 * GROWTH:
-        return max(-(-rows // GROWTH), 1) * GROWTH
-    step = 1 << ((rows - 1).bit_length() - 3)
-    return -(-rows // step) * step
-
 _current = contextvars.ContextVar("kvfn_layer_adapter", default=None)
 
 
@@ -297,38 +282,6 @@ def _check_layer(state: kv.State, i: int, kv_heads: int, head_dim: int) -> None:
         raise TypeError(f"state {i} holds {state.keys.dtype} keys; a KV cache is floating point")
 
 
-def grown(state, n: int, bucket_rows: bool = False):
-    """``state`` with room for ``n`` more rows: unchanged if they fit, else a capacity at least
-    double, a ``bucket`` (so a decode loop retraces O(log steps) times). A partitioned layer
-    grows its groups of plain rows (a ring has a fixed size). ``bucket_rows`` (decode): a
-    capacity of plain rows that is no bucket is first rounded up to one, so that prompts of
-    different lengths decode through one trace a bucket."""
-    if isinstance(state, part.HeadPartitionedKVCache):
-        groups = tuple(grown(g, n, bucket_rows) if isinstance(g, kv.State) else g
-                       for g in state.groups)  # fmt: skip
-        same = all(a is b for a, b in zip(groups, state.groups))
-        return state if same else state.replace(groups=groups)
-    if isinstance(state, sl.HeadSlotsKVCache):
-        fits = state.max_rows is not None and state.max_rows + n <= state.capacity
-        if fits and not (bucket_rows and state.capacity != bucket(state.capacity)):
-            return state
-        return sl.from_partitioned(grown(sl.to_partitioned(state), n, bucket_rows))
-    if isinstance(state, rgd.RaggedKVCache):
-        if state.room is None or n > state.room:
-            room = 0 if state.room is None else state.room
-            state = rgd.reserve(state, bucket(max(room + n, 2 * room)))
-        if bucket_rows and state.slots != bucket(state.slots):
-            state = rgd.padded(state, bucket(state.slots))
-        return state
-    if state.max_rows is None:
-        state = state.replace(max_rows=int(state.rows.item()))
-    need = state.max_rows + n
-    if need <= state.capacity:
-        exact = state.capacity == bucket(state.capacity) or state.sliding_window is not None
-        return state if not bucket_rows or exact else kv.reserve(state, bucket(state.capacity))
-    return kv.reserve(state, bucket(max(need, 2 * state.capacity)))
-
-
 class FunctionalModel:
     """An mlx-lm model as pure functions of (tokens, layer states)."""
 
@@ -404,9 +357,9 @@ class FunctionalModel:
             n = len(states) if isinstance(states, (tuple, list)) else type(states).__name__
             raise ValueError(f"{n} states for a model of {len(self.sliding_windows)} layers")
         for i, s in enumerate(states):
-            if type(s) not in ADAPTERS:
+            if not layout.is_state(s):
                 raise TypeError(f"state {i} is a {type(s).__name__}, not a kvfn state")
-            if isinstance(s, PER_HEAD) and not self._hooked[i]:
+            if layout.of(s).per_head and not self._hooked[i]:
                 raise TypeError(
                     f"layer {i} holds a head-partitioned state, but its attention module "
                     f"({type(self.model.layers[i]).__name__}) computes attention itself, not "
@@ -449,17 +402,15 @@ class FunctionalModel:
         head-partitioned layer, holds the same rows and capacity (known on the host: a packed
         state's row count is exact); then the layers also share the offset their rings derive
         from."""
-        plain = [g for s in states for g in getattr(s, "groups", (s,)) if isinstance(g, kv.State)]
-        group = {(s.max_rows, s.capacity) for s in plain if s.packed and s.sliding_window is None}
-        group |= {(s.max_rows, s.capacity) for s in states if isinstance(s, sl.HeadSlotsKVCache)}
-        return len(group) == 1 and None not in next(iter(group))
+        rows = set().union(*(layout.of(s).lockstep_rows(s) for s in states))
+        return len(rows) == 1 and None not in next(iter(rows))
 
     def _run(self, tokens, states, scores=None, queries=None, lockstep=None):
         lockstep = self._lockstep(states) if lockstep is None else lockstep
         adapters, call = [], Call(lockstep)
         for i, state in enumerate(states):
             scored = queries is not None and self.sliding_windows[i] is None
-            adapter = ADAPTERS[type(state)]
+            adapter = adapter_of(state)
             adapters.append(adapter(state, self.n_heads[i], call, self.scales[i],
                                     scores[i] if scored else None,
                                     queries if scored else None))  # fmt: skip

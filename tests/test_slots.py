@@ -162,12 +162,12 @@ def test_slots_states_save_and_load(tmp_path):
         for x, y in zip(kvfn.tree.arrays(a), kvfn.tree.arrays(b)):
             assert x.shape == y.shape and mx.array_equal(x, y).item()
     assert mx.array_equal(fm.decode(token, again)[0], fm.decode(token, slots)[0]).item()
-    kvfn.tree.KINDS.pop(sl.HeadSlotsKVCache)  # a file of a layout this kvfn does not know
+    kvfn.states.layout.LAYOUTS.pop(sl.HeadSlotsKVCache)  # a file of a layout this kvfn does not know
     try:
         with pytest.raises(ValueError, match="saved as 'slots'"):
             kvfn.tree.load(tmp_path / "s.safetensors")
     finally:
-        kvfn.tree.KINDS[sl.HeadSlotsKVCache] = sl._Kind
+        kvfn.states.layout.LAYOUTS[sl.HeadSlotsKVCache] = sl.Layout
 
 
 def test_slots_chunk_then_decode_and_grow():

@@ -5,36 +5,15 @@ batched as ``BatchRaggedKVCache``). A plain compacted cache's batch form is in `
 """
 
 import mlx.core as mx
-import numpy as np
 
-from ..states import cache as kv
+from ..states import layout
 from ..states import partitioned as part
 from ..states import ragged
-from ..states.ring import StreamingRing
-from ..wrapper import grown
-from .interop import BatchCompactedKVCache, CompactedKVCache, to_mlx_cache
+from ..states.layout import grown
+from .interop import BatchCompactedKVCache, to_mlx_cache
 
 
 # -- per-head states (DuoAttention) -------------------------------------------------------------
-def _ring_rows(ring) -> CompactedKVCache:
-    """A streaming ring's rows in position order (sinks, then the recent run)."""
-    pos = np.array(ring.positions[0, 0])
-    order = [int(i) for i in np.argsort(pos, kind="stable") if pos[i] != kv.EMPTY]
-    idx = mx.array(order, mx.int32)
-    keys, values = mx.take(ring.keys, idx, axis=2), mx.take(ring.values, idx, axis=2)
-    positions = mx.take(ring.positions, idx, axis=2)
-    return CompactedKVCache(keys, values, positions, int(ring.offset.item()))
-
-
-def _ragged_rows(state, heads) -> CompactedKVCache:
-    """The rows of ``heads`` of a ragged layer (batch 1), which must hold as many rows each."""
-    rows = [ragged.head_rows(state, 0, h) for h in heads]
-    if len({r[0].shape[0] for r in rows}) != 1:
-        raise ValueError(f"heads {list(heads)} hold different numbers of rows: group them apart")
-    keys, values, positions = (mx.stack([r[i] for r in rows])[None] for i in range(3))
-    return CompactedKVCache(keys, values, positions, int(state.offset.item()))
-
-
 class HeadGroupsKVCache:
     """One sequence's layer of a per-head state (``kvfn.HeadPartitionedKVCache``) as mlx-lm's
     ``BatchGenerator`` takes it: one ``CompactedKVCache`` per head group, ``heads[g]`` naming
@@ -61,23 +40,8 @@ class HeadGroupsKVCache:
         into them; a ``HeadPartitionedKVCache`` must hold each of them inside one of its groups.
         A streaming ring's group keeps its window."""
         heads = tuple(tuple(h) for h in heads)
-        if isinstance(state, ragged.RaggedKVCache):
-            return cls([_ragged_rows(state, hs) for hs in heads], heads, [None] * len(heads))
-        if not isinstance(state, part.HeadPartitionedKVCache):
-            groups = [to_mlx_cache([part.take_heads(state, hs)])[0] for hs in heads]
-            return cls(groups, heads, [None] * len(heads))
-        groups, windows = [], []
-        for hs in heads:
-            src = [i for i, own in enumerate(state.heads) if set(hs) <= set(own)]
-            if not src:
-                raise ValueError(f"heads {list(hs)} are not inside one group of {state.heads}")
-            g, own = state.groups[src[0]], list(state.heads[src[0]])
-            if list(hs) != own:
-                g = part.take_heads(g, [own.index(h) for h in hs])
-            ring = isinstance(g, StreamingRing)
-            groups.append(_ring_rows(g) if ring else to_mlx_cache([g])[0])
-            windows.append((g.sink, g.recent) if ring else None)
-        return cls(groups, heads, windows)
+        groups = layout.of(state).head_groups(state, heads)
+        return cls([to_mlx_cache([g])[0] for g, _ in groups], heads, [w for _, w in groups])
 
     @property
     def offset(self) -> int:
@@ -249,7 +213,7 @@ class RaggedLayerCache:
     extracted from one; it never runs a model itself."""
 
     def __init__(self, state):
-        if not isinstance(state, ragged.RaggedKVCache) or state.keys.shape[0] != 1:
+        if type(state) is not ragged.RaggedKVCache or state.keys.shape[0] != 1:
             raise ValueError(f"a RaggedLayerCache holds one sequence's ragged layer, got {state!r}")
         self.ragged = state
 
@@ -257,14 +221,7 @@ class RaggedLayerCache:
     def from_state(cls, state, room: int = 1) -> "RaggedLayerCache":
         """From one layer's kvfn state of one sequence: a ragged one as it is, a plain one with
         every head keeping all its rows."""
-        if isinstance(state, ragged.RaggedKVCache):
-            return cls(state)
-        if not isinstance(state, kv.State) or state.sliding_window is not None:
-            raise TypeError(f"cannot serve a {type(state).__name__} as a ragged layer")
-        rows = int(state.rows.item())
-        keep = mx.broadcast_to(mx.arange(state.capacity) < rows, state.keys.shape[:3])
-        H = state.keys.shape[1]
-        return cls(ragged.pack(state, keep, capacity=rows * H, room=room, kept=rows * H))
+        return cls(ragged.as_ragged(state, room))
 
     @property
     def offset(self) -> int:
@@ -359,7 +316,7 @@ class BatchRaggedKVCache:
         self.ragged = self.ragged.replace(**arrays, kept=None)
 
     def extend(self, other):
-        if not isinstance(other, BatchRaggedKVCache):
+        if not isinstance(other, type(self)):
             raise TypeError(f"cannot extend a ragged batch cache with {type(other).__name__}")
         self.ragged = ragged.stack([self.ragged, other.ragged])
 

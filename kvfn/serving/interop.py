@@ -17,7 +17,7 @@ from mlx_lm.models.cache import BatchKVCache
 from typeguard import typechecked
 
 from ..states import cache as kv
-from ..states import tree
+from ..states import layout
 
 
 class _TruePositions:
@@ -315,7 +315,7 @@ def to_mlx_cache(states: Sequence) -> list:
     names it and what takes it instead."""
     register()
     for i, s in enumerate(states):
-        tree.kind(s)  # a TypeError for what is no kvfn layer state
+        layout.of(s)  # a TypeError for what is no kvfn layer state
         if type(s) is not kv.State:
             raise ValueError(
                 f"layer {i}: a {type(s).__name__} keeps its rows per KV head, which mlx-lm's "

@@ -53,38 +53,41 @@ from queue import Empty as QueueEmpty
 from types import SimpleNamespace
 from typing import Optional
 
-import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
-import mlx.core as mx  # noqa: E402
-from mlx_lm import server as mlx_server  # noqa: E402
-from mlx_lm.generate import (  # noqa: E402
+import mlx.core as mx
+from mlx_lm import server as mlx_server
+from mlx_lm.generate import (
     BatchGenerator,
     GenerationBatch,
     PromptProcessingBatch,
 )
-from mlx_lm.models.cache import (  # noqa: E402
+from mlx_lm.models.cache import (
     KVCache,
     LRUPromptCache,
     can_trim_prompt_cache,
     make_prompt_cache,
     trim_prompt_cache,
 )
-from mlx_lm.server import (  # noqa: E402
+from mlx_lm.server import (
     APIHandler,
     GenerationContext,
     ModelProvider,
     ResponseGenerator,
 )
 
-from ..compaction import compact_steps  # noqa: E402
-from . import flags  # noqa: E402
-from .batch import HeadGroupsKVCache, RaggedLayerCache  # noqa: E402
-from .flags import (  # noqa: E402
+from .. import distributed
+from ..compaction import compact_steps
+from ..passes import prefill
+from ..states import tree
+from ..wrapper import FunctionalModel, attending_copy
+from . import flags
+from .batch import HeadGroupsKVCache, RaggedLayerCache
+from .flags import (
     non_negative_float,
     non_negative_int,
     positive_int,
     probability,
 )
-from .interop import CompactedKVCache, QuantizedCompactedKVCache  # noqa: E402
+from .interop import CompactedKVCache, QuantizedCompactedKVCache, to_mlx_cache
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
@@ -208,7 +211,7 @@ class KVModelProvider(ModelProvider):
         if self.pipeline_group is not None:
             raise ValueError("kvfn-server runs tensor parallel under mlx.launch, not --pipeline")
         if self.tensor_group is not None:
-            kvfn.distributed.shard(model, self.tensor_group)
+            distributed.shard(model, self.tensor_group)
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
         if self.cli_args.chat_template:
             hf.chat_template = self.cli_args.chat_template
@@ -231,7 +234,7 @@ class KVModelProvider(ModelProvider):
             )
         if self.cli_args.policy is not None and self.is_batchable:
             # each layer's batch cache attends with its own mask (per-layer row counts, heads)
-            self.model = kvfn.wrapper.attending_copy(model)
+            self.model = attending_copy(model)
 
     @property
     def per_head(self) -> bool:
@@ -241,7 +244,7 @@ class KVModelProvider(ModelProvider):
 
     def functional_model(self):
         if self._functional is None:
-            self._functional = kvfn.FunctionalModel(self.base_model)
+            self._functional = FunctionalModel(self.base_model)
         return self._functional
 
     @property
@@ -347,7 +350,7 @@ class PendingCompaction:
 
 def prefill_bytes(fm, n: int) -> int:
     """Bytes of the states a prefill of ``n`` tokens fills (made lazily: nothing is allocated)."""
-    return sum(a.nbytes for a in kvfn.tree.arrays(fm.init_states(1, n)))
+    return sum(a.nbytes for a in tree.arrays(fm.init_states(1, n)))
 
 
 class EvictingPromptCache(LRUPromptCache):
@@ -395,7 +398,7 @@ class EvictingPromptCache(LRUPromptCache):
                 if len(tokens) == 1:
                     states = fm.init_states(1, 1)
                 else:  # fresh states: prefill reuses their buffers
-                    states = kvfn.prefill(fm, mx.array([tokens[:-1]]), capacity=len(tokens),
+                    states = prefill(fm, mx.array([tokens[:-1]]), capacity=len(tokens),
                                           prefill_step_size=step)  # fmt: skip
                 return self.as_mlx_caches(states), tokens[-1:]
             return self.compaction(tokens, policy), tokens[-1:]
@@ -411,7 +414,7 @@ class EvictingPromptCache(LRUPromptCache):
             return cache, rest
         if cache is None:  # mlx-lm batches one cache class: every sequence gets kvfn's
             fm = self.provider.functional_model()
-            return kvfn.to_mlx_cache(fm.init_states(1, 0)), rest
+            return to_mlx_cache(fm.init_states(1, 0)), rest
         return [as_kvfn_cache(c) for c in cache], rest
 
     def compaction(self, tokens, policy):
@@ -461,7 +464,7 @@ class EvictingPromptCache(LRUPromptCache):
             return [RaggedLayerCache.from_state(s) for s in states]
         groups = self.provider.head_groups
         if groups is None:
-            return kvfn.to_mlx_cache(states)
+            return to_mlx_cache(states)
         return [HeadGroupsKVCache.from_state(s, g) for s, g in zip(states, groups)]
 
     def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
@@ -884,7 +887,9 @@ class KVAPIHandler(APIHandler):
     def do_GET(self):
         why = self.unavailable()
         if why is not None and self.path != "/health":
-            return self.send_json(503, {"error": why, "kv_cache": self.response_generator.kv_stats()})
+            return self.send_json(
+                503, {"error": why, "kv_cache": self.response_generator.kv_stats()}
+            )
         if self.path == "/metrics":
             return self.send_json(200, self.response_generator.kv_stats())
         return super().do_GET()

@@ -32,6 +32,9 @@ import chex
 import mlx.core as mx
 from typeguard import typechecked
 
+from . import layout
+from .layout import bucket
+
 EMPTY = 2**31 - 1
 
 
@@ -516,3 +519,84 @@ def arrays(states) -> list:
     if isinstance(states, State):
         return list(flatten(states)[0].values())
     return [a for s in states for a in arrays(s)]
+
+
+def row_bytes(state: State) -> float:
+    """Bytes one stored row of every head takes (keys, values, positions; whole batch)."""
+    return state.nbytes / max(state.capacity, 1)
+
+
+def stored_bytes(state: State, rows: int) -> int:
+    """Bytes of ``rows`` stored rows of every head (keys, values, positions)."""
+    return int(row_bytes(state) * rows)
+
+
+def take_heads(state: State, heads) -> State:
+    """The state of a subset of ``state``'s KV heads."""
+    idx = mx.array(list(heads), mx.int32)
+    return state.replace(**{f: mx.take(getattr(state, f), idx, axis=1)
+                            for f in ("keys", "values", "positions")})  # fmt: skip
+
+
+def grown(state: State, n: int, bucket_rows: bool = False) -> State:
+    """``layout.Layout.grown`` for a plain layer (a sliding window's buffer keeps its size)."""
+    if state.max_rows is None:
+        state = state.replace(max_rows=int(state.rows.item()))
+    need = state.max_rows + n
+    if need <= state.capacity:
+        exact = state.capacity == bucket(state.capacity) or state.sliding_window is not None
+        return state if not bucket_rows or exact else reserve(state, bucket(state.capacity))
+    return reserve(state, bucket(max(need, 2 * state.capacity)))
+
+
+@layout.register(State)
+class Layout(layout.Layout):
+    """A plain layer: host knowledge is ``max_rows`` and ``dense``."""
+
+    name = "plain"
+    ARRAY_FIELDS = ARRAY_FIELDS
+    flatten = staticmethod(flatten)
+    stack = staticmethod(stack)
+    grown = staticmethod(grown)
+
+    @staticmethod
+    def host(state):
+        return state.max_rows, state.dense
+
+    @staticmethod
+    def unflatten(arrays, static, host):
+        return unflatten(arrays, static, *(host or (None, False)))
+
+    @staticmethod
+    def advanced(host, n):
+        max_rows, dense = host
+        return (None if max_rows is None else max_rows + n), dense
+
+    @staticmethod
+    def kept(state):
+        return state.max_rows, stored_bytes(state, state.max_rows)
+
+    @staticmethod
+    def lockstep_rows(state):
+        if state.packed and state.sliding_window is None:
+            return {(state.max_rows, state.capacity)}
+        return set()
+
+    @staticmethod
+    def loaded(state):
+        """A file written before free slots held their next positions (EMPTY there) gets the
+        tail rebuilt, so appends to it are seen; a newer file is left as it was."""
+        return state.replace(positions=tail_positions(state.positions, state.offset, state.rows))
+
+    @staticmethod
+    def head_groups(state, heads):
+        return [(take_heads(state, hs), None) for hs in heads]
+
+    @staticmethod
+    def encode(static, host):
+        (window, packed), (max_rows, dense) = static, host
+        return dict(sliding_window=window, packed=packed, max_rows=max_rows, dense=dense)
+
+    @staticmethod
+    def decode(saved):
+        return (saved["sliding_window"], saved["packed"]), (saved["max_rows"], saved["dense"])

@@ -23,6 +23,7 @@ from typeguard import typechecked
 
 from .. import kernels
 from . import cache as kv
+from . import layout
 from . import ring as rg
 from .ring import StreamingRing
 
@@ -66,11 +67,11 @@ def _module(group):
 
 def take_heads(state, heads: Sequence[int]):
     """The state (plain, or a ring) of a subset of ``state``'s KV heads."""
-    idx = mx.array(list(heads), mx.int32)
-    rows = dict(keys=mx.take(state.keys, idx, axis=1), values=mx.take(state.values, idx, axis=1))
-    if isinstance(state, StreamingRing):  # its heads share the positions it derives
-        return state.replace(**rows)
-    return state.replace(**rows, positions=mx.take(state.positions, idx, axis=1))
+    if type(state) is not StreamingRing:
+        return kv.take_heads(state, heads)
+    idx = mx.array(list(heads), mx.int32)  # a ring's heads share the positions it derives
+    return state.replace(keys=mx.take(state.keys, idx, axis=1),
+                         values=mx.take(state.values, idx, axis=1))  # fmt: skip
 
 
 @typechecked
@@ -174,6 +175,20 @@ def update_split(state: HeadPartitionedKVCache, keys: list, values: list, derive
             bound = kv.grown_bound(g, k.shape[2])
             groups.append(kv.append_at(g, k, v, **shared, max_rows=bound))
     return state.replace(groups=tuple(groups))
+
+
+def lockstep_derived(group, n: int, shared: dict, plain: Callable):
+    """What an append of ``n`` rows to ``group`` derives from its counters, once for the layers
+    in lockstep: a ring's for one row (kept in ``shared`` under its sizes), a plain group's
+    ``plain(group, n)``; None to derive it alone."""
+    if type(group) is not StreamingRing:
+        return plain(group, n)
+    if n != 1:
+        return None
+    key = ("ring", group.sink, group.recent)
+    if key not in shared:
+        shared[key] = rg.appended(group)
+    return shared[key]
 
 
 @typechecked
@@ -326,3 +341,106 @@ def unflatten(arrays: list, static: tuple, bounds: tuple) -> HeadPartitionedKVCa
 def bounds(state: HeadPartitionedKVCache) -> tuple:
     """Each group's ``max_rows`` (None for a ring)."""
     return tuple(getattr(g, "max_rows", None) for g in state.groups)
+
+
+def grown(state: HeadPartitionedKVCache, n: int, bucket_rows: bool = False):
+    """``layout.Layout.grown``: the groups of plain rows grow (a ring has a fixed size)."""
+    groups = tuple(kv.grown(g, n, bucket_rows) if type(g) is kv.State else g
+                   for g in state.groups)  # fmt: skip
+    same = all(a is b for a, b in zip(groups, state.groups))
+    return state if same else state.replace(groups=groups)
+
+
+def kept(state: HeadPartitionedKVCache) -> tuple[int, int]:
+    """Rows a KV head stores, on average over the layer's heads, and bytes stored."""
+    rows, nbytes = 0, 0
+    for heads, group in zip(state.heads, state.groups):
+        r = group.max_rows if type(group) is kv.State else group.capacity
+        rows += r * len(heads)
+        nbytes += int(group.nbytes / group.capacity * r)
+    return round(rows / state.n_kv_heads), nbytes
+
+
+def _encoded_group(cls, static, bound) -> dict:
+    if cls is kv.State:
+        return dict(kind="plain", sliding_window=static[0], packed=static[1], max_rows=bound)
+    return dict(kind="ring", sink=static[0], recent=static[1], full=static[2])
+
+
+def _decoded_group(saved: dict) -> tuple:
+    if saved["kind"] == "plain":
+        return (kv.State, (saved["sliding_window"], saved["packed"])), saved["max_rows"]
+    return (StreamingRing, (saved["sink"], saved["recent"], saved.get("full", False))), None
+
+
+def head_groups(state: HeadPartitionedKVCache, heads: tuple) -> list:
+    """``layout.Layout.head_groups``: each of ``heads`` must lie inside one of the layer's
+    groups; a ring's rows come in position order, with its window."""
+    out = []
+    for hs in heads:
+        src = [i for i, own in enumerate(state.heads) if set(hs) <= set(own)]
+        if not src:
+            raise ValueError(f"heads {list(hs)} are not inside one group of {state.heads}")
+        g, own = state.groups[src[0]], list(state.heads[src[0]])
+        if list(hs) != own:
+            g = take_heads(g, [own.index(h) for h in hs])
+        ring = type(g) is StreamingRing
+        out.append((rg.ordered(g), (g.sink, g.recent)) if ring else (g, None))
+    return out
+
+
+@layout.register(HeadPartitionedKVCache)
+class Layout(layout.Layout):
+    """A layer's heads in groups: host knowledge is each group's ``max_rows``."""
+
+    name = "partitioned"
+    per_head = True
+    flatten = staticmethod(flatten)
+    stack = staticmethod(stack)
+    grown = staticmethod(grown)
+    kept = staticmethod(kept)
+    host = staticmethod(bounds)
+    head_groups = staticmethod(head_groups)
+
+    @staticmethod
+    def unflatten(arrays, static, host):
+        return unflatten(arrays, static, host or (None,) * len(arrays))
+
+    @staticmethod
+    def advanced(host, n):
+        return tuple(None if b is None else b + n for b in host)
+
+    @staticmethod
+    def lockstep_rows(state):
+        return set().union(*(kv.Layout.lockstep_rows(g) for g in state.groups
+                             if type(g) is kv.State))  # fmt: skip
+
+    @staticmethod
+    def loaded(state):
+        groups = (kv.Layout.loaded(g) if type(g) is kv.State else g for g in state.groups)
+        return state.replace(groups=tuple(groups))
+
+    @staticmethod
+    def encode(static, host):
+        heads, kinds = static
+        groups = [_encoded_group(cls, st, bound) for (cls, st), bound in zip(kinds, host)]
+        return dict(heads=[list(h) for h in heads], groups=groups)
+
+    @staticmethod
+    def decode(saved):
+        kinds, bounds = zip(*(_decoded_group(g) for g in saved["groups"]))
+        return (tuple(tuple(h) for h in saved["heads"]), tuple(kinds)), tuple(bounds)
+
+    @staticmethod
+    def unnamed(prefix, flat, static):
+        return [_unnamed_group(f"{prefix}.{i}", flat, k) for i, k in enumerate(static[1])]
+
+
+def _unnamed_group(prefix: str, flat: dict, static) -> dict:
+    cls, st = static
+    if cls is kv.State:
+        return {f: flat[f"{prefix}.{f}"] for f in kv.ARRAY_FIELDS}
+    ring = {f: flat[f"{prefix}.{f}"] for f in rg.ARRAY_FIELDS if f"{prefix}.{f}" in flat}
+    if "since" not in ring:  # written when rings stored a position per slot
+        ring["since"] = rg.since_of(flat[f"{prefix}.positions"], ring["offset"], st[0])
+    return ring

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from .. import kernels
 from . import cache as kv
-from . import tree
+from . import layout
 
 
 @chex.dataclass(frozen=True, repr=False)
@@ -356,14 +356,64 @@ def unflatten(arrays: dict, static: tuple, host=None) -> RaggedKVCache:
     return kv.rebuilt(RaggedKVCache, **arrays, room=room, kept=kept)
 
 
-class _Kind:
-    """How ``kvfn.tree`` (and so the model wrapper's compiled steps) flattens a ragged layer:
-    host knowledge is ``room`` and ``kept``."""
+def grown(state: RaggedKVCache, n: int, bucket_rows: bool = False) -> RaggedKVCache:
+    """``layout.Layout.grown``: room for ``n`` more rows in every head (at least double,
+    a bucket); ``bucket_rows``: the buffer padded to a bucket of slots."""
+    if state.room is None or n > state.room:
+        room = 0 if state.room is None else state.room
+        state = reserve(state, layout.bucket(max(room + n, 2 * room)))
+    if bucket_rows and state.slots != layout.bucket(state.slots):
+        state = padded(state, layout.bucket(state.slots))
+    return state
+
+
+def kept(state: RaggedKVCache) -> tuple[int, int]:
+    """Rows a head keeps, on average over the batch and heads, and bytes stored."""
+    B, H = state.starts.shape
+    total = B * state.kept if state.kept is not None else int(mx.sum(state.lengths).item())
+    return round(total / (B * H)), int(state.nbytes / state.slots * total / B)
+
+
+def head_groups(state: RaggedKVCache, heads: tuple) -> list:
+    """``layout.Layout.head_groups`` of one sequence: the heads of a group must hold as many
+    rows each."""
+    out = []
+    for hs in heads:
+        rows = [head_rows(state, 0, h) for h in hs]
+        if len({r[0].shape[0] for r in rows}) != 1:
+            raise ValueError(f"heads {list(hs)} hold different numbers of rows: group them apart")
+        keys, values, positions = (mx.stack([r[i] for r in rows])[None] for i in range(3))
+        n = keys.shape[2]
+        out.append((kv.State(keys=keys, values=values, positions=positions, offset=state.offset,
+                             rows=mx.array(n, mx.int32), max_rows=n, packed=True), None))  # fmt: skip
+    return out
+
+
+def as_ragged(state, room: int = 1) -> RaggedKVCache:
+    """One sequence's layer as a ragged one: a ragged layer as it is, a plain one with every
+    head keeping all its rows and ``room`` free slots (kvfn-server batches Ada-KV layers so)."""
+    if type(state) is RaggedKVCache:
+        return state
+    if type(state) is not kv.State or state.sliding_window is not None:
+        raise TypeError(f"cannot serve a {type(state).__name__} as a ragged layer")
+    rows = int(state.rows.item())
+    keep = mx.broadcast_to(mx.arange(state.capacity) < rows, state.keys.shape[:3])
+    H = state.keys.shape[1]
+    return pack(state, keep, capacity=rows * H, room=room, kept=rows * H)
+
+
+@layout.register(RaggedKVCache)
+class Layout(layout.Layout):
+    """A ragged layer: host knowledge is ``room`` and ``kept``."""
 
     name = "ragged"
+    per_head = True
     ARRAY_FIELDS = ARRAY_FIELDS
     flatten = staticmethod(flatten)
     stack = staticmethod(stack)
+    grown = staticmethod(grown)
+    kept = staticmethod(kept)
+    head_groups = staticmethod(head_groups)
 
     @staticmethod
     def host(state):
@@ -379,8 +429,10 @@ class _Kind:
         return (None if room is None else room - n), None
 
     @staticmethod
-    def loaded(state):
-        return state
+    def encode(static, host):
+        room, kept = host
+        return dict(room=room, kept=kept)
 
-
-tree.KINDS[RaggedKVCache] = _Kind
+    @staticmethod
+    def decode(saved):
+        return (), (saved["room"], saved["kept"])

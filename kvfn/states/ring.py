@@ -21,6 +21,7 @@ attends without a mask.
 
 import chex
 import mlx.core as mx
+import numpy as np
 from typeguard import typechecked
 
 from .cache import EMPTY, State, check_queries, rebuilt, trim_lengths
@@ -206,6 +207,18 @@ def from_state(state: State, rows: int, *, sink: int, recent: int) -> StreamingR
     # a sequence of a batch may hold fewer rows (offset below P): its later slots are empty
     filled = prefix_trim(filled, state.offset)
     return filled.replace(full=B == 1 and rows >= sink + recent)
+
+
+def ordered(ring: StreamingRing) -> State:
+    """Eagerly, the rows a ring of one sequence holds as a plain state, in position order (its
+    sinks, then its recent run)."""
+    pos = np.array(ring.positions[0, 0])
+    order = [int(i) for i in np.argsort(pos, kind="stable") if pos[i] != EMPTY]
+    idx = mx.array(order, mx.int32)
+    keys, values, positions = (mx.take(x, idx, axis=2) for x in (ring.keys, ring.values,
+                                                                  ring.positions))  # fmt: skip
+    return State(keys=keys, values=values, positions=positions, offset=ring.offset,
+                 rows=mx.array(len(order), mx.int32), max_rows=len(order), packed=True)  # fmt: skip
 
 
 ARRAY_FIELDS = ("keys", "values", "offset", "since")

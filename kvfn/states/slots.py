@@ -28,9 +28,9 @@ import numpy as np
 
 from .. import kernels
 from . import cache as kv
+from . import layout
 from . import partitioned as part
 from . import ring as rg
-from . import tree
 
 
 @chex.dataclass(frozen=True, repr=False)
@@ -314,11 +314,21 @@ def unflatten(arrays: dict, static: tuple, max_rows: Optional[int] = None) -> He
                       recent=recent, packed=packed, full=full, max_rows=max_rows)  # fmt: skip
 
 
-class _Kind:
-    """How ``kvfn.tree`` (and so the model wrapper's compiled steps) flattens the slots layout:
-    host knowledge is ``max_rows``. ``tree.save`` writes it as its two-group state."""
+def grown(s: HeadSlotsKVCache, n: int, bucket_rows: bool = False) -> HeadSlotsKVCache:
+    """``layout.Layout.grown``: the plain group grows (through the two-group state)."""
+    fits = s.max_rows is not None and s.max_rows + n <= s.capacity
+    if fits and not (bucket_rows and s.capacity != layout.bucket(s.capacity)):
+        return s
+    return from_partitioned(part.grown(to_partitioned(s), n, bucket_rows))
 
+
+@layout.register(HeadSlotsKVCache)
+class Layout(layout.Layout):
+    """The slots layout: host knowledge is ``max_rows``; saved as its two-group state."""
+
+    per_head = True
     flatten = staticmethod(flatten)
+    grown = staticmethod(grown)
     saved_as = "slots"
     to_saved = staticmethod(to_partitioned)
     from_saved = staticmethod(from_partitioned)
@@ -335,5 +345,14 @@ class _Kind:
     def advanced(host, n):
         return None if host is None else host + n
 
+    @staticmethod
+    def kept(s):
+        return part.kept(to_partitioned(s))
 
-tree.KINDS[HeadSlotsKVCache] = _Kind
+    @staticmethod
+    def lockstep_rows(s):
+        return {(s.max_rows, s.capacity)}
+
+    @staticmethod
+    def head_groups(s, heads):
+        return part.head_groups(to_partitioned(s), heads)
