@@ -120,9 +120,12 @@ def progress(done: int, total: int) -> None:
 def compact(fm, tokens: list[int], args) -> tuple:
     """Compact all but the last prompt token with the policy; mlx-lm decodes from the last one."""
     start = time.perf_counter()
-    states, result = kvfn.compact(fm, tokens, args.policy, max_new_tokens=args.max_tokens,
-                                  prefill_step_size=args.prefill_step_size,
-                                  progress=args.progress)  # fmt: skip
+    try:
+        states, result = kvfn.compact(fm, tokens, args.policy, max_new_tokens=args.max_tokens,
+                                      prefill_step_size=args.prefill_step_size,
+                                      progress=args.progress, max_rows=args.kv_max_rows)  # fmt: skip
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
     mx.eval(kvfn.tree.arrays(states))
     seconds = time.perf_counter() - start
     report = {
@@ -130,6 +133,8 @@ def compact(fm, tokens: list[int], args) -> tuple:
         "kv_rows_kept": f"{result.total_rows_after} / {result.total_rows_before}",
         "kv_bytes": f"{result.total_bytes_before / 1e6:.1f} MB -> {result.total_bytes_after / 1e6:.1f} MB",
     }
+    if result.peak_rows is not None:
+        report["kv_peak_rows"] = result.peak_rows
     return states, report
 
 

@@ -7,6 +7,7 @@ the same work as a generator, a chunk a step, for a caller that interleaves othe
 (kvfn-server's decoding).
 """
 
+import dataclasses
 from functools import lru_cache
 from typing import Callable, Generator, Optional, Sequence
 
@@ -14,7 +15,7 @@ import mlx.core as mx
 from typeguard import typechecked
 
 from .eviction import EvictionResult, result_of
-from .passes import _drain, _prefill_steps, _scored_steps
+from .passes import _drain, _prefill_steps, _scored_steps, chunks
 from .policies.policy import Policy
 from .policies.snapkv import SnapKV
 from .states import cache as kv
@@ -132,6 +133,7 @@ def compact_steps(
     dtype: Optional[mx.Dtype] = None,
     compiled: bool = False,
     settle: bool = True,
+    max_rows: Optional[int] = None,
 ) -> Generator[tuple[int, int], None, tuple[tuple, EvictionResult]]:
     """``compact`` one step at a time, for a caller that interleaves other work between steps
     (kvfn-server's decode steps): a generator that yields ``(done, total)`` after each prefill
@@ -140,13 +142,20 @@ def compact_steps(
     pass's own total when it starts), then compacts and returns ``(states, EvictionResult)`` as
     its StopIteration value. With ``settle`` each step's arrays are evaluated before it yields,
     and the compacted states before it returns, so that a step's work is done inside it;
-    ``compact`` drains it unsettled. The arguments are checked when it is called."""
+    ``compact`` drains it unsettled. ``max_rows``: evict while prefilling (``_bounded_steps``).
+    The arguments are checked when it is called."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     context = _prompt(prompt_tokens, fmodel.vocab_size)[:, :-1]
     kv.check_capacity(context.shape[1] + max_new_tokens + 1, "the prompt plus max_new_tokens")
     P = context.shape[1]
     policy.check_prompt(P)
+    if max_rows is not None:
+        check_bounded(fmodel, policy, max_rows, prefill_step_size)
+        prefill = _bounded_steps(fmodel, context, policy, max_rows, prefill_step_size, dtype,
+                                 settle)  # fmt: skip
+        return _compaction(fmodel, context, policy, prefill, True, max_new_tokens + 1, compiled,
+                           settle)  # fmt: skip
     window = policy.observation_window(P)
     kwargs = dict(states=None, capacity=P, prefill_step_size=prefill_step_size, dtype=dtype,
                   compiled=False, settle=settle, check_ids=False)  # fmt: skip
@@ -160,9 +169,10 @@ def compact_steps(
 
 
 def _compaction(fmodel, context, policy, prefill, scored, reserve, compiled, settle):
-    """``compact_steps``' generator, over the steps of its ``prefill``."""
+    """``compact_steps``' generator, over the steps of its ``prefill`` (which returns the
+    states, the scores and, evicting while it prefilled, the most rows it held)."""
     P = context.shape[1]
-    states, scores = yield from prefill
+    states, scores, *peak = yield from prefill
     scores = scores if scored else None
     own = yield from _after(P, policy.score_steps(fmodel, context, states, scores))
     scores = own if own is not None else scores
@@ -170,7 +180,59 @@ def _compaction(fmodel, context, policy, prefill, scored, reserve, compiled, set
                                  group=fmodel.group)  # fmt: skip
     if settle:
         mx.eval(tree.arrays(new))
-    return new, result
+    return new, (dataclasses.replace(result, peak_rows=peak[0]) if peak else result)
+
+
+def check_bounded(fmodel: FunctionalModel, policy: Policy, max_rows, step: int) -> None:
+    """Refuses, by name and reason, what cannot evict while prefilling."""
+    policy.check_max_rows(max_rows)
+    if any(w is not None for w in fmodel.sliding_windows):
+        raise ValueError("max_rows: this model has sliding-window layers, whose rows a prefill "
+                         "keeps apart; evicting while prefilling takes full-attention layers")  # fmt: skip
+    if step <= 0:
+        raise ValueError(f"prefill_step_size must be positive, got {step}")
+
+
+def bounded_chunks(P: int, step: int, window: int) -> list[tuple[int, int]]:
+    """The prefill chunks of an eviction while prefilling: ``step`` tokens each, the last one
+    holding the whole observation window (merged with the one before if it is shorter)."""
+    parts = chunks(P, step)
+    if len(parts) > 1 and parts[-1][1] - parts[-1][0] < window:
+        parts[-2:] = [(parts[-2][0], P)]
+    return parts
+
+
+def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle):
+    """The prefill of ``compact_steps(max_rows=...)``, a chunk a step: whenever the rows held
+    pass ``max_rows`` before the last chunk, the states are compacted back to the policy's
+    budget with what the chunk just read can score (its last ``window`` queries' attention over
+    every row held; nothing for a scoring-free policy), with room for the next chunk. Rows
+    keep their true positions, so later chunks attend to what is kept at the right distances.
+    At most ``max_rows`` plus a chunk (the last: up to ``step + window``) rows are ever held.
+    Returns (states, scores of the last chunk, the most rows held)."""
+    P = context.shape[1]
+    parts = bounded_chunks(P, step, policy.window)
+    states, scores, held, peak = None, None, 0, 0
+    for j, (start, stop) in enumerate(parts):
+        tokens, n = context[:, start:stop], stop - start
+        window = min(policy.observation_window(held + n), n)
+        kwargs = dict(states=states, capacity=n, prefill_step_size=n, dtype=dtype,
+                      compiled=False, settle=settle, check_ids=False)  # fmt: skip
+        if window:
+            states, scores = _drain(_scored_steps(fmodel, tokens, window=window,
+                                                  statistic=policy.statistic, **kwargs), None)  # fmt: skip
+        else:
+            states, scores = _drain(_prefill_steps(fmodel, tokens, **kwargs), None)[0], None
+        held += n
+        peak = max(peak, held)
+        if held > max_rows and j + 1 < len(parts):
+            room = parts[j + 1][1] - parts[j + 1][0]
+            states = compact_states(states, scores, policy, reserve=room, group=fmodel.group)[0]
+            held = policy.rows_after(held)
+        if settle or j + 1 < len(parts):  # a lazy graph of every chunk would hold them all
+            mx.eval(tree.arrays(states), scores or ())
+        yield stop, P
+    return states, scores, peak
 
 
 def _after(base: int, steps):
@@ -194,6 +256,7 @@ def compact(
     dtype: Optional[mx.Dtype] = None,
     progress: Optional[Callable[[int, int], None]] = None,
     compiled: bool = False,
+    max_rows: Optional[int] = None,
 ) -> tuple[tuple, EvictionResult]:
     """Prefill all but the last prompt token (eagerly, scoring the policy's observation
     window), keep the policy's rows in every full-attention layer and reserve room for
@@ -202,10 +265,19 @@ def compact(
     caller decodes from the last prompt token. Takes one prompt (a list
     of ints) or a batch of equal-length prompts (B, n). On a sharded model (every rank runs
     this alike) each rank keeps its heads' share of the single-process selection.
-    ``progress(done, total)``: after each of ``compact_steps``' steps."""
+    ``progress(done, total)``: after each of ``compact_steps``' steps.
+
+    ``max_rows``: evict while prefilling, so that no more than ``max_rows`` plus one chunk of
+    ``prefill_step_size`` rows are ever held, however long the prompt: each time a chunk leaves
+    more, the states are compacted back to the budget with the scores that chunk's last queries
+    give, and the last chunk's window makes the final selection
+    (``EvictionResult.peak_rows``: the most held; ``rows_before``: what the final compaction
+    took). Not the same selection as without it: rows evicted early are never seen by the later
+    prompt tokens (as with mlx-lm's rotating cache, but chosen by the policy). A policy that
+    cannot (``Policy.while_prefilling`` says why) is refused by name."""
     steps = compact_steps(fmodel, prompt_tokens, policy, max_new_tokens=max_new_tokens,
                           prefill_step_size=prefill_step_size, dtype=dtype, compiled=compiled,
-                          settle=False)  # fmt: skip
+                          settle=False, max_rows=max_rows)  # fmt: skip
     return _drain(steps, progress)
 
 

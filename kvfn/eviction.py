@@ -33,6 +33,7 @@ class EvictionResult(_Bytes):
     rows_after: tuple[int, ...]
     bytes_before: tuple[int, ...]
     bytes_after: tuple[int, ...]
+    peak_rows: Optional[int] = None  # evicting while prefilling: the most rows a head held
 
     @property
     def total_rows_before(self) -> int:

@@ -91,6 +91,29 @@ def test_example_compacts_with_snapkv(capsys):
     assert "kv_bytes:" in capsys.readouterr().out
 
 
+def test_example_evicts_while_prefilling_and_prints_its_peak(capsys):
+    report = generate.main(["--context-tokens", "300", "--max-tokens", "4", "--quiet",
+                            "--kv-eviction", "snapkv", "--kv-budget", "64", "--kv-window", "8",
+                            "--kv-max-rows", "96", "--prefill-step-size", "64"])  # fmt: skip
+    assert report["kv_peak_rows"] <= 96 + 64 + 8 < report["prompt_tokens"]
+    assert report["kv_rows_kept"].startswith(f"{30 * 64} / ")
+    out = capsys.readouterr().out
+    assert "kv_peak_rows:" in out and "peak_memory_gb:" in out
+
+
+def test_example_refuses_a_policy_that_cannot_evict_while_prefilling(capsys):
+    for argv, message in (
+        (["--kv-eviction", "kvzip", "--kv-max-rows", "600"],
+         "--kv-max-rows: kvzip cannot evict while prefilling: its scores"),
+        (["--kv-eviction", "snapkv", "--kv-max-rows", "100"],
+         "--kv-max-rows: max_rows must be an int >= the policy's budget 512, got 100"),
+        (["--kv-max-rows", "96"], "--kv-max-rows: needs --kv-eviction POLICY"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit):
+            generate.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
 def test_example_rejects_a_budget_below_sinks_and_window(capsys):
     with pytest.raises(SystemExit):
         generate.parse_args(["--kv-eviction", "snapkv", "--kv-budget", "10", "--kv-window", "8"])
@@ -132,7 +155,7 @@ def test_generate_and_the_server_read_the_eviction_flags_alike():
              "--kv-sink-tokens", "2", "--kv-min-tokens", "100"]  # fmt: skip
     g, s = generate.parse_args(flags), server_args(flags)
     kv = {k: v for k, v in vars(g).items() if k.startswith("kv_")}  # generate has only kvfn's
-    assert len(kv) == 9 and kv == {k: getattr(s, k) for k in kv}
+    assert len(kv) == 10 and kv == {k: getattr(s, k) for k in kv}
     assert g.policy == s.policy == kvfn.SnapKV(budget=64, window=8, sink_tokens=2, min_tokens=100)
 
 

@@ -150,7 +150,7 @@ def server_flags(name: str, pattern) -> list[str]:
     return ["--kv-eviction", name, *BUDGET, *(duo if name == "duo" else [])]
 
 
-def own_answer(loaded, policy, content: str, max_tokens: int) -> str:
+def own_answer(loaded, policy, content: str, max_tokens: int, **compact) -> str:
     """What kvfn's own decode answers over ``policy``'s compaction of the chat prompt."""
     from kvfn_eval.evaluator import kvfn_greedy
 
@@ -159,7 +159,7 @@ def own_answer(loaded, policy, content: str, max_tokens: int) -> str:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                         add_generation_prompt=True)  # fmt: skip
     policy = policy.for_tokenizer(tokenizer)
-    states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=max_tokens)
+    states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=max_tokens, **compact)
     (out,) = kvfn_greedy(fm, ids[-1:], states, max_tokens, set(tokenizer.eos_token_ids))
     return tokenizer.decode(out)
 
@@ -197,6 +197,37 @@ def test_every_policy_is_served_as_the_servers_and_by_request(serve, loaded, pat
     assert server.get("/health")[1]["status"] == "ok"
     held = server.idle()
     assert held["active_bytes"] == 0 and held["compacting_sequences"] == 0
+
+
+def test_a_request_caps_the_rows_held_while_prefilling(serve, loaded):
+    """``kv_max_rows`` (or ``--kv-max-rows``): the compaction evicts while it prefills, its peak
+    in the usage, answering as kvfn's own ``compact(max_rows=...)``; a cap below the budget, a
+    policy that cannot and a server without eviction are 400s that say why."""
+    server = serve(["--kv-eviction", "snapkv", *BUDGET, "--kv-max-rows", "64"])
+    body = server.post(chat(max_tokens=6))
+    usage = body[1]["usage"]["kv_eviction"]
+    assert usage["peak_rows"] <= 64 + 128 + 8 and not usage["kept_whole"]
+    policy = kvfn.SnapKV(budget=64, window=8)
+    assert text(body) == own_answer(loaded, policy, DOC, 6, max_rows=64, prefill_step_size=128)
+    long = document("boat", 60)  # ~700 tokens: the cap holds well below them
+    usage = server.post(chat(long, kv_max_rows=96, max_tokens=2))[1]["usage"]["kv_eviction"]
+    assert usage["peak_rows"] <= 96 + 128 + 8 < 600
+    assert "peak_rows" not in server.post(chat(kv_max_rows=None))[1]["usage"]["kv_eviction"]
+    for bad, why in (
+        (32, "max_rows must be an int >= the policy's budget 64, got 32"),
+        (True, "max_rows must be an int"),
+        ("64", "max_rows must be an int"),
+    ):
+        status, out = server.post(chat(kv_max_rows=bad))
+        assert status == 400 and why in out["error"], out
+    status, out = server.post(chat(kv_max_rows=64, kv_eviction="kvzip"))
+    assert status == 400 and "kvzip cannot evict while prefilling" in out["error"], out
+    plain = serve([])
+    status, out = plain.post(chat(kv_max_rows=64))
+    assert status == 400 and "kv_max_rows needs a kv_eviction policy" in out["error"], out
+    with pytest.raises(SystemExit):
+        kv_server.parse_args([*COMMON, "--kv-eviction", "kvzip", *BUDGET, "--kv-max-rows", "64"])
+    assert server.get("/health")[1]["kv_settings"]["max_rows"] == 64
 
 
 def test_pyramidkv_batched_with_other_streams_answers_as_alone(serve):

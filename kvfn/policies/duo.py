@@ -138,6 +138,10 @@ class Duo(Policy):
     name: ClassVar[str] = "duo"
     words: ClassVar[dict] = {"snapkv": {"compress": True}}
     numbers: ClassVar[dict] = {"r": "ratio"}
+    while_prefilling: ClassVar[str] = (
+        "its streaming and retrieval heads keep different rows, and a prefill chunk runs over "
+        "plain layers"
+    )
 
     @classmethod
     def from_pattern(cls, pattern: HeadPattern, *, ratio: Optional[float] = None,

@@ -20,6 +20,9 @@ class PyramidKV(SnapKV):
 
     name: ClassVar[str] = "pyramidkv"
     numbers: ClassVar[dict] = {**SnapKV.numbers, "b": "beta"}
+    while_prefilling: ClassVar[str] = (
+        "its layers keep different budgets, and a compaction step takes layers of one row count"
+    )
 
     def validate(self) -> None:
         super().validate()

@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser, eviction_help: str) -> None:
     kv.add_argument("--kv-sink-tokens", type=non_negative_int, default=4)
     kv.add_argument("--kv-min-tokens", type=non_negative_int, default=0,
                     help="prompts this short are never compacted")  # fmt: skip
+    kv.add_argument("--kv-max-rows", type=positive_int, metavar="R",
+                    help="evict while prefilling: hold at most R rows a head (plus one prefill "
+                    "chunk) at any moment, however long the prompt (kvfn.compact's max_rows)")  # fmt: skip
     duo = parser.add_argument_group(
         "DuoAttention (--kv-eviction duo; duo-snapkv compresses retrieval heads to --kv-budget)"
     )
@@ -132,6 +135,8 @@ def read(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             name = "--" + flag.replace("_", "-")
             parser.error(f"argument {name}: needs --kv-eviction duo, got {args.kv_eviction}")
     if args.kv_eviction == "none":
+        if args.kv_max_rows is not None:
+            parser.error("argument --kv-max-rows: needs --kv-eviction POLICY")
         return
     if args.kv_budget < args.kv_sink_tokens + args.kv_window:
         parser.error(
@@ -147,3 +152,8 @@ def read(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                                   args.kv_sink_tokens, args.kv_min_tokens, args.duo)  # fmt: skip
     except ValueError as e:
         parser.error(f"argument --kv-eviction {args.kv_eviction}: {e}")
+    if args.kv_max_rows is not None:
+        try:
+            args.policy.check_max_rows(args.kv_max_rows)
+        except ValueError as e:
+            parser.error(f"argument --kv-max-rows: {e}")

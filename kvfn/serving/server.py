@@ -75,7 +75,7 @@ from mlx_lm.server import (
 )
 
 from .. import distributed
-from ..compaction import compact_steps
+from ..compaction import check_bounded, compact_steps
 from ..passes import prefill
 from ..states import tree
 from ..wrapper import FunctionalModel, attending_copy
@@ -367,6 +367,7 @@ class EvictingPromptCache(LRUPromptCache):
         super().__init__(max_size)
         self.provider = provider
         self.policy = provider.cli_args.policy  # set per request by the response generator
+        self.max_rows = provider.cli_args.kv_max_rows  # so is this
         self.interleave = True
         self.gone = None  # set per request: its client's check (KVAPIHandler.client_gone)
         self.evictions = OrderedDict()  # (policy, prompt) -> usage fields, the latest 256
@@ -423,7 +424,8 @@ class EvictingPromptCache(LRUPromptCache):
         fm = self.provider.functional_model()
         step = self.provider.cli_args.prefill_step_size
         tokenized = policy.for_tokenizer(self.provider.tokenizer)  # KVzip's repeat instruction
-        steps = compact_steps(fm, tokens, tokenized, max_new_tokens=1, prefill_step_size=step)
+        steps = compact_steps(fm, tokens, tokenized, max_new_tokens=1, prefill_step_size=step,
+                              max_rows=self.max_rows)  # fmt: skip
         job = PendingCompaction(self._caches_after(steps, policy, tokens),
                                 prefill_bytes(fm, len(tokens) - 1), self.gone)  # fmt: skip
         return job if self.interleave else job.finish()
@@ -452,6 +454,7 @@ class EvictingPromptCache(LRUPromptCache):
             "rows_total": result.total_rows_before,
             "bytes_kept": result.total_bytes_after,
             "bytes_total": result.total_bytes_before,
+            **({} if result.peak_rows is None else {"peak_rows": result.peak_rows}),
         })  # fmt: skip
         self.compacted_requests += 1
         return caches
@@ -649,6 +652,7 @@ class KVResponseGenerator(ResponseGenerator):
 
     def _tokenize(self, tokenizer, request, args):
         self.prompt_cache.policy = getattr(request, "kv_policy", self.cli_args.policy)
+        self.prompt_cache.max_rows = getattr(request, "kv_max_rows", self.cli_args.kv_max_rows)
         # under mlx.launch every rank runs each step: a job stops only by the shared removal
         self.prompt_cache.gone = None if self._is_distributed else _CLIENTS.get(id(request))
         return super()._tokenize(tokenizer, request, args)
@@ -844,6 +848,19 @@ class KVAPIHandler(APIHandler):
                 f"(--kv-eviction {cli.kv_eviction}) cannot batch them: start one with it"
             )
         request.kv_policy = self.kv_policy_used = policy
+        request.kv_max_rows = self.max_rows_of(policy)
+
+    def max_rows_of(self, policy):
+        """The body's ``kv_max_rows`` (optional; null: none) over the server's flag, checked."""
+        cli = self.response_generator.cli_args
+        max_rows = self.body.get("kv_max_rows", cli.kv_max_rows)
+        if max_rows is None:
+            return None
+        if policy is None:
+            raise ValueError("kv_max_rows needs a kv_eviction policy")
+        fm = self.response_generator.model_provider.functional_model()
+        check_bounded(fm, policy, max_rows, cli.prefill_step_size)
+        return max_rows
 
     def kv_usage(self, usage: dict) -> dict:
         policy = getattr(self, "kv_policy_used", None)
@@ -911,7 +928,8 @@ class KVAPIHandler(APIHandler):
         if cli.policy is not None:
             body["kv_settings"] = {"budget": cli.kv_budget, "window": cli.kv_window,
                                    "sink_tokens": cli.kv_sink_tokens,
-                                   "min_tokens": cli.kv_min_tokens}  # fmt: skip
+                                   "min_tokens": cli.kv_min_tokens,
+                                   "max_rows": cli.kv_max_rows}  # fmt: skip
             if cli.duo is not None:
                 policy = cli.policy
                 heads = [x for row in policy.heads for x in row]

@@ -1,0 +1,131 @@
+"""Bounded memory: a long prompt and a generation through mlx-lm's full cache, mlx-lm's rotating
+cache (``RotatingKVCache(max_size=R, keep=4)``, what ``--max-kv-size`` gives where a model
+has no ``make_cache`` of its own, evicting as it prefills), kvfn's SnapKV
+after the prefill and kvfn's SnapKV evicting while it prefills (``kvfn.compact(max_rows=R)``),
+in one process, on a random-weight model: first-token time, decode tokens/s, the peak memory
+above the weights and the KV bytes held after.
+
+python examples/benchmark_memory.py                                        # tiny shape, CPU
+python examples/benchmark_memory.py --shape 8b --prompt-tokens 131072 --dtype bfloat16 --bits 4
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from benchmark_shapes import SHAPES, random_model  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache  # noqa: E402
+
+CONFIGS = ("mlx-lm full", "mlx-lm rotating", "kvfn snapkv", "kvfn snapkv bounded")
+
+
+def mlx_lm_run(model, ids, args, rotating: bool) -> dict:
+    # made directly: make_prompt_cache ignores max_kv_size for a model with make_cache (llama)
+    if rotating:
+        cache = [RotatingKVCache(max_size=args.rows, keep=4) for _ in model.layers]
+    else:
+        cache = make_prompt_cache(model)
+    tic = time.perf_counter()
+    steps = generate_step(mx.array(ids), model, prompt_cache=cache, max_tokens=args.new_tokens,
+                          prefill_step_size=args.prefill_step_size)  # fmt: skip
+    next(steps)
+    first = time.perf_counter()
+    for _ in steps:
+        pass
+    done = time.perf_counter()
+    held = sum(c.nbytes for c in cache)
+    return {"first_s": first - tic, "decode_tps": (args.new_tokens - 1) / (done - first),
+            "kv_held_gb": held / 1e9}  # fmt: skip
+
+
+def kvfn_run(model, ids, args, bounded: bool) -> dict:
+    fm = kvfn.FunctionalModel(model)
+    policy = kvfn.SnapKV(budget=args.rows, window=args.window)
+    tic = time.perf_counter()
+    states, result = kvfn.compact(fm, ids, policy, max_new_tokens=args.new_tokens,
+                                  prefill_step_size=args.prefill_step_size,
+                                  max_rows=args.rows if bounded else None)  # fmt: skip
+    token = mx.array([[ids[-1]]])
+    for i in range(args.new_tokens):
+        logits, states = fm.decode(token, states)
+        token = mx.argmax(logits, axis=-1)[:, None]
+        mx.async_eval(token)
+        if i == 0:
+            mx.eval(token)
+            first = time.perf_counter()
+    mx.eval(token)
+    done = time.perf_counter()
+    held = sum(a.nbytes for a in kvfn.tree.arrays(states))
+    return {"first_s": first - tic, "decode_tps": (args.new_tokens - 1) / (done - first),
+            "kv_held_gb": held / 1e9, "peak_rows": result.peak_rows}  # fmt: skip
+
+
+def run(config: str, model, ids, args) -> dict:
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    if config.startswith("mlx-lm"):
+        out = mlx_lm_run(model, ids, args, rotating=config.endswith("rotating"))
+    else:
+        out = kvfn_run(model, ids, args, bounded=config.endswith("bounded"))
+    out["peak_above_weights_gb"] = (mx.get_peak_memory() - base) / 1e9
+    return out
+
+
+def main(argv=None) -> list:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--bits", type=int, choices=[4, 8], help="quantize the weights")
+    p.add_argument("--prompt-tokens", type=int, default=8192)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rows", type=int, default=256, help="kept rows: budget, cap, max_kv_size")
+    p.add_argument("--window", type=int, default=32)
+    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=2, help="the first is a warm-up")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.rows < args.window + 4 or args.prompt_tokens <= args.rows or args.rounds < 2:
+        p.error("need rows >= window + 4, prompt tokens > rows and at least 2 rounds")
+    model = random_model(args.shape, getattr(mx, args.dtype))
+    if args.bits:
+        nn.quantize(model, bits=args.bits)
+        mx.eval(model.parameters())
+    vocab = SHAPES[args.shape][1]["vocab_size"]
+    ids = np.random.default_rng(args.seed).integers(0, vocab, size=args.prompt_tokens).tolist()
+    rows = {c: [] for c in CONFIGS}
+    for r in range(args.rounds):
+        for c in CONFIGS:
+            got = run(c, model, ids, args)
+            if r:
+                rows[c].append(got)
+    out = []
+    print(f"\n{args.shape} {args.dtype}{f' {args.bits}-bit' if args.bits else ''}, "
+          f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, {args.rows} rows, "
+          f"prefill chunks of {args.prefill_step_size}; mean of {args.rounds - 1} rounds")  # fmt: skip
+    print(f"{'config':<22}{'first token s':>14}{'decode tok/s':>13}{'peak above weights GB':>23}"
+          f"{'KV held after GB':>18}{'peak rows':>10}")  # fmt: skip
+    for c in CONFIGS:
+        mean = {k: float(np.mean([x[k] for x in rows[c]])) for k in rows[c][0] if k != "peak_rows"}
+        peak = rows[c][0].get("peak_rows")
+        out.append({"config": c, **{k: round(v, 4) for k, v in mean.items()}, "peak_rows": peak})
+        print(f"{c:<22}{mean['first_s']:>14.3f}{mean['decode_tps']:>13.1f}"
+              f"{mean['peak_above_weights_gb']:>23.4f}{mean['kv_held_gb']:>18.4f}"
+              f"{'-' if peak is None else peak:>10}")  # fmt: skip
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
