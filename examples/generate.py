@@ -64,8 +64,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--compare", action="store_true", help="also generate with the full cache, side by side"
     )
+    p.add_argument("--kv-decode-interval", type=positive_int, metavar="N",
+                   help="evict while generating: every N generated tokens compact back to the "
+                   "budget (kvfn.bounded_decode; kvpress's DecodingPress uses 512)")  # fmt: skip
     args = p.parse_args(argv)
     flags.read(args, p)
+    if args.kv_decode_interval is not None:
+        if args.policy is None:
+            p.error("argument --kv-decode-interval: needs --kv-eviction POLICY")
+        try:
+            args.policy.check_max_rows(args.policy.budget, during="generating")
+        except ValueError as e:
+            p.error(f"argument --kv-decode-interval: {e}")
+        if args.kv_decode_interval <= args.policy.window:
+            p.error(f"argument --kv-decode-interval: must be above --kv-window "
+                    f"{args.policy.window}, got {args.kv_decode_interval}")  # fmt: skip
     if args.policy is None and args.compare:
         p.error("argument --compare: needs --kv-eviction POLICY")
     args.progress = progress
@@ -170,6 +183,30 @@ def kvfn_stream(fm, tokenizer, states, token: int, args, sampler):
                                      "decode_tokens_per_s": round(n / (time.perf_counter() - start), 1)}  # fmt: skip
 
 
+def bounded_stream(fm, tokenizer, states, token: int, args, sampler):
+    """Decode with ``kvfn.bounded_decode``: the states compacted back to the budget every
+    ``--kv-decode-interval`` tokens; the most rows held is reported."""
+    sample = lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[
+        :, None
+    ]  # noqa: E731
+    steps = kvfn.bounded_decode(fm, mx.array([[token]]), states, args.policy,
+                                steps=args.max_tokens, interval=args.kv_decode_interval,
+                                sample=sample)  # fmt: skip
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    start, n = time.perf_counter(), 0
+    for n, y in enumerate(steps, 1):
+        t = y.item()
+        if t in tokenizer.eos_token_ids:
+            break
+        detokenizer.add_token(t)
+        yield detokenizer.last_segment, None
+    detokenizer.finalize()
+    yield detokenizer.last_segment, {"generated_tokens": n,
+                                     "decode_tokens_per_s": round(n / (time.perf_counter() - start), 1),
+                                     "kv_decode_rows_held_at_most": args.policy.budget + args.kv_decode_interval}  # fmt: skip
+
+
 def mlx_lm_stream(model, tokenizer, prompt, args, sampler, **extra):
     last = None
     for last in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
@@ -197,7 +234,10 @@ def generate(model, tokenizer, tokens, args, sampler, fm=None) -> dict:
         stream = mlx_lm_stream(model, tokenizer, tokens, args, sampler)
     else:
         states, eviction = compact(fm, tokens, args)
-        if all(isinstance(s, kvfn.PositionPreservingKVCache) for s in states):
+        if args.kv_decode_interval is not None:
+            eviction["decoder"] = "kvfn (bounded_decode)"
+            stream = bounded_stream(fm, tokenizer, states, tokens[-1], args, sampler)
+        elif all(isinstance(s, kvfn.PositionPreservingKVCache) for s in states):
             caches = kvfn.to_mlx_cache(states)  # mlx-lm decodes over the compacted rows
             stream = mlx_lm_stream(model, tokenizer, mx.array(tokens[-1:]), args, sampler,
                                    prompt_cache=caches)  # fmt: skip

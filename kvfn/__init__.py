@@ -12,6 +12,7 @@ use_openblas()  # before mlx.core is imported anywhere below
 
 from . import distributed  # noqa: E402
 from .compaction import compact, compact_prompt_cache, compact_states, compact_steps  # noqa: E402
+from .decoding import bounded_decode  # noqa: E402
 from .eviction import (  # noqa: E402
     EvictionResult,
     HeadPartitionedEvictionResult,
@@ -124,6 +125,7 @@ __all__ = [
     "compact",
     "compact_steps",
     "compact_states",
+    "bounded_decode",
     "compact_prompt_cache",
     "evict_prompt_cache",
     "EvictionResult",

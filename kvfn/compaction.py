@@ -274,7 +274,7 @@ def compact(
     (``EvictionResult.peak_rows``: the most held; ``rows_before``: what the final compaction
     took). Not the same selection as without it: rows evicted early are never seen by the later
     prompt tokens (as with mlx-lm's rotating cache, but chosen by the policy). A policy that
-    cannot (``Policy.while_prefilling`` says why) is refused by name."""
+    cannot (``Policy.cannot_recompact`` says why) is refused by name."""
     steps = compact_steps(fmodel, prompt_tokens, policy, max_new_tokens=max_new_tokens,
                           prefill_step_size=prefill_step_size, dtype=dtype, compiled=compiled,
                           settle=False, max_rows=max_rows)  # fmt: skip

@@ -79,7 +79,7 @@ def test_it_is_the_chunk_by_chunk_composition_of_the_public_steps(fm):
 def test_every_policy_evicts_while_prefilling_or_is_refused_by_name(fm, name):
     policy = policy_of(name, fm)
     ids = prompt(160)
-    if REGISTRY[name].while_prefilling:
+    if REGISTRY[name].cannot_recompact:
         with pytest.raises(ValueError, match=f"{name} cannot evict while prefilling: .+"):
             kvfn.compact(fm, ids, policy, max_rows=policy.budget)
         return
@@ -105,3 +105,88 @@ def test_a_model_with_sliding_window_layers_is_refused():
     fm = kvfn.FunctionalModel(tiny_model("gemma3_text"))
     with pytest.raises(ValueError, match="sliding-window layers"):
         kvfn.compact(fm, prompt(100), kvfn.SnapKV(budget=32, window=WINDOW), max_rows=40)
+
+
+# -- while generating ----------------------------------------------------------------------------
+def run(gen) -> tuple[list, tuple]:
+    tokens = []
+    while True:
+        try:
+            tokens.append(next(gen).item())
+        except StopIteration as end:
+            return tokens, end.value
+
+
+def compacted(fm, n=100, budget=32, new=16):
+    ids = prompt(n)
+    policy = kvfn.SnapKV(budget=budget, window=WINDOW)
+    return ids, policy, kvfn.compact(fm, ids, policy, max_new_tokens=new)[0]
+
+
+def test_a_generation_shorter_than_its_interval_is_the_plain_decode_loop(fm):
+    ids, policy, states = compacted(fm)
+    got, _ = run(kvfn.bounded_decode(fm, mx.array([[ids[-1]]]), states, policy, steps=20,
+                                     interval=64))  # fmt: skip
+    token, want = mx.array([[ids[-1]]]), []
+    for _ in range(20):
+        logits, states = fm.decode(token, states)
+        token = mx.argmax(logits, axis=-1)[:, None]
+        want.append(token.item())
+    assert got == want
+
+
+def test_generating_is_the_composition_of_scored_steps_and_compactions(fm):
+    """The oracle: decode; over the last window of queries before budget + interval rows, a
+    scored step adding their attention; at budget + interval, compact_states back to the
+    budget with room up to the bucket."""
+    ids, policy, states = compacted(fm)
+    interval, steps = 40, 130
+    got, _ = run(kvfn.bounded_decode(fm, mx.array([[ids[-1]]]), states, policy, steps=steps,
+                                     interval=interval))  # fmt: skip
+    cap, capacity = 32 + interval, kvfn.wrapper.bucket(32 + interval)
+    token, held, scores, want = mx.array([[ids[-1]]]), states[0].max_rows, None, []
+    for _ in range(steps):
+        if held + 1 > cap - WINDOW:
+            if scores is None:
+                states = tuple(kvfn.reserve(s, max(s.capacity, capacity)) for s in states)
+                scores = tuple(mx.zeros((1, h, states[0].capacity)) for h in fm.n_heads)
+            logits, states, scores = fm.scored_step(token, states, scores, kvfn.QuerySlice(0, 1))
+        else:
+            logits, states = fm.decode(token, states)
+        held += 1
+        token = mx.argmax(logits, axis=-1)[:, None]
+        want.append(token.item())
+        if held == cap:
+            states, _ = kvfn.compact_states(states, scores, policy, reserve=capacity - 32)
+            held, scores = 32, None
+    assert got == want
+
+
+def test_a_long_generation_holds_the_budget_plus_an_interval_and_traces_a_few_times(fm):
+    """However many tokens: the rows held stay under budget + interval in one capacity, every
+    row keeps its true position, and the trace count does not grow with the compactions."""
+    ids, policy, states = compacted(fm)
+    traces = []
+    for steps in (200, 600):
+        local = kvfn.FunctionalModel(fm.model)
+        tokens, final = run(kvfn.bounded_decode(local, mx.array([[ids[-1]]]), states, policy,
+                                                steps=steps, interval=40))  # fmt: skip
+        traces.append(local.traces)
+        s = final[0]
+        assert len(tokens) == steps and s.capacity == kvfn.wrapper.bucket(72) and s.max_rows <= 72
+        pos = s.positions[0, 0, : s.max_rows].tolist()
+        last = len(ids) - 2 + steps  # the true position of the newest row
+        assert pos == sorted(pos) and pos[:4] == [0, 1, 2, 3] and pos[-1] == last
+    assert traces[0] == traces[1] <= 4, traces
+
+
+def test_what_cannot_evict_while_generating_is_refused_by_name(fm):
+    ids, policy, states = compacted(fm)
+    token = mx.array([[ids[-1]]])
+    with pytest.raises(ValueError, match="kvzip cannot evict while generating: its scores"):
+        kvfn.bounded_decode(fm, token, states, kvfn.KVzip(budget=32, window=WINDOW), steps=4)
+    with pytest.raises(ValueError, match="interval must be an int > the policy's window 8"):
+        kvfn.bounded_decode(fm, token, states, policy, steps=4, interval=8)
+    ragged, _ = kvfn.compact(fm, ids, kvfn.AdaKV(budget=32, window=WINDOW))
+    with pytest.raises(ValueError, match="bounded_decode takes plain layer states"):
+        kvfn.bounded_decode(fm, token, ragged, policy, steps=4)

@@ -114,6 +114,23 @@ def test_example_refuses_a_policy_that_cannot_evict_while_prefilling(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_example_evicts_while_generating(capsys):
+    report = generate.main(["--context-tokens", "200", "--max-tokens", "40", "--quiet",
+                            "--kv-eviction", "snapkv", "--kv-budget", "64", "--kv-window", "8",
+                            "--kv-decode-interval", "16"])  # fmt: skip
+    assert report["decoder"] == "kvfn (bounded_decode)"
+    assert report["kv_decode_rows_held_at_most"] == 80 and report["generated_tokens"] >= 1
+    for argv, message in (
+        (["--kv-eviction", "kvzip", "--kv-decode-interval", "64"],
+         "--kv-decode-interval: kvzip cannot evict while generating"),
+        (["--kv-eviction", "snapkv", "--kv-decode-interval", "8", "--kv-window", "8",
+          "--kv-budget", "64"], "--kv-decode-interval: must be above --kv-window 8, got 8"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit):
+            generate.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
 def test_example_rejects_a_budget_below_sinks_and_window(capsys):
     with pytest.raises(SystemExit):
         generate.parse_args(["--kv-eviction", "snapkv", "--kv-budget", "10", "--kv-window", "8"])
@@ -154,7 +171,8 @@ def test_generate_and_the_server_read_the_eviction_flags_alike():
     flags = ["--kv-eviction", "snapkv", "--kv-budget", "64", "--kv-window", "8",
              "--kv-sink-tokens", "2", "--kv-min-tokens", "100"]  # fmt: skip
     g, s = generate.parse_args(flags), server_args(flags)
-    kv = {k: v for k, v in vars(g).items() if k.startswith("kv_")}  # generate has only kvfn's
+    kv = {k: v for k, v in vars(g).items() if k.startswith("kv_")}  # and its decode interval
+    assert kv.pop("kv_decode_interval") is None
     assert len(kv) == 10 and kv == {k: getattr(s, k) for k in kv}
     assert g.policy == s.policy == kvfn.SnapKV(budget=64, window=8, sink_tokens=2, min_tokens=100)
 

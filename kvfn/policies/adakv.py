@@ -45,8 +45,8 @@ class AdaKV(SnapKV):
     words: ClassVar[dict] = {k: v for k, v in SnapKV.words.items() if k != "layer"}
     numbers: ClassVar[dict] = {**SnapKV.numbers, "f": "floor"}
     ragged: ClassVar[bool] = True
-    while_prefilling: ClassVar[str] = (
-        "it keeps each head's rows ragged, and a prefill chunk runs over plain layers"
+    cannot_recompact: ClassVar[str] = (
+        "it keeps each head's rows ragged, and a compaction takes plain layers"
     )
 
     def validate(self) -> None:

@@ -138,9 +138,9 @@ class Duo(Policy):
     name: ClassVar[str] = "duo"
     words: ClassVar[dict] = {"snapkv": {"compress": True}}
     numbers: ClassVar[dict] = {"r": "ratio"}
-    while_prefilling: ClassVar[str] = (
-        "its streaming and retrieval heads keep different rows, and a prefill chunk runs over "
-        "plain layers"
+    cannot_recompact: ClassVar[str] = (
+        "its streaming and retrieval heads keep different rows, and a compaction takes plain "
+        "layers"
     )
 
     @classmethod

@@ -68,7 +68,7 @@ class ExpectedAttention(Policy):
     name: ClassVar[str] = "expected"
     needs_scores: ClassVar[bool] = True
     statistic: ClassVar[str] = "moments"
-    while_prefilling: ClassVar[str] = (
+    cannot_recompact: ClassVar[str] = (
         "its expected attention takes the prompt held whole, row i at position i"
     )
     words: ClassVar[dict] = {

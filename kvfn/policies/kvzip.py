@@ -191,7 +191,7 @@ class KVzip(Policy):
     needs_scores: ClassVar[bool] = True
     words: ClassVar[dict] = {"layer": {"per_head": False}}
     numbers: ClassVar[dict] = {"k": "kernel_size", "c": "chunk"}
-    while_prefilling: ClassVar[str] = (
+    cannot_recompact: ClassVar[str] = (
         "its scores come from a reconstruction pass over the whole prefilled context"
     )
 

@@ -63,8 +63,9 @@ class Policy:
     # True when compact_layer stores a layer's heads ragged (kvfn.RaggedKVCache): how many rows
     # each head keeps varies by prompt, and any two prompts' layers batch together
     ragged: ClassVar[bool] = False
-    # why the policy cannot evict while prefilling (compact's max_rows); "" when it can
-    while_prefilling: ClassVar[str] = ""
+    # why the policy cannot compact states it compacted before, to evict while prefilling
+    # (compact's max_rows) or generating (kvfn.bounded_decode); "" when it can
+    cannot_recompact: ClassVar[str] = ""
     # option word -> field values, for names like "snapkv-avg-layer"
     words: ClassVar[dict] = {}
     # option prefix -> int field, for names like "snapkv-k15"
@@ -107,17 +108,17 @@ class Policy:
         """Refuses, before any work, a context this long that the policy's settings would make
         unreasonable (KVzip: a pass of too many chunks); nothing by default."""
 
-    def check_max_rows(self, max_rows) -> None:
+    def check_max_rows(self, max_rows, during: str = "prefilling") -> None:
         """Refuses, by value or by the policy's reason, a cap on the rows held while prefilling
-        (``kvfn.compact``'s ``max_rows``)."""
+        (``kvfn.compact``'s ``max_rows``) or generating."""
         if type(max_rows) is not int or max_rows < self.budget:
             raise ValueError(f"max_rows must be an int >= the policy's budget {self.budget}, "
                              f"got {max_rows!r}")  # fmt: skip
         if self.min_tokens > max_rows:
             raise ValueError(f"max_rows {max_rows} is below the policy's min_tokens "
                              f"{self.min_tokens}, which it would hold whole")  # fmt: skip
-        if self.while_prefilling:
-            raise ValueError(f"{self.name} cannot evict while prefilling: {self.while_prefilling}")
+        if self.cannot_recompact:
+            raise ValueError(f"{self.name} cannot evict while {during}: {self.cannot_recompact}")
 
     def observation_window(self, prompt_length: int) -> int:
         """How many of the prompt's last queries the prefill must score (0: none)."""

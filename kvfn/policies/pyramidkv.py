@@ -20,7 +20,7 @@ class PyramidKV(SnapKV):
 
     name: ClassVar[str] = "pyramidkv"
     numbers: ClassVar[dict] = {**SnapKV.numbers, "b": "beta"}
-    while_prefilling: ClassVar[str] = (
+    cannot_recompact: ClassVar[str] = (
         "its layers keep different budgets, and a compaction step takes layers of one row count"
     )
 
