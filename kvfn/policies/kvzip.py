@@ -188,6 +188,7 @@ class KVzip(Policy):
     overlap: int = 8
 
     name: ClassVar[str] = "kvzip"
+    query_agnostic: ClassVar[bool] = True
     needs_scores: ClassVar[bool] = True
     words: ClassVar[dict] = {"layer": {"per_head": False}}
     numbers: ClassVar[dict] = {"k": "kernel_size", "c": "chunk"}

@@ -63,6 +63,9 @@ class Policy:
     # True when compact_layer stores a layer's heads ragged (kvfn.RaggedKVCache): how many rows
     # each head keeps varies by prompt, and any two prompts' layers batch together
     ragged: ClassVar[bool] = False
+    # True when the rows it keeps do not depend on what the prompt asks at its end (no window
+    # of queries scores them): one compaction of a context then serves every later question
+    query_agnostic: ClassVar[bool] = False
     # why the policy cannot compact states it compacted before, to evict while prefilling
     # (compact's max_rows) or generating (kvfn.bounded_decode); "" when it can
     cannot_recompact: ClassVar[str] = ""

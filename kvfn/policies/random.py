@@ -18,6 +18,7 @@ class RandomRows(Policy):
     seed: int = 0
 
     name: ClassVar[str] = "random"
+    query_agnostic: ClassVar[bool] = True
 
     def validate(self) -> None:
         super().validate()

@@ -18,6 +18,7 @@ class StreamingLLM(Policy):
     window: int = 0
 
     name: ClassVar[str] = "streaming"
+    query_agnostic: ClassVar[bool] = True
 
     def row_scores(self, scores, *, prompt_length, n_kv_heads, batch, layer):
         return mx.broadcast_to(
