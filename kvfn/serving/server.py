@@ -35,6 +35,16 @@ Prompt-cache reuse rule (eviction on):
      ``BatchHeadGroupsKVCache``, attention per group through ``kvfn.wrapper.attending_copy``);
      none of them enters the prompt cache. A request may then name the server's policy or a
      plain one, not a per-head policy of other head groups.
+  5. With a query-agnostic policy (``Policy.query_agnostic``: its rows do not depend on the
+     question) a request's shared context (a chat's messages before its last user message, or
+     the body's ``kv_context_tokens`` first tokens) is compacted once and kept, keyed by those
+     tokens and the policy's full settings; a later request starting with the same tokens
+     prefills only its rest over it (``usage.prompt_tokens_details.cached_tokens``: the
+     context's tokens; ``usage.kv_eviction.reused``). Only exact keys match: a kept context is
+     never trimmed or extended into another one. Requests on one context while it is being
+     compacted wait for that compaction; one whose client leaves stores nothing. Kept contexts
+     count against ``--prompt-cache-size`` and ``--prompt-cache-bytes`` at their compacted
+     size, and are dropped before mlx-lm's entries. Query-aware compactions are never kept.
 """
 
 import argparse
@@ -76,7 +86,7 @@ from mlx_lm.server import (
 
 from .. import distributed
 from ..compaction import check_bounded, compact_steps
-from ..passes import prefill
+from ..passes import _prefill_steps, prefill
 from ..states import tree
 from ..wrapper import FunctionalModel, attending_copy
 from . import flags
@@ -368,6 +378,9 @@ class EvictingPromptCache(LRUPromptCache):
         self.provider = provider
         self.policy = provider.cli_args.policy  # set per request by the response generator
         self.max_rows = provider.cli_args.kv_max_rows  # so is this
+        self.context_tokens = 0  # and this: the shared context a query-agnostic policy reuses
+        self.contexts = OrderedDict()  # (policy, context tokens) -> (states, result, bytes)
+        self.compacting = set()  # the keys of contexts being compacted now
         self.interleave = True
         self.gone = None  # set per request: its client's check (KVAPIHandler.client_gone)
         self.evictions = OrderedDict()  # (policy, prompt) -> usage fields, the latest 256
@@ -390,6 +403,9 @@ class EvictingPromptCache(LRUPromptCache):
         policy = self.policy
         if policy is not None and policy.keeps_whole(len(tokens) - 1):
             self.note_kept_whole(policy, tokens)
+        n = self.context_tokens
+        if policy is not None and n and not policy.keeps_whole(n - 1):
+            return self.reuse(tokens, policy, n), tokens[-1:]
         if self.provider.per_head:  # rule 4
             if policy is None or policy.keeps_whole(len(tokens) - 1):
                 fm, step = (
@@ -429,6 +445,76 @@ class EvictingPromptCache(LRUPromptCache):
         job = PendingCompaction(self._caches_after(steps, policy, tokens),
                                 prefill_bytes(fm, len(tokens) - 1), self.gone)  # fmt: skip
         return job if self.interleave else job.finish()
+
+    def reuse(self, tokens, policy, n: int):
+        """The caches of a prompt whose first ``n`` tokens are a shared context (rule 5): that
+        context compacted once and kept, then the rest prefilled over it; a
+        ``PendingCompaction``, or its caches when it cannot be interleaved."""
+        fm = self.provider.functional_model()
+        tokenized = policy.for_tokenizer(self.provider.tokenizer)
+        steps = self._reused(fm, tokens, policy, tokenized, n)
+        job = PendingCompaction(steps, prefill_bytes(fm, n - 1), self.gone)
+        return job if self.interleave else job.finish()
+
+    def _reused(self, fm, tokens, policy, tokenized, n: int):
+        key = (tokenized, tuple(tokens[:n]))
+        while key in self.compacting:  # another request compacts this context: its result
+            yield 0, 1
+        reused = key in self.contexts
+        if reused:
+            self.contexts.move_to_end(key)
+            states, result, _ = self.contexts[key]
+        else:
+            self.compacting.add(key)
+            try:  # a job closed here (its client gone) stores nothing
+                step = self.provider.cli_args.prefill_step_size
+                states, result = yield from compact_steps(fm, tokens[:n], tokenized,
+                                                          max_new_tokens=0, prefill_step_size=step)  # fmt: skip
+            finally:
+                self.compacting.discard(key)
+            self.keep_context(key, states, result)
+            self.compacted_requests += 1
+        step = self.provider.cli_args.prefill_step_size
+        rest, _ = yield from _prefill_steps(fm, mx.array([tokens[n - 1 : -1]]), states=states,
+                                            capacity=None, prefill_step_size=step, dtype=None,
+                                            compiled=False, settle=True)  # fmt: skip
+        self.note(policy, tokens, {
+            "kept_whole": False,
+            "reused": reused,
+            "context_tokens": n,
+            "rows_kept": result.total_rows_after,
+            "rows_total": result.total_rows_before,
+            "bytes_kept": result.total_bytes_after,
+            "bytes_total": result.total_bytes_before,
+        })  # fmt: skip
+        return self.as_mlx_caches(rest)
+
+    @property
+    def context_bytes(self) -> int:
+        return sum(b for _, _, b in self.contexts.values())
+
+    def keep_context(self, key, states, result) -> None:
+        """Store a compacted context (at its compacted size), the least recently used ones
+        making room within ``--prompt-cache-size`` entries and ``--prompt-cache-bytes``."""
+        self.contexts[key] = (states, result, sum(a.nbytes for a in tree.arrays(states)))
+        limit = self.provider.cli_args.prompt_cache_bytes
+        while len(self.contexts) > self.max_size or (
+            limit is not None and self.nbytes > limit and self.contexts
+        ):
+            self.contexts.popitem(last=False)
+
+    @property
+    def nbytes(self) -> int:
+        """mlx-lm's entries' bytes and the compacted contexts'."""
+        return LRUPromptCache.nbytes.fget(self) + self.context_bytes
+
+    def trim_to(self, *, n_sequences=None, n_bytes=None):
+        """mlx-lm's trim, the compacted contexts counted in the bytes (and dropped first)."""
+        if n_bytes is not None:
+            while self.contexts and self.nbytes > n_bytes:
+                self.contexts.popitem(last=False)
+            n_bytes -= self.context_bytes
+        super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
 
     def note(self, policy, tokens, usage: dict) -> None:
         """Record a request's ``usage.kv_eviction`` (the latest 256 prompts)."""
@@ -653,6 +739,7 @@ class KVResponseGenerator(ResponseGenerator):
     def _tokenize(self, tokenizer, request, args):
         self.prompt_cache.policy = getattr(request, "kv_policy", self.cli_args.policy)
         self.prompt_cache.max_rows = getattr(request, "kv_max_rows", self.cli_args.kv_max_rows)
+        self.prompt_cache.context_tokens = getattr(request, "kv_context", 0)
         # under mlx.launch every rank runs each step: a job stops only by the shared removal
         self.prompt_cache.gone = None if self._is_distributed else _CLIENTS.get(id(request))
         return super()._tokenize(tokenizer, request, args)
@@ -718,6 +805,8 @@ class KVResponseGenerator(ResponseGenerator):
             "prompt_cache_lossy_entries": cache.lossy_entries(),
             "bytes_held": active + cache.nbytes,
             "compacted_requests": cache.compacted_requests,
+            "compacted_contexts": len(cache.contexts),
+            "compacted_context_bytes": cache.context_bytes,
             "refused_prompt_cache_inserts": cache.refused_inserts,
         }
 
@@ -814,6 +903,7 @@ class KVAPIHandler(APIHandler):
             raise ValueError("the prompt is empty")
         if request.kv_policy is not None:  # it compacts all but the last token
             request.kv_policy.check_prompt(len(prompt) - 1)
+        request.kv_context = self.shared_context(request, prompt)
         context = provider.context_length
         if context and len(prompt) + self.max_tokens > context:
             raise ValueError(
@@ -821,6 +911,36 @@ class KVAPIHandler(APIHandler):
                 f"model's context of {context} tokens"
             )
         return prompt
+
+    def shared_context(self, request, prompt: list) -> int:
+        """How many leading prompt tokens a query-agnostic policy compacts once and reuses
+        (rule 5): the body's ``kv_context_tokens``, else, for a chat request whose last message
+        is the user's, everything before that message's text; 0: none."""
+        policy, given = request.kv_policy, self.body.get("kv_context_tokens")
+        if given is not None:
+            if type(given) is not int or not 2 <= given < len(prompt):
+                raise ValueError(f"kv_context_tokens must be an int in [2, {len(prompt)}) (the "
+                                 f"prompt's tokens), got {given!r}")  # fmt: skip
+            if policy is None or not policy.query_agnostic:
+                name = "none" if policy is None else policy.name
+                raise ValueError(f"kv_context_tokens: kv_eviction {name!r} is not query-agnostic "
+                                 "(its rows depend on the question), so no context is reused")  # fmt: skip
+            return given
+        messages = getattr(request, "messages", None)
+        if policy is None or not policy.query_agnostic or request.request_type != "chat":
+            return 0
+        if len(messages) < 2 or messages[-1].get("role") != "user":
+            return 0
+        provider = self.response_generator.model_provider
+        tokenizer = provider.tokenizer
+        if not tokenizer.has_chat_template:
+            return 0
+        kwargs = {**provider.cli_args.chat_template_args, **(self.chat_template_kwargs or {})}
+        head = tokenizer.apply_chat_template([*messages[:-1], {"role": "user", "content": ""}],
+                                             add_generation_prompt=False, tokenize=True,
+                                             tools=request.tools, **kwargs)  # fmt: skip
+        n = next((i for i, (a, b) in enumerate(zip(head, prompt)) if a != b), len(head))
+        return n if 2 <= n < len(prompt) else 0
 
     def attach_policy(self, request) -> None:
         """The body's ``kv_eviction`` / ``kv_budget`` (optional) over the server's flags."""
@@ -868,8 +988,9 @@ class KVAPIHandler(APIHandler):
         if info is not None:
             usage["kv_eviction"] = dict(info)
             if not info["kept_whole"]:
-                # mlx-lm counts the compacted prompt as cached; none came from the prompt cache
-                usage["prompt_tokens_details"] = {"cached_tokens": 0}
+                # mlx-lm counts the compacted prompt as cached: only a reused context is
+                cached = info["context_tokens"] if info.get("reused") else 0
+                usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
     def handle_chat_completions(self):

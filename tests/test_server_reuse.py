@@ -1,0 +1,114 @@
+"""A context compacted once, asked many times, in kvfn-server's prompt cache (rule 5 of
+``kvfn.serving.server``): with a query-agnostic policy a chat's messages before its last user
+message are compacted once and kept; later requests on the same context prefill only their rest
+over it. Servers run in this process, the embedded model loaded once."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+
+import kvfn
+from tests.test_server_survives import (
+    BUDGET,
+    document,
+    leave_after,
+    loaded,
+    serve,
+    text,
+)  # noqa: F401
+
+CONTEXT = document("kite", 40)  # ~480 tokens of facts, asked about in several turns
+QUESTIONS = ("What colour was the kite number 5?", "What colour was the kite number 2?",
+             "What colour was the kite number 7?")  # fmt: skip
+
+
+def turn(question: str, context: str = CONTEXT, **kw) -> dict:
+    messages = [{"role": "system", "content": context}, {"role": "user", "content": question}]
+    return {"messages": messages, "max_tokens": 6, "temperature": 0, **kw}
+
+
+def own_answer(loaded, policy, body: dict, n: int) -> str:
+    """kvfn's library reuse: the first ``n`` prompt tokens compacted, the rest prefilled over
+    them, then greedy decoding."""
+    from kvfn_eval.evaluator import kvfn_greedy
+
+    model, tokenizer = loaded
+    fm = kvfn.FunctionalModel(model)
+    ids = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True)
+    policy = policy.for_tokenizer(tokenizer)
+    context, _ = kvfn.compact(fm, ids[:n], policy, max_new_tokens=0, prefill_step_size=128)
+    states = kvfn.prefill(fm, mx.array([ids[n - 1 : -1]]), states=context, prefill_step_size=128)
+    (out,) = kvfn_greedy(fm, ids[-1:], states, body["max_tokens"], set(tokenizer.eos_token_ids))
+    return tokenizer.decode(out)
+
+
+def usage(status_body) -> dict:
+    status, body = status_body
+    assert status == 200, body
+    return {**body["usage"]["kv_eviction"], "cached": body["usage"]["prompt_tokens_details"]}
+
+
+def test_a_shared_context_is_compacted_once_and_every_later_turn_reuses_it(serve, loaded):
+    server = serve(["--kv-eviction", "kvzip", *BUDGET])
+    first = usage(server.post(turn(QUESTIONS[0])))
+    n = first["context_tokens"]
+    assert not first["reused"] and first["cached"] == {"cached_tokens": 0} and n > 400
+    for question in QUESTIONS[1:]:
+        body = turn(question)
+        out = server.post(body)
+        again = usage(out)
+        assert again["reused"] and again["cached"] == {"cached_tokens": n}
+        assert again["context_tokens"] == n and again["rows_kept"] == first["rows_kept"]
+        assert text(out) == own_answer(loaded, kvfn.KVzip(budget=64, window=8), body, n)
+    held = server.idle()
+    assert held["compacted_requests"] == 1 and held["compacted_contexts"] == 1
+    assert 0 < held["compacted_context_bytes"] <= held["bytes_held"]
+    other = usage(server.post(turn(QUESTIONS[0], context=CONTEXT.replace("kite", "kiwi"))))
+    assert not other["reused"] and server.idle()["compacted_contexts"] == 2  # exact keys only
+
+
+def test_a_query_aware_compaction_is_never_reused(serve):
+    server = serve(["--kv-eviction", "snapkv", *BUDGET])
+    for question in QUESTIONS[:2]:
+        got = usage(server.post(turn(question)))
+        assert "reused" not in got and got["cached"] == {"cached_tokens": 0}
+    held = server.idle()
+    assert held["compacted_contexts"] == 0 and held["compacted_requests"] == 2
+    status, body = server.post(turn(QUESTIONS[0], kv_context_tokens=100))
+    assert status == 400 and "'snapkv' is not query-agnostic" in body["error"], body
+
+
+def test_concurrent_turns_on_one_context_compact_it_once(serve):
+    server = serve(["--kv-eviction", "kvzip", *BUDGET])
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda q: usage(server.post(turn(q))), QUESTIONS))
+    assert sorted(o["reused"] for o in outs) == [False, True, True]
+    held = server.idle()
+    assert held["compacted_requests"] == 1 and held["compacted_contexts"] == 1
+
+
+def test_a_client_leaving_the_first_compaction_leaves_no_half_context(serve):
+    server = serve(["--kv-eviction", "kvzip", *BUDGET])
+    leave_after(server, turn(QUESTIONS[0], stream=True), 1.0)
+    tic = time.time()
+    held = server.idle(within=30)
+    assert time.time() - tic < 5 and held["compacting_sequences"] == 0
+    assert held["compacted_contexts"] == 0 and held["compacted_requests"] == 0
+    got = usage(server.post(turn(QUESTIONS[1])))
+    assert not got["reused"] and server.idle()["compacted_contexts"] == 1
+
+
+def test_an_explicit_context_and_bad_ones(serve):
+    """``kv_context_tokens`` marks the shared context of any request (a completion too);
+    a count outside the prompt is a 400 naming it."""
+    server = serve(["--kv-eviction", "kvzip", *BUDGET])
+    body = {"prompt": CONTEXT + " Which kite was red?", "max_tokens": 4, "temperature": 0,
+            "kv_context_tokens": 300}  # fmt: skip
+    first = usage(server.post(body, path="/v1/completions"))
+    again = usage(server.post(body, path="/v1/completions"))
+    assert (first["reused"], again["reused"]) == (False, True)
+    assert again["cached"] == {"cached_tokens": 300}
+    for bad in (1, 10**6, "300", True):
+        status, out = server.post(turn(QUESTIONS[0], kv_context_tokens=bad))
+        assert status == 400 and "kv_context_tokens must be an int in [2, " in out["error"], out
