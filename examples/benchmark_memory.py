@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
-from benchmark_shapes import SHAPES, random_model  # noqa: E402
+from benchmark_shapes import SHAPES, greedy, random_model  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache  # noqa: E402
 
@@ -56,16 +56,7 @@ def kvfn_run(model, ids, args, bounded: bool) -> dict:
     states, result = kvfn.compact(fm, ids, policy, max_new_tokens=args.new_tokens,
                                   prefill_step_size=args.prefill_step_size,
                                   max_rows=args.rows if bounded else None)  # fmt: skip
-    token = mx.array([[ids[-1]]])
-    for i in range(args.new_tokens):
-        logits, states = fm.decode(token, states)
-        token = mx.argmax(logits, axis=-1)[:, None]
-        mx.async_eval(token)
-        if i == 0:
-            mx.eval(token)
-            first = time.perf_counter()
-    mx.eval(token)
-    done = time.perf_counter()
+    first, done, states = greedy(fm, ids[-1], states, args.new_tokens)
     held = sum(a.nbytes for a in kvfn.tree.arrays(states))
     return {"first_s": first - tic, "decode_tps": (args.new_tokens - 1) / (done - first),
             "kv_held_gb": held / 1e9, "peak_rows": result.peak_rows}  # fmt: skip

@@ -11,7 +11,7 @@ import pytest
 import kvfn
 from kvfn.policies.policy import POLICIES as REGISTRY
 from kvfn.states import ragged
-from tests.test_duo import TOL, greedy_logits, reference_logits
+from tests.test_duo import TOL, greedy_logits, kept_visibility, reference_logits
 from tests.test_shapes import LIBRARY
 from tests.tiny import tiny_model
 
@@ -35,18 +35,7 @@ def gap(fm, ids, states, kept, C: int, steps: int = 4) -> float:
     ``kept[i][h]`` and every row from C on; the context's own queries are causal."""
     logits, tokens = greedy_logits(fm, ids, states, steps)
     T = len(tokens) - 1
-    q, k = np.arange(T)[:, None], np.arange(T)[None, :]
-
-    def visible(i):
-        heads = []
-        for rows in kept[i]:
-            held = np.zeros(T, bool)
-            held[rows] = True
-            heads.append(np.where(q < C, k <= q, (k <= q) & (held[None] | (k >= C))))
-        rep = fm.n_heads[i] // fm.n_kv_heads[i]
-        return mx.array(np.repeat(np.stack(heads), rep, axis=0)[None])
-
-    ref = reference_logits(fm.model, mx.array([tokens[:T]]), visible)
+    ref = reference_logits(fm.model, mx.array([tokens[:T]]), kept_visibility(fm, kept, C, T))
     return mx.abs(logits - ref[len(ids) - 1 :]).max().item()
 
 
