@@ -38,10 +38,10 @@ Prompt-cache reuse rule (eviction on):
   5. With a query-agnostic policy (``Policy.query_agnostic``: its rows do not depend on the
      question) a request's shared context (a chat's messages before its last user message, or
      the body's ``kv_context_tokens`` first tokens) is compacted once and kept, keyed by those
-     tokens and the policy's full settings; a later request starting with the same tokens
-     prefills only its rest over it (``usage.prompt_tokens_details.cached_tokens``: the
-     context's tokens; ``usage.kv_eviction.reused``). Only exact keys match: a kept context is
-     never trimmed or extended into another one. Requests on one context while it is being
+     tokens, the policy's full settings and ``kv_max_rows``; a later request starting with the
+     same tokens prefills only its rest over it (``usage.prompt_tokens_details.cached_tokens``:
+     the context's tokens; ``usage.kv_eviction.reused``). Only exact keys match: a kept context
+     is never trimmed or extended into another one. Requests on one context while it is being
      compacted wait for that compaction; one whose client leaves stores nothing. Kept contexts
      count against ``--prompt-cache-size`` and ``--prompt-cache-bytes`` at their compacted
      size, and are dropped before mlx-lm's entries. Query-aware compactions are never kept.
@@ -452,12 +452,12 @@ class EvictingPromptCache(LRUPromptCache):
         ``PendingCompaction``, or its caches when it cannot be interleaved."""
         fm = self.provider.functional_model()
         tokenized = policy.for_tokenizer(self.provider.tokenizer)
-        steps = self._reused(fm, tokens, policy, tokenized, n)
+        steps = self._reused(fm, tokens, policy, tokenized, n, self.max_rows)
         job = PendingCompaction(steps, prefill_bytes(fm, n - 1), self.gone)
         return job if self.interleave else job.finish()
 
-    def _reused(self, fm, tokens, policy, tokenized, n: int):
-        key = (tokenized, tuple(tokens[:n]))
+    def _reused(self, fm, tokens, policy, tokenized, n: int, max_rows):
+        key = (tokenized, max_rows, tuple(tokens[:n]))
         while key in self.compacting:  # another request compacts this context: its result
             yield 0, 1
         reused = key in self.contexts
@@ -469,7 +469,8 @@ class EvictingPromptCache(LRUPromptCache):
             try:  # a job closed here (its client gone) stores nothing
                 step = self.provider.cli_args.prefill_step_size
                 states, result = yield from compact_steps(fm, tokens[:n], tokenized,
-                                                          max_new_tokens=0, prefill_step_size=step)  # fmt: skip
+                                                          max_new_tokens=0, prefill_step_size=step,
+                                                          max_rows=max_rows)  # fmt: skip
             finally:
                 self.compacting.discard(key)
             self.keep_context(key, states, result)
