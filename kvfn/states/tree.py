@@ -1,5 +1,6 @@
 """The state types a model wrapper threads, as arrays plus a static part (for ``mx.compile``)
-plus what the host knows (row bounds), and back.
+plus what the host knows (row bounds), and back, by each kind's layout (``layout.of``); and
+saving and loading them.
 
 ``flatten(state) -> (arrays, static, host)``: ``static`` is hashable and shapes a trace;
 ``host`` is what only the host knows (``max_rows``, ``dense``), which a trace must not depend
