@@ -112,3 +112,19 @@ def test_an_explicit_context_and_bad_ones(serve):
     for bad in (1, 10**6, "300", True):
         status, out = server.post(turn(QUESTIONS[0], kv_context_tokens=bad))
         assert status == 400 and "kv_context_tokens must be an int in [2, " in out["error"], out
+
+
+def test_kept_contexts_are_dropped_least_recently_used_first(serve):
+    """``--prompt-cache-size 1``: a second context drops the first, which is then compacted
+    afresh, never served from the other; ``--prompt-cache-bytes`` below one compacted context
+    keeps none."""
+    server = serve(["--kv-eviction", "kvzip", *BUDGET, "--prompt-cache-size", "1"])
+    other = CONTEXT.replace("kite", "kiwi")
+    got = [usage(server.post(turn(q, context=c)))["reused"]
+           for q, c in ((QUESTIONS[0], CONTEXT), (QUESTIONS[1], other), (QUESTIONS[2], CONTEXT))]  # fmt: skip
+    assert got == [False, False, False]
+    held = server.idle()
+    assert held["compacted_contexts"] == 1 and held["compacted_requests"] == 3
+    tight = serve(["--kv-eviction", "kvzip", *BUDGET, "--prompt-cache-bytes", "1000"])
+    assert [usage(tight.post(turn(q)))["reused"] for q in QUESTIONS[:2]] == [False, False]
+    assert tight.idle()["compacted_contexts"] == 0
