@@ -134,7 +134,9 @@ def compact(fm, tokens: list[int], args) -> tuple:
     """Compact all but the last prompt token with the policy; mlx-lm decodes from the last one."""
     start = time.perf_counter()
     try:
-        states, result = kvfn.compact(fm, tokens, args.policy, max_new_tokens=args.max_tokens,
+        # evicting while generating, the states need room for one interval, not every token
+        room = args.max_tokens if args.kv_decode_interval is None else args.kv_decode_interval
+        states, result = kvfn.compact(fm, tokens, args.policy, max_new_tokens=room,
                                       prefill_step_size=args.prefill_step_size,
                                       progress=args.progress, max_rows=args.kv_max_rows)  # fmt: skip
     except ValueError as e:
@@ -185,13 +187,22 @@ def kvfn_stream(fm, tokenizer, states, token: int, args, sampler):
 
 def bounded_stream(fm, tokenizer, states, token: int, args, sampler):
     """Decode with ``kvfn.bounded_decode``: the states compacted back to the budget every
-    ``--kv-decode-interval`` tokens; the most rows held is reported."""
-    sample = lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[
-        :, None
-    ]  # noqa: E731
-    steps = kvfn.bounded_decode(fm, mx.array([[token]]), states, args.policy,
-                                steps=args.max_tokens, interval=args.kv_decode_interval,
-                                sample=sample)  # fmt: skip
+    ``--kv-decode-interval`` tokens; the most rows held is reported. Its checks run here, when
+    it is called, so a refusal is an error line, not a traceback from inside the stream."""
+
+    def sample(logits):
+        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[:, None]
+
+    try:
+        steps = kvfn.bounded_decode(fm, mx.array([[token]]), states, args.policy,
+                                    steps=args.max_tokens, interval=args.kv_decode_interval,
+                                    sample=sample)  # fmt: skip
+    except ValueError as e:
+        raise SystemExit(f"error: --kv-decode-interval: {e}")
+    return _bounded_pieces(tokenizer, steps, args)
+
+
+def _bounded_pieces(tokenizer, steps, args):
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     start, n = time.perf_counter(), 0

@@ -195,11 +195,9 @@ def check_bounded(fmodel: FunctionalModel, policy: Policy, max_rows, step: int) 
 
 def bounded_chunks(P: int, step: int, window: int) -> list[tuple[int, int]]:
     """The prefill chunks of an eviction while prefilling: ``step`` tokens each, the last one
-    holding the whole observation window (merged with the one before if it is shorter)."""
-    parts = chunks(P, step)
-    if len(parts) > 1 and parts[-1][1] - parts[-1][0] < window:
-        parts[-2:] = [(parts[-2][0], P)]
-    return parts
+    holding at least the whole observation window (it starts no later than ``P - window``)."""
+    start = max(0, min(chunks(P, step)[-1][0], P - window))
+    return [(a, min(b, start)) for a, b in chunks(P, step) if a < start] + [(start, P)]
 
 
 def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle):

@@ -55,7 +55,8 @@ def bounded_decode(
     logits (B, vocab) to tokens (B, 1); greedy by default). Whenever the rows held reach the
     budget plus ``interval``, the states are compacted back to the policy's budget, scored by
     the attention of the last ``policy.window`` decoded queries; so no more than budget +
-    ``interval`` rows are ever held (kvpress's ``DecodingPress`` default interval: 512).
+    ``interval`` rows are ever held (kvpress's ``DecodingPress`` default interval: 512), in
+    one capacity from the first step (states with more room are cut to it).
     Returns the states as its StopIteration value. A policy that cannot compact its own states
     again (``Policy.cannot_recompact``) is refused by name."""
     check_bounded_decode(fmodel, states, policy, interval)
@@ -63,10 +64,20 @@ def bounded_decode(
     return _loop(fmodel, token, states, policy, steps, interval, sample)
 
 
+def fitted(state: kv.State, capacity: int) -> kv.State:
+    """``state`` in exactly ``capacity`` slots, free ones added or cut (its rows fit)."""
+    if state.capacity <= capacity:
+        return kv.reserve(state, capacity)
+    cut = {f: getattr(state, f)[:, :, :capacity] for f in ("keys", "values", "positions")}
+    return state.replace(**cut)
+
+
 def _loop(fmodel, token, states, policy, steps, interval, sample):
     cap = policy.budget + interval
     capacity = bucket(cap)
     held, scores = states[0].max_rows, None
+    if held <= cap:  # one capacity from the first step, whatever room the caller reserved
+        states = tuple(fitted(s, capacity) for s in states)
     for _ in range(steps):
         if held + 1 > cap - policy.window:  # this step's query is in the observation window
             if scores is None:  # room for the window's rows now: the scores keep one shape

@@ -190,3 +190,34 @@ def test_what_cannot_evict_while_generating_is_refused_by_name(fm):
     ragged, _ = kvfn.compact(fm, ids, kvfn.AdaKV(budget=32, window=WINDOW))
     with pytest.raises(ValueError, match="bounded_decode takes plain layer states"):
         kvfn.bounded_decode(fm, token, ragged, policy, steps=4)
+
+
+def test_the_last_chunk_holds_the_whole_window_whatever_the_step(fm):
+    """Chunks shorter than the window: the last still starts a window before the end, so a cap
+    the prompt never reaches keeps the rows a plain compaction keeps."""
+    ids, policy = prompt(201), kvfn.SnapKV(budget=48, window=32)
+    assert bounded_chunks(200, 8, 32)[-1] == (168, 200)
+    bounded, _ = kvfn.compact(fm, ids, policy, max_rows=400, prefill_step_size=8)
+    plain, _ = kvfn.compact(fm, ids, policy, prefill_step_size=8)
+    for a, b in zip(bounded, plain):
+        assert a.positions[:, :, :48].tolist() == b.positions[:, :, :48].tolist()
+
+
+def test_a_policy_that_does_not_say_it_can_is_refused(fm):
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Heaviest(kvfn.SnapKV):
+        name = "heaviest-test"
+        cannot_recompact = kvfn.Policy.cannot_recompact  # as a Policy subclass of its own
+
+    with pytest.raises(ValueError, match="heaviest-test cannot evict while prefilling: it does"):
+        kvfn.compact(fm, prompt(100), Heaviest(budget=32, window=WINDOW), max_rows=40)
+
+
+def test_generating_cuts_a_callers_larger_room_to_one_capacity(fm):
+    ids, policy, states = compacted(fm, new=2000)
+    assert states[0].capacity > 2000
+    _, final = run(kvfn.bounded_decode(fm, mx.array([[ids[-1]]]), states, policy, steps=3,
+                                       interval=40))  # fmt: skip
+    assert {s.capacity for s in final} == {kvfn.wrapper.bucket(72)}

@@ -58,7 +58,7 @@ def test_a_shared_context_is_compacted_once_and_every_later_turn_reuses_it(serve
         body = turn(question)
         out = server.post(body)
         again = usage(out)
-        assert again["reused"] and again["cached"] == {"cached_tokens": n}
+        assert again["reused"] and again["cached"] == {"cached_tokens": n - 1}
         assert again["context_tokens"] == n and again["rows_kept"] == first["rows_kept"]
         assert text(out) == own_answer(loaded, kvfn.KVzip(budget=64, window=8), body, n)
     held = server.idle()
@@ -99,16 +99,17 @@ def test_a_client_leaving_the_first_compaction_leaves_no_half_context(serve):
     assert not got["reused"] and server.idle()["compacted_contexts"] == 1
 
 
-def test_an_explicit_context_and_bad_ones(serve):
+def test_an_explicit_context_and_bad_ones(serve, loaded):
     """``kv_context_tokens`` marks the shared context of any request (a completion too);
     a count outside the prompt is a 400 naming it."""
     server = serve(["--kv-eviction", "kvzip", *BUDGET])
-    body = {"prompt": CONTEXT + " Which kite was red?", "max_tokens": 4, "temperature": 0,
-            "kv_context_tokens": 300}  # fmt: skip
+    prompt = CONTEXT + " Which kite was red?"
+    n = len(loaded[1].encode(prompt)) - 10  # a rest of about ten tokens
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "kv_context_tokens": n}
     first = usage(server.post(body, path="/v1/completions"))
     again = usage(server.post(body, path="/v1/completions"))
     assert (first["reused"], again["reused"]) == (False, True)
-    assert again["cached"] == {"cached_tokens": 300}
+    assert again["cached"] == {"cached_tokens": n - 1}  # its last is prefilled with the rest
     for bad in (1, 10**6, "300", True):
         status, out = server.post(turn(QUESTIONS[0], kv_context_tokens=bad))
         assert status == 400 and "kv_context_tokens must be an int in [2, " in out["error"], out
@@ -128,3 +129,27 @@ def test_kept_contexts_are_dropped_least_recently_used_first(serve):
     tight = serve(["--kv-eviction", "kvzip", *BUDGET, "--prompt-cache-bytes", "1000"])
     assert [usage(tight.post(turn(q)))["reused"] for q in QUESTIONS[:2]] == [False, False]
     assert tight.idle()["compacted_contexts"] == 0
+
+
+def test_a_rest_longer_than_the_budget_is_compacted_with_its_context(serve):
+    """Reusing a context holds the rest whole, so a rest over the budget (a long document in
+    the last message) takes the plain compaction: the whole prompt to the budget, nothing
+    kept; so does a rest that a ``kv_max_rows`` cap could not hold."""
+    server = serve(["--kv-eviction", "kvzip", *BUDGET])
+    long = usage(server.post(turn(document("kiwi", 20))))  # a context and a long rest
+    assert "reused" not in long and long["rows_kept"] == 64 * 30
+    assert server.idle()["compacted_contexts"] == 0
+
+
+def test_a_servers_cap_leaves_requests_it_cannot_bound_uncapped(serve):
+    """``--kv-max-rows``: requests whose policy or budget cannot take the server's cap run
+    without it (an explicit ``kv_max_rows`` is still checked)."""
+    server = serve(["--kv-eviction", "snapkv", *BUDGET, "--kv-max-rows", "96"])
+    capped = usage(server.post(turn(QUESTIONS[0])))
+    assert capped["peak_rows"] <= 96 + 128 + 8
+    for body in ({"kv_eviction": "none"}, {"kv_eviction": "kvzip"}, {"kv_budget": 256}):
+        status, out = server.post(turn(QUESTIONS[0], **body))
+        assert status == 200, (body, out)
+        assert "peak_rows" not in out["usage"].get("kv_eviction", {}), body
+    status, out = server.post(turn(QUESTIONS[0], kv_eviction="kvzip", kv_max_rows=96))
+    assert status == 400 and "kvzip cannot evict while prefilling" in out["error"]

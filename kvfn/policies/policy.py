@@ -67,8 +67,10 @@ class Policy:
     # of queries scores them): one compaction of a context then serves every later question
     query_agnostic: ClassVar[bool] = False
     # why the policy cannot compact states it compacted before, to evict while prefilling
-    # (compact's max_rows) or generating (kvfn.bounded_decode); "" when it can
-    cannot_recompact: ClassVar[str] = ""
+    # (compact's max_rows) or generating (kvfn.bounded_decode); "" when it can: a policy says so
+    cannot_recompact: ClassVar[str] = (
+        "it does not say it can compact rows it compacted before (Policy.cannot_recompact)"
+    )
     # option word -> field values, for names like "snapkv-avg-layer"
     words: ClassVar[dict] = {}
     # option prefix -> int field, for names like "snapkv-k15"

@@ -19,6 +19,7 @@ class RandomRows(Policy):
 
     name: ClassVar[str] = "random"
     query_agnostic: ClassVar[bool] = True
+    cannot_recompact: ClassVar[str] = ""
 
     def validate(self) -> None:
         super().validate()

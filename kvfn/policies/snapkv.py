@@ -45,6 +45,7 @@ class SnapKV(Policy):
     group_reduce: Literal["mean", "max"] = "mean"
 
     name: ClassVar[str] = "snapkv"
+    cannot_recompact: ClassVar[str] = ""
     needs_scores: ClassVar[bool] = True
     words: ClassVar[dict] = {
         "avg": {"pooling": "avg"},

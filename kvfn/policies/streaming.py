@@ -19,6 +19,7 @@ class StreamingLLM(Policy):
 
     name: ClassVar[str] = "streaming"
     query_agnostic: ClassVar[bool] = True
+    cannot_recompact: ClassVar[str] = ""
 
     def row_scores(self, scores, *, prompt_length, n_kv_heads, batch, layer):
         return mx.broadcast_to(

@@ -40,11 +40,14 @@ Prompt-cache reuse rule (eviction on):
      the body's ``kv_context_tokens`` first tokens) is compacted once and kept, keyed by those
      tokens, the policy's full settings and ``kv_max_rows``; a later request starting with the
      same tokens prefills only its rest over it (``usage.prompt_tokens_details.cached_tokens``:
-     the context's tokens; ``usage.kv_eviction.reused``). Only exact keys match: a kept context
-     is never trimmed or extended into another one. Requests on one context while it is being
-     compacted wait for that compaction; one whose client leaves stores nothing. Kept contexts
-     count against ``--prompt-cache-size`` and ``--prompt-cache-bytes`` at their compacted
-     size, and are dropped before mlx-lm's entries. Query-aware compactions are never kept.
+     the context's rows; ``usage.kv_eviction.reused``). The rest is held whole, so only a rest
+     within the budget (and the cap) takes this rule; a longer one is compacted with its
+     context as rule 2 says. Only exact keys match: a kept context is never trimmed or extended
+     into another one. Requests on one context while it is being compacted wait for that
+     compaction; one whose client leaves stores nothing. At most ``--prompt-cache-size``
+     contexts are kept besides mlx-lm's entries, their compacted bytes count against
+     ``--prompt-cache-bytes``, and they are dropped before mlx-lm's entries. Query-aware
+     compactions are never kept.
 """
 
 import argparse
@@ -86,6 +89,7 @@ from mlx_lm.server import (
 
 from .. import distributed
 from ..compaction import check_bounded, compact_steps
+from ..eviction import kept
 from ..passes import _prefill_steps, prefill
 from ..states import tree
 from ..wrapper import FunctionalModel, attending_copy
@@ -242,6 +246,9 @@ class KVModelProvider(ModelProvider):
                 f"{self.cli_args.policy.name} keeps per-head rows, served only for a "
                 "single-process model whose layers all use full attention"
             )
+        if self.cli_args.kv_max_rows is not None:
+            fm = self.functional_model()
+            check_bounded(fm, self.cli_args.policy, self.cli_args.kv_max_rows, 1)
         if self.cli_args.policy is not None and self.is_batchable:
             # each layer's batch cache attends with its own mask (per-layer row counts, heads)
             self.model = attending_copy(model)
@@ -379,7 +386,9 @@ class EvictingPromptCache(LRUPromptCache):
         self.policy = provider.cli_args.policy  # set per request by the response generator
         self.max_rows = provider.cli_args.kv_max_rows  # so is this
         self.context_tokens = 0  # and this: the shared context a query-agnostic policy reuses
-        self.contexts = OrderedDict()  # (policy, context tokens) -> (states, result, bytes)
+        # (policy, max_rows, context tokens) -> (states, result, bytes)
+        self.contexts = OrderedDict()
+        self.context_bytes = 0  # theirs, kept as they change (the HTTP threads read it)
         self.compacting = set()  # the keys of contexts being compacted now
         self.interleave = True
         self.gone = None  # set per request: its client's check (KVAPIHandler.client_gone)
@@ -404,7 +413,7 @@ class EvictingPromptCache(LRUPromptCache):
         if policy is not None and policy.keeps_whole(len(tokens) - 1):
             self.note_kept_whole(policy, tokens)
         n = self.context_tokens
-        if policy is not None and n and not policy.keeps_whole(n - 1):
+        if policy is not None and self.reuses(policy, tokens, n):
             return self.reuse(tokens, policy, n), tokens[-1:]
         if self.provider.per_head:  # rule 4
             if policy is None or policy.keeps_whole(len(tokens) - 1):
@@ -446,18 +455,28 @@ class EvictingPromptCache(LRUPromptCache):
                                 prefill_bytes(fm, len(tokens) - 1), self.gone)  # fmt: skip
         return job if self.interleave else job.finish()
 
+    def reuses(self, policy, tokens, n: int) -> bool:
+        """Whether this prompt takes rule 5: a shared context of ``n`` tokens longer than the
+        policy keeps whole, and a rest short enough that holding it whole keeps the policy's
+        bounds (at most its budget, and within ``max_rows``)."""
+        rest = len(tokens) - n
+        fits = self.max_rows is None or policy.budget + rest <= self.max_rows
+        return n > 0 and not policy.keeps_whole(n - 1) and rest <= policy.budget and fits
+
     def reuse(self, tokens, policy, n: int):
         """The caches of a prompt whose first ``n`` tokens are a shared context (rule 5): that
         context compacted once and kept, then the rest prefilled over it; a
         ``PendingCompaction``, or its caches when it cannot be interleaved."""
         fm = self.provider.functional_model()
         tokenized = policy.for_tokenizer(self.provider.tokenizer)
-        steps = self._reused(fm, tokens, policy, tokenized, n, self.max_rows)
-        job = PendingCompaction(steps, prefill_bytes(fm, n - 1), self.gone)
+        key = (tokenized, self.max_rows, tuple(tokens[:n]))
+        held = len(tokens) - n if key in self.contexts else len(tokens) - 1
+        job = PendingCompaction(self._reused(fm, tokens, policy, key, n), prefill_bytes(fm, held),
+                                self.gone)  # fmt: skip
         return job if self.interleave else job.finish()
 
-    def _reused(self, fm, tokens, policy, tokenized, n: int, max_rows):
-        key = (tokenized, max_rows, tuple(tokens[:n]))
+    def _reused(self, fm, tokens, policy, key, n: int):
+        tokenized, max_rows, _ = key
         while key in self.compacting:  # another request compacts this context: its result
             yield 0, 1
         reused = key in self.contexts
@@ -479,30 +498,35 @@ class EvictingPromptCache(LRUPromptCache):
         rest, _ = yield from _prefill_steps(fm, mx.array([tokens[n - 1 : -1]]), states=states,
                                             capacity=None, prefill_step_size=step, dtype=None,
                                             compiled=False, settle=True)  # fmt: skip
+        held = [kept(s) for s in rest]  # the context's kept rows and the rest's, per layer
+        whole = (len(tokens) - 1) / max(n - 1, 1)
         self.note(policy, tokens, {
             "kept_whole": False,
             "reused": reused,
             "context_tokens": n,
-            "rows_kept": result.total_rows_after,
-            "rows_total": result.total_rows_before,
-            "bytes_kept": result.total_bytes_after,
-            "bytes_total": result.total_bytes_before,
+            "rows_kept": sum(r for r, _ in held),
+            "rows_total": result.total_rows_before + (len(tokens) - n) * len(rest),
+            "bytes_kept": sum(b for _, b in held),
+            "bytes_total": round(result.total_bytes_before * whole),
         })  # fmt: skip
         return self.as_mlx_caches(rest)
 
-    @property
-    def context_bytes(self) -> int:
-        return sum(b for _, _, b in self.contexts.values())
-
     def keep_context(self, key, states, result) -> None:
         """Store a compacted context (at its compacted size), the least recently used ones
-        making room within ``--prompt-cache-size`` entries and ``--prompt-cache-bytes``."""
-        self.contexts[key] = (states, result, sum(a.nbytes for a in tree.arrays(states)))
+        making room: at most ``--prompt-cache-size`` contexts (besides mlx-lm's entries), and
+        their bytes and mlx-lm's within ``--prompt-cache-bytes``."""
+        nbytes = sum(a.nbytes for a in tree.arrays(states))
+        self.contexts[key] = (states, result, nbytes)
+        self.context_bytes += nbytes
         limit = self.provider.cli_args.prompt_cache_bytes
         while len(self.contexts) > self.max_size or (
             limit is not None and self.nbytes > limit and self.contexts
         ):
-            self.contexts.popitem(last=False)
+            self.drop_context()
+
+    def drop_context(self) -> None:
+        """Drop the least recently used compacted context."""
+        self.context_bytes -= self.contexts.popitem(last=False)[1][2]
 
     @property
     def nbytes(self) -> int:
@@ -513,7 +537,7 @@ class EvictingPromptCache(LRUPromptCache):
         """mlx-lm's trim, the compacted contexts counted in the bytes (and dropped first)."""
         if n_bytes is not None:
             while self.contexts and self.nbytes > n_bytes:
-                self.contexts.popitem(last=False)
+                self.drop_context()
             n_bytes -= self.context_bytes
         super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
 
@@ -972,14 +996,23 @@ class KVAPIHandler(APIHandler):
         request.kv_max_rows = self.max_rows_of(policy)
 
     def max_rows_of(self, policy):
-        """The body's ``kv_max_rows`` (optional; null: none) over the server's flag, checked."""
+        """The body's ``kv_max_rows`` (optional; null: none), checked; else the server's flag
+        where the request's policy and budget can take it (else no cap)."""
         cli = self.response_generator.cli_args
-        max_rows = self.body.get("kv_max_rows", cli.kv_max_rows)
+        fm = self.response_generator.model_provider.functional_model()
+        if "kv_max_rows" not in self.body:  # the server's cap, where this request's policy can
+            if cli.kv_max_rows is None or policy is None:
+                return None
+            try:
+                check_bounded(fm, policy, cli.kv_max_rows, cli.prefill_step_size)
+            except ValueError:  # a policy (or a budget) of the request's own that cannot
+                return None
+            return cli.kv_max_rows
+        max_rows = self.body["kv_max_rows"]
         if max_rows is None:
             return None
         if policy is None:
             raise ValueError("kv_max_rows needs a kv_eviction policy")
-        fm = self.response_generator.model_provider.functional_model()
         check_bounded(fm, policy, max_rows, cli.prefill_step_size)
         return max_rows
 
@@ -989,8 +1022,9 @@ class KVAPIHandler(APIHandler):
         if info is not None:
             usage["kv_eviction"] = dict(info)
             if not info["kept_whole"]:
-                # mlx-lm counts the compacted prompt as cached: only a reused context is
-                cached = info["context_tokens"] if info.get("reused") else 0
+                # mlx-lm counts the compacted prompt as cached: only a reused context's rows
+                # are (its last token is prefilled again, with the rest)
+                cached = info["context_tokens"] - 1 if info.get("reused") else 0
                 usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 

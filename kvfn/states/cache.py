@@ -574,7 +574,8 @@ class Layout(layout.Layout):
 
     @staticmethod
     def kept(state):
-        return state.max_rows, stored_bytes(state, state.max_rows)
+        rows = state.max_rows if state.max_rows is not None else int(state.rows.item())
+        return rows, stored_bytes(state, rows)
 
     @staticmethod
     def lockstep_rows(state):
