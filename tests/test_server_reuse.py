@@ -153,3 +153,31 @@ def test_a_servers_cap_leaves_requests_it_cannot_bound_uncapped(serve):
         assert "peak_rows" not in out["usage"].get("kv_eviction", {}), body
     status, out = server.post(turn(QUESTIONS[0], kv_eviction="kvzip", kv_max_rows=96))
     assert status == 400 and "kvzip cannot evict while prefilling" in out["error"]
+
+
+def test_a_turn_waits_for_the_compaction_of_its_context_in_progress(loaded):
+    """Two jobs on one context, advanced in turn: the second waits while the first compacts,
+    then reuses what it kept; one compaction, one context."""
+    from types import SimpleNamespace
+
+    from kvfn.serving.server import EvictingPromptCache, KVModelProvider
+
+    model, tokenizer = loaded
+    fm = kvfn.FunctionalModel(model)
+    policy = kvfn.StreamingLLM(budget=64)
+    cli = SimpleNamespace(policy=policy, kv_max_rows=None, prefill_step_size=64,
+                          prompt_cache_bytes=None)  # fmt: skip
+    provider = KVModelProvider.__new__(KVModelProvider)  # what the prompt cache reads of one
+    provider.__dict__.update(cli_args=cli, _functional=fm, tokenizer=tokenizer, ragged=False,
+                             head_groups=None)  # fmt: skip
+    cache = EvictingPromptCache(provider)
+    context = tokenizer.encode(CONTEXT)
+    prompts = [context + tokenizer.encode(" " + q) for q in QUESTIONS[:2]]
+    first, second = (cache.reuse(p, policy, len(context)) for p in prompts)
+    assert first.advance() is None and cache.compacting  # a prefill chunk of the context
+    assert second.advance() is None and second.progress == (0, 1)  # it waits
+    while first.advance() is None:
+        assert second.advance() is None
+    assert second.finish() and cache.compacted_requests == 1 and len(cache.contexts) == 1
+    notes = [cache.evictions[(policy, tuple(p))]["reused"] for p in prompts]
+    assert notes == [False, True] and not cache.compacting
