@@ -95,15 +95,18 @@ def main(argv=None) -> list:
         mx.eval(model.parameters())
     vocab = SHAPES[args.shape][1]["vocab_size"]
     ids = np.random.default_rng(args.seed).integers(0, vocab, size=args.prompt_tokens).tolist()
+    # every round its own prompt length (a user's prompts all differ): the first a warm-up
+    lengths = [args.prompt_tokens - 37 * r for r in range(args.rounds)]
     rows = {c: [] for c in CONFIGS}
-    for r in range(args.rounds):
+    for r, n in enumerate(lengths):
         for c in CONFIGS:
-            got = run(c, model, ids, args)
+            got = run(c, model, ids[:n], args)
             if r:
                 rows[c].append(got)
     out = []
     print(f"\n{args.shape} {args.dtype}{f' {args.bits}-bit' if args.bits else ''}, "
-          f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, {args.rows} rows, "
+          f"prompts of {lengths[1:]} tokens (each new; {lengths[0]} warmed up), "
+          f"{args.new_tokens} new tokens, {args.rows} rows, "
           f"prefill chunks of {args.prefill_step_size}; mean of {args.rounds - 1} rounds")  # fmt: skip
     print(f"{'config':<22}{'first token s':>14}{'decode tok/s':>13}{'peak above weights GB':>23}"
           f"{'KV held after GB':>18}{'peak rows':>10}")  # fmt: skip

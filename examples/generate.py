@@ -166,23 +166,16 @@ def kvfn_stream(fm, tokenizer, states, token: int, args, sampler):
         mx.async_eval(y)
         return y, states
 
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    start, n = time.perf_counter(), 0
-    y, states = step(mx.array([[token]]), states)
-    for n in range(1, args.max_tokens + 1):
-        next_y = None
-        if n < args.max_tokens:  # no step whose token would never be read
-            next_y, states = step(y, states)
-        t = y.item()
-        if t in tokenizer.eos_token_ids:
-            break
-        detokenizer.add_token(t)
-        yield detokenizer.last_segment, None
-        y = next_y
-    detokenizer.finalize()
-    yield detokenizer.last_segment, {"generated_tokens": n,
-                                     "decode_tokens_per_s": round(n / (time.perf_counter() - start), 1)}  # fmt: skip
+    def tokens(states):
+        y, states = step(mx.array([[token]]), states)
+        for n in range(1, args.max_tokens + 1):
+            next_y = None
+            if n < args.max_tokens:  # no step whose token would never be read
+                next_y, states = step(y, states)
+            yield y
+            y = next_y
+
+    return pieces(tokenizer, tokens(states))
 
 
 def bounded_stream(fm, tokenizer, states, token: int, args, sampler):
@@ -199,23 +192,26 @@ def bounded_stream(fm, tokenizer, states, token: int, args, sampler):
                                     sample=sample)  # fmt: skip
     except ValueError as e:
         raise SystemExit(f"error: --kv-decode-interval: {e}")
-    return _bounded_pieces(tokenizer, steps, args)
+    held = args.policy.budget + args.kv_decode_interval
+    return pieces(tokenizer, steps, {"kv_decode_rows_held_at_most": held})
 
 
-def _bounded_pieces(tokenizer, steps, args):
+def pieces(tokenizer, tokens, extra=None):
+    """Text pieces of queued tokens (B, 1) read one at a time, up to an end token; the last
+    item carries the counts (and ``extra``)."""
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     start, n = time.perf_counter(), 0
-    for n, y in enumerate(steps, 1):
+    for n, y in enumerate(tokens, 1):
         t = y.item()
         if t in tokenizer.eos_token_ids:
             break
         detokenizer.add_token(t)
         yield detokenizer.last_segment, None
     detokenizer.finalize()
+    seconds = time.perf_counter() - start
     yield detokenizer.last_segment, {"generated_tokens": n,
-                                     "decode_tokens_per_s": round(n / (time.perf_counter() - start), 1),
-                                     "kv_decode_rows_held_at_most": args.policy.budget + args.kv_decode_interval}  # fmt: skip
+                                     "decode_tokens_per_s": round(n / seconds, 1), **(extra or {})}  # fmt: skip
 
 
 def mlx_lm_stream(model, tokenizer, prompt, args, sampler, **extra):

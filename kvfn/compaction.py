@@ -183,12 +183,13 @@ def _compaction(fmodel, context, policy, prefill, scored, reserve, compiled, set
     return new, (dataclasses.replace(result, peak_rows=peak[0]) if peak else result)
 
 
-def check_bounded(fmodel: FunctionalModel, policy: Policy, max_rows, step: int) -> None:
-    """Refuses, by name and reason, what cannot evict while prefilling."""
-    policy.check_max_rows(max_rows)
+def check_bounded(fmodel: FunctionalModel, policy: Policy, max_rows, step: int,
+                  during: str = "prefilling") -> None:  # fmt: skip
+    """Refuses, by name and reason, what cannot evict while prefilling (or generating)."""
+    policy.check_max_rows(max_rows, during)
     if any(w is not None for w in fmodel.sliding_windows):
-        raise ValueError("max_rows: this model has sliding-window layers, whose rows a prefill "
-                         "keeps apart; evicting while prefilling takes full-attention layers")  # fmt: skip
+        raise ValueError(f"this model has sliding-window layers, whose rows are kept apart; "
+                         f"evicting while {during} takes full-attention layers")  # fmt: skip
     if step <= 0:
         raise ValueError(f"prefill_step_size must be positive, got {step}")
 

@@ -12,7 +12,7 @@ from typing import Callable, Generator, Optional
 
 import mlx.core as mx
 
-from .compaction import compact_states
+from .compaction import check_bounded, compact_states
 from .policies.policy import Policy
 from .states import cache as kv
 from .states.layout import bucket
@@ -25,13 +25,10 @@ def greedy(logits: mx.array) -> mx.array:
 
 def check_bounded_decode(fmodel: FunctionalModel, states, policy: Policy, interval) -> None:
     """Refuses, by name and reason, what cannot evict while generating."""
-    policy.check_max_rows(policy.budget, during="generating")
+    check_bounded(fmodel, policy, policy.budget, 1, during="generating")
     if type(interval) is not int or interval <= policy.window:
         raise ValueError(f"interval must be an int > the policy's window {policy.window}, "
                          f"got {interval!r}")  # fmt: skip
-    if any(w is not None for w in fmodel.sliding_windows):
-        raise ValueError("bounded_decode: this model has sliding-window layers; evicting while "
-                         "generating takes full-attention layers")  # fmt: skip
     kinds = {type(s).__name__ for s in states if type(s) is not kv.State}
     if kinds:
         raise ValueError(f"bounded_decode takes plain layer states, got {sorted(kinds)}")

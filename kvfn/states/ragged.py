@@ -410,6 +410,7 @@ class Layout(layout.Layout):
     per_head = True
     ARRAY_FIELDS = ARRAY_FIELDS
     flatten = staticmethod(flatten)
+    unflatten = staticmethod(unflatten)
     stack = staticmethod(stack)
     grown = staticmethod(grown)
     kept = staticmethod(kept)
@@ -418,10 +419,6 @@ class Layout(layout.Layout):
     @staticmethod
     def host(state):
         return state.room, state.kept
-
-    @staticmethod
-    def unflatten(arrays, static, host):
-        return unflatten(arrays, static, host)
 
     @staticmethod
     def advanced(host, n):

@@ -328,6 +328,7 @@ class Layout(layout.Layout):
 
     per_head = True
     flatten = staticmethod(flatten)
+    unflatten = staticmethod(unflatten)
     grown = staticmethod(grown)
     saved_as = "slots"
     to_saved = staticmethod(to_partitioned)
@@ -336,10 +337,6 @@ class Layout(layout.Layout):
     @staticmethod
     def host(s):
         return s.max_rows
-
-    @staticmethod
-    def unflatten(arrays, static, host):
-        return unflatten(arrays, static, host)
 
     @staticmethod
     def advanced(host, n):
