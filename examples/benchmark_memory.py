@@ -101,6 +101,7 @@ def main(argv=None) -> list:
     for r, n in enumerate(lengths):
         for c in CONFIGS:
             got = run(c, model, ids[:n], args)
+            print(json.dumps({"round": r, "tokens": n, "config": c, **got}), flush=True)
             if r:
                 rows[c].append(got)
     out = []

@@ -78,11 +78,12 @@ def start(flags: list[str]):
         [sys.executable, "-m", "kvfn.serving.server", "--port", "0", "--log-level", "ERROR", *flags],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
-    match = re.search(r"http://[^:]+:(\d+)", proc.stdout.readline())
-    if not match:
-        proc.kill()
-        raise SystemExit("kvfn-server did not start")
-    return proc, f"http://127.0.0.1:{match.group(1)}"
+    for line in proc.stdout:  # a warm-up line (on the GPU), then the port
+        match = re.search(r"listening on http://[^:]+:(\d+)", line)
+        if match:
+            return proc, f"http://127.0.0.1:{match.group(1)}"
+    proc.kill()
+    raise SystemExit("kvfn-server did not start")
 
 
 def prompt(tag: str, n_tokens: int) -> str:

@@ -34,12 +34,15 @@ def start(flags: list[str]):
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
-    line = proc.stdout.readline()
-    match = re.search(r"listening on http://[^:]+:(\d+)", line)
-    if not match:
-        proc.kill()
-        raise RuntimeError(f"kvfn-server did not start: {line!r}")
-    return proc, int(match.group(1))
+    lines = []
+    for line in proc.stdout:  # a warm-up, then the port
+        lines.append(line)
+        match = re.search(r"listening on http://[^:]+:(\d+)", line)
+        if match:
+            proc.started = lines
+            return proc, int(match.group(1))
+    proc.kill()
+    raise RuntimeError(f"kvfn-server did not start: {lines!r}")
 
 
 class Server:
@@ -158,6 +161,25 @@ def test_eviction_on_chat_and_completions(evicting):
     assert evicting.complete_text(LONG[2], stream=True, max_tokens=8) == text.choices[0].text
     short = evicting.chat(SHORT[0])
     assert short.usage.model_extra["kv_eviction"]["kept_whole"]  # under the floor
+
+
+def test_a_warm_up_at_start_leaves_no_trace_but_its_kernels(evicting):
+    """``--kv-warmup`` runs one synthetic request of the policy before the port serves: it is
+    announced, leaves the prompt cache and the counters empty, and a request then answers as
+    on a server that did not warm up."""
+    proc, port = start([*EVICT, "--kv-warmup"])
+    try:
+        assert re.search(r"warmed up snapkv in [\d.]+ s \(a \d+-token prompt", proc.started[0])
+        warm = Server(port)
+        stats = warm.get("/health")["kv_cache"]
+        assert stats["compacted_requests"] == 0
+        assert stats["prompt_cache_sequences"] == stats["active_sequences"] == 0
+        r, cold = warm.chat(LONG[1], max_tokens=8), evicting.chat(LONG[1], max_tokens=8)
+        assert r.choices[0].message.content == cold.choices[0].message.content
+        assert r.usage.model_extra["kv_eviction"] == cold.usage.model_extra["kv_eviction"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def test_one_request_path_compacts_at_once(evicting):

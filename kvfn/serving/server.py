@@ -171,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=mlx_server.DEFAULT_QUANTIZED_KV_START,
     )
     p.add_argument("--pipeline", action="store_true")
+    p.add_argument("--kv-warmup", action=argparse.BooleanOptionalAction,
+                   help="run one request of the policy at start (a synthetic prompt through "
+                   "the compaction and the batch decode), so the CUDA kernels and compiled "
+                   "functions a first request builds are built before the port serves "
+                   "(default: on where MLX's default device is the GPU)")  # fmt: skip
     flags.add_arguments(p, "none, or a policy: chunkkv (recommended: a request's prompt ends "
                         "with its question, and chunkkv kept the full cache's answers at 12.5%% "
                         "of the rows there: Qwen2.5-Coder-0.5B 87-88 of 89-90 at 4K-16K tokens, "
@@ -1115,6 +1120,34 @@ def make_generator(args) -> KVResponseGenerator:
     return KVResponseGenerator(provider, EvictingPromptCache(provider, args.prompt_cache_size))
 
 
+def warm_up(generator, args) -> Optional[tuple]:
+    """One request of the server's policy through the generation thread: a synthetic prompt the
+    policy compacts, and a few decoded tokens. (tokens, seconds), or None without a policy."""
+    policy = args.policy
+    if policy is None:
+        return None
+    n = 64
+    while policy.keeps_whole(n - 1) and n < 1 << 20:
+        n *= 2
+    tokenizer = generator.model_provider.tokenizer
+    words = " ".join(f"warm up {i % 97}" for i in range(n))
+    prompt = tokenizer.decode(tokenizer.encode(words)[:n])
+    request = mlx_server.CompletionRequest("text", prompt, [], None, None)
+    settings = mlx_server.GenerationArguments(
+        model=mlx_server.ModelDescription("default_model", None, None),
+        sampling=mlx_server.SamplingArguments(0.0, 1.0, 0, 0.0, 0.0, 0.0),
+        logits=mlx_server.LogitsProcessorArguments(None, 0.0, 20, 0.0, 20, 0.0, 20),
+        stop_words=[], max_tokens=4, num_draft_tokens=0, logprobs=False, top_logprobs=0,
+        seed=None, chat_template_kwargs=None,
+    )  # fmt: skip
+    tic = time.perf_counter()
+    ctx, responses = generator.generate(request, settings)
+    for _ in responses:
+        pass
+    generator.prompt_cache.compacted_requests = 0
+    return len(ctx.prompt), time.perf_counter() - tic
+
+
 def make_server(args) -> tuple:
     """(HTTP server, response generator) with the model loaded; the port is bound."""
     generator = make_generator(args)
@@ -1139,6 +1172,13 @@ def main(argv=None) -> None:
         # under mlx.launch rank 0 serves HTTP; the others run each request it shares with them
         return make_generator(args).join()
     httpd, generator = make_server(args)
+    warm = args.kv_warmup
+    if warm is None:
+        warm = mx.default_device() == mx.gpu
+    if warm and args.policy is not None:
+        tokens, seconds = warm_up(generator, args)
+        print(f"kvfn-server warmed up {args.kv_eviction} in {seconds:.1f} s (a {tokens}-token "
+              "prompt; --no-kv-warmup skips it)", flush=True)  # fmt: skip
     host, port = httpd.server_address[:2]
     print(f"kvfn-server listening on http://{host}:{port} (kv-eviction {args.kv_eviction})",
           flush=True)  # fmt: skip
