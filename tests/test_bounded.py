@@ -221,3 +221,37 @@ def test_generating_cuts_a_callers_larger_room_to_one_capacity(fm):
     _, final = run(kvfn.bounded_decode(fm, mx.array([[ids[-1]]]), states, policy, steps=3,
                                        interval=40))  # fmt: skip
     assert {s.capacity for s in final} == {kvfn.wrapper.bucket(72)}
+
+
+def test_quality_bounded_asks_every_config_the_same_questions(capsys):
+    """The quality example's four configs: with more rows than the prompt nothing is evicted
+    and all answer as mlx-lm's full cache; with fewer, each is scored on the same question."""
+    from examples import quality_bounded
+
+    whole = quality_bounded.main(["--tasks", "passkey", "--lengths", "160", "--samples", "1",
+                                  "--rows", "512", "--window", "8", "--prefill-step-size", "64"])  # fmt: skip
+    (row,) = whole["rows"]
+    assert row["length"] <= 160 and len(set(row["answers"].values())) == 1
+    cut = quality_bounded.main(["--tasks", "passkey", "--lengths", "160", "--samples", "1",
+                                "--rows", "24", "--window", "8", "--prefill-step-size", "64"])  # fmt: skip
+    assert [r["config"] for r in cut["table"]] == list(quality_bounded.configs("chunkkv"))
+    assert cut["rows"][0]["answers"]["mlx-lm full"] == row["answers"]["mlx-lm full"]
+    assert all(0.0 <= r["score"] <= 1.0 and r["questions"] == 1 for r in cut["table"])
+    assert "kvfn chunkkv bounded" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        quality_bounded.main(["--rows", "8", "--window", "8"])
+    with pytest.raises(SystemExit):
+        quality_bounded.main(["--policy", "kvzip"])  # it cannot evict while prefilling
+
+
+def test_benchmark_memory_bounds_the_peak_rows_and_prints_each_run(capsys):
+    from examples import benchmark_memory
+
+    out = benchmark_memory.main(["--prompt-tokens", "300", "--rows", "48", "--window", "8",
+                                 "--new-tokens", "4", "--prefill-step-size", "64"])  # fmt: skip
+    by = {r["config"]: r for r in out}
+    assert by["kvfn snapkv bounded"]["peak_rows"] <= 48 + 64
+    assert by["kvfn snapkv bounded"]["kv_held_gb"] == pytest.approx(by["kvfn snapkv"]["kv_held_gb"])
+    assert by["mlx-lm rotating"]["kv_held_gb"] < by["mlx-lm full"]["kv_held_gb"]
+    runs = [line for line in capsys.readouterr().out.splitlines() if line.startswith('{"round"')]
+    assert len(runs) == 2 * len(benchmark_memory.CONFIGS)  # a warm-up round and a measured one
