@@ -155,7 +155,7 @@ def compact_steps(
         prefill = _bounded_steps(fmodel, context, policy, max_rows, prefill_step_size, dtype,
                                  settle)  # fmt: skip
         return _compaction(fmodel, context, policy, prefill, True, max_new_tokens + 1, compiled,
-                           settle)  # fmt: skip
+                           settle, own_pass=not policy.scores_held)  # fmt: skip
     window = policy.observation_window(P)
     kwargs = dict(states=None, capacity=P, prefill_step_size=prefill_step_size, dtype=dtype,
                   compiled=False, settle=settle, check_ids=False)  # fmt: skip
@@ -168,13 +168,17 @@ def compact_steps(
                        compiled, settle)  # fmt: skip
 
 
-def _compaction(fmodel, context, policy, prefill, scored, reserve, compiled, settle):
+def _compaction(fmodel, context, policy, prefill, scored, reserve, compiled, settle,
+                own_pass=True):  # fmt: skip
     """``compact_steps``' generator, over the steps of its ``prefill`` (which returns the
-    states, the scores and, evicting while it prefilled, the most rows it held)."""
+    states, the scores and, evicting while it prefilled, the most rows it held), then the
+    policy's own scoring pass unless the prefill scored what it holds."""
     P = context.shape[1]
     states, scores, *peak = yield from prefill
     scores = scores if scored else None
-    own = yield from _after(P, policy.score_steps(fmodel, context, states, scores))
+    own = None
+    if own_pass:
+        own = yield from _after(P, policy.score_steps(fmodel, context, states, scores))
     scores = own if own is not None else scores
     new, result = compact_states(states, scores, policy, reserve=reserve, compiled=compiled,
                                  group=fmodel.group)  # fmt: skip
@@ -212,9 +216,10 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle):
     P = context.shape[1]
     parts = bounded_chunks(P, step, policy.window)
     states, scores, held, peak = None, None, 0, 0
+    unscored, carried = 0, None  # a policy scoring what it holds: rows it has not scored yet
     for j, (start, stop) in enumerate(parts):
         tokens, n = context[:, start:stop], stop - start
-        window = min(policy.observation_window(held + n), n)
+        window = 0 if policy.scores_held else min(policy.observation_window(held + n), n)
         kwargs = dict(states=states, capacity=n, prefill_step_size=n, dtype=dtype,
                       compiled=False, settle=settle, check_ids=False)  # fmt: skip
         if window:
@@ -224,14 +229,46 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle):
             states, scores = _drain(_prefill_steps(fmodel, tokens, **kwargs), None)[0], None
         held += n
         peak = max(peak, held)
-        if held > max_rows and j + 1 < len(parts):
+        last = j + 1 == len(parts)
+        if policy.scores_held and (last or held > max_rows):
+            steps = policy.held_score_steps(fmodel, context[:, :stop], states, unscored, carried)
+            scores = yield from _as_progress(steps, stop, P)
+            unscored = stop
+        if held > max_rows and not last:
             room = parts[j + 1][1] - parts[j + 1][0]
-            states = compact_states(states, scores, policy, reserve=room, group=fmodel.group)[0]
-            held = policy.rows_after(held)
-        if settle or j + 1 < len(parts):  # a lazy graph of every chunk would hold them all
-            mx.eval(tree.arrays(states), scores or ())
+            new = compact_states(states, scores, policy, reserve=room, group=fmodel.group)[0]
+            kept = policy.rows_after(held)
+            if policy.scores_held:
+                carried = kept_scores(scores, states, new, kept)
+            states, held = new, kept
+        if settle or not last:  # a lazy graph of every chunk would hold them all
+            mx.eval(tree.arrays(states), scores or (), carried or ())
         yield stop, P
     return states, scores, peak
+
+
+def _as_progress(steps, done: int, total: int):
+    """``steps``, yielding ``(done, total)`` for each of its steps; returns its value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+        yield done, total
+
+
+def kept_scores(scores: tuple, before: tuple, after: tuple, rows: int) -> tuple:
+    """Each layer's ``scores`` (B, n_heads, rows held ``before``) of the ``rows`` rows kept
+    ``after`` a compaction, found by their positions (a KV head's scores go with its query
+    heads')."""
+    out = []
+    for s, b, a in zip(scores, before, after):
+        old = b.positions[..., : s.shape[-1]]
+        new = a.positions[..., :rows]
+        at = mx.argmax(new[..., :, None] == old[..., None, :], axis=-1)
+        at = mx.repeat(at, s.shape[1] // at.shape[1], axis=1)
+        out.append(mx.take_along_axis(s, at, axis=-1))
+    return tuple(out)
 
 
 def _after(base: int, steps):

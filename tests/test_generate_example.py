@@ -103,8 +103,8 @@ def test_example_evicts_while_prefilling_and_prints_its_peak(capsys):
 
 def test_example_refuses_a_policy_that_cannot_evict_while_prefilling(capsys):
     for argv, message in (
-        (["--kv-eviction", "kvzip", "--kv-max-rows", "600"],
-         "--kv-max-rows: kvzip cannot evict while prefilling: its scores"),
+        (["--kv-eviction", "pyramidkv", "--kv-max-rows", "600"],
+         "--kv-max-rows: pyramidkv cannot evict while prefilling: its layers"),
         (["--kv-eviction", "snapkv", "--kv-max-rows", "100"],
          "--kv-max-rows: max_rows must be an int >= the policy's budget 512, got 100"),
         (["--kv-max-rows", "96"], "--kv-max-rows: needs --kv-eviction POLICY"),

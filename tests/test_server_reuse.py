@@ -147,12 +147,12 @@ def test_a_servers_cap_leaves_requests_it_cannot_bound_uncapped(serve):
     server = serve(["--kv-eviction", "snapkv", *BUDGET, "--kv-max-rows", "96"])
     capped = usage(server.post(turn(QUESTIONS[0])))
     assert capped["peak_rows"] <= 96 + 128 + 8
-    for body in ({"kv_eviction": "none"}, {"kv_eviction": "kvzip"}, {"kv_budget": 256}):
+    for body in ({"kv_eviction": "none"}, {"kv_eviction": "pyramidkv"}, {"kv_budget": 256}):
         status, out = server.post(turn(QUESTIONS[0], **body))
         assert status == 200, (body, out)
         assert "peak_rows" not in out["usage"].get("kv_eviction", {}), body
-    status, out = server.post(turn(QUESTIONS[0], kv_eviction="kvzip", kv_max_rows=96))
-    assert status == 400 and "kvzip cannot evict while prefilling" in out["error"]
+    status, out = server.post(turn(QUESTIONS[0], kv_eviction="pyramidkv", kv_max_rows=96))
+    assert status == 400 and "pyramidkv cannot evict while prefilling" in out["error"]
 
 
 def test_a_turn_waits_for_the_compaction_of_its_context_in_progress(loaded):

@@ -220,13 +220,15 @@ def test_a_request_caps_the_rows_held_while_prefilling(serve, loaded):
     ):
         status, out = server.post(chat(kv_max_rows=bad))
         assert status == 400 and why in out["error"], out
-    status, out = server.post(chat(kv_max_rows=64, kv_eviction="kvzip"))
-    assert status == 400 and "kvzip cannot evict while prefilling" in out["error"], out
+    status, out = server.post(chat(long, kv_max_rows=96, kv_eviction="kvzip", max_tokens=2))
+    assert status == 200 and out["usage"]["kv_eviction"]["peak_rows"] <= 96 + 128 + 8, out
+    status, out = server.post(chat(kv_max_rows=64, kv_eviction="pyramidkv"))
+    assert status == 400 and "pyramidkv cannot evict while prefilling" in out["error"], out
     plain = serve([])
     status, out = plain.post(chat(kv_max_rows=64))
     assert status == 400 and "kv_max_rows needs a kv_eviction policy" in out["error"], out
     with pytest.raises(SystemExit):
-        kv_server.parse_args([*COMMON, "--kv-eviction", "kvzip", *BUDGET, "--kv-max-rows", "64"])
+        kv_server.parse_args([*COMMON, "--kv-eviction", "pyramidkv", *BUDGET, "--kv-max-rows", "64"])
     assert server.get("/health")[1]["kv_settings"]["max_rows"] == 64
 
 

@@ -27,6 +27,8 @@ class AdaKVzip(KVzip, AdaKV):
     layer_totals: tuple = ()
 
     name: ClassVar[str] = "adakvzip"
+    cannot_recompact: ClassVar[str] = AdaKV.cannot_recompact
+    scores_held: ClassVar[bool] = False
     words: ClassVar[dict] = {"global": {"across_layers": True, "floor": 0}}
     numbers: ClassVar[dict] = {**KVzip.numbers, "f": "floor"}
 

@@ -137,6 +137,39 @@ def _steps(fmodel, tokens, states, prompt, resume, suffix, chunk, overlap, sink)
     return tuple(mx.concatenate(kept, axis=-1) if len(kept) > 1 else kept[0] for kept in done)
 
 
+def held_reconstruction_steps(fmodel, context, states, start, carried, *, prompt, resume,
+                              suffix, chunk, overlap, sink):  # fmt: skip
+    """KVzip's scores while evicting as it prefills: the context tokens ``context[:, start:]``
+    are the last rows ``states`` hold (earlier rows compacted, keeping their true positions and
+    the first ``sink`` rows), scored now as the pass scores them (chunks of ``chunk`` from the
+    context's start, each after its instruction, over what is held: ``reconstruction_attention``
+    over the held slots) and appended to the earlier rows' ``carried`` scores. A generator,
+    yielding after each chunk; it returns every held row's scores."""
+    B, stop = context.shape
+    base = 0 if carried is None else carried[0].shape[-1]
+    held = base + stop - start
+    parts = [(max(a, start), b) for a, b in chunks(stop, chunk) if b > start]
+    done = [[] if carried is None else [c] for c in (carried or states)]
+    for a, b in parts:
+        if a == 0:
+            head = _ids(prompt, B)
+        else:
+            tail = context[:, max(a - overlap, 0) : a]
+            head = mx.concatenate([_ids(resume, B), tail, _ids(suffix, B)], axis=1)
+        inputs = mx.concatenate([head, context[:, a:b]], axis=1)
+        n = inputs.shape[1]
+        rows = (sink, base + a - start, base + b - start, held)
+        zeros = tuple(mx.zeros((B, h, b - a), mx.float32) for h in fmodel.n_heads)
+        scores = fmodel.scored_forward(inputs, tuple(with_room(s, n) for s in states), zeros,
+                                       QuerySlice(0, n, "reconstruction", rows))[2]  # fmt: skip
+        mx.eval(scores)
+        for kept, s in zip(done, scores):
+            kept.append(s)
+        del scores
+        yield b, stop
+    return tuple(mx.concatenate(kept, axis=-1) if len(kept) > 1 else kept[0] for kept in done)
+
+
 def _ids(ids: tuple, batch: int) -> mx.array:
     return mx.broadcast_to(mx.array(list(ids), mx.int32).reshape(1, -1), (batch, len(ids)))
 
@@ -192,9 +225,10 @@ class KVzip(Policy):
     needs_scores: ClassVar[bool] = True
     words: ClassVar[dict] = {"layer": {"per_head": False}}
     numbers: ClassVar[dict] = {"k": "kernel_size", "c": "chunk"}
-    cannot_recompact: ClassVar[str] = (
-        "its scores come from a reconstruction pass over the whole prefilled context"
-    )
+    # evicting while prefilling it scores each chunk of the context over what is held, when a
+    # compaction is due (the pass's chunks over the whole context where none is)
+    cannot_recompact: ClassVar[str] = ""
+    scores_held: ClassVar[bool] = True
 
     @property
     def head_local(self) -> bool:
@@ -241,6 +275,19 @@ class KVzip(Policy):
                                      resume=self.resume, suffix=self.suffix, chunk=self.chunk,
                                      overlap=self.overlap, sink=self.sink_tokens)  # fmt: skip
         return (yield from steps)
+
+    def check_max_rows(self, max_rows, during: str = "prefilling") -> None:
+        if during != "prefilling":
+            raise ValueError(f"{self.name} cannot evict while {during}: its scores come from "
+                             "a reconstruction pass over the context, not from generated "
+                             "queries")  # fmt: skip
+        super().check_max_rows(max_rows, during)
+
+    def held_score_steps(self, fmodel, context, states, start, carried):
+        return held_reconstruction_steps(fmodel, context, states, start, carried,
+                                         prompt=self.prompt, resume=self.resume,
+                                         suffix=self.suffix, chunk=self.chunk,
+                                         overlap=self.overlap, sink=self.sink_tokens)  # fmt: skip
 
     def score_prompt(self, fmodel, tokens, states, gathered=None) -> Optional[tuple]:
         return _drain(self.score_steps(fmodel, tokens, states, gathered), None)

@@ -71,6 +71,9 @@ class Policy:
     cannot_recompact: ClassVar[str] = (
         "it does not say it can compact rows it compacted before (Policy.cannot_recompact)"
     )
+    # True when, evicting while prefilling, it scores the rows it holds by a pass of its own
+    # (``held_score_steps``: KVzip's reconstruction) instead of a window of the prefill's queries
+    scores_held: ClassVar[bool] = False
     # option word -> field values, for names like "snapkv-avg-layer"
     words: ClassVar[dict] = {}
     # option prefix -> int field, for names like "snapkv-k15"
@@ -146,6 +149,15 @@ class Policy:
         decode steps), and returns what ``score_prompt`` returns. The default runs
         ``score_prompt`` in one step."""
         return self.score_prompt(fmodel, tokens, states, gathered)
+        yield  # noqa: unreachable: makes this a generator
+
+    def held_score_steps(self, fmodel, context: mx.array, states: tuple, start: int,
+                         carried: Optional[tuple]):  # fmt: skip
+        """Evicting while prefilling, where ``scores_held``: a generator of the scores of every
+        row ``states`` hold, yielding after each step of its pass. The last rows are those of
+        the context tokens ``context[:, start:]``, not scored yet; ``carried`` holds the earlier
+        rows' scores (None: there are none)."""
+        raise NotImplementedError(f"{type(self).__name__} scores by the prefill's window")
         yield  # noqa: unreachable: makes this a generator
 
     def scoring(self) -> tuple:
