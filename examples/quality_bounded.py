@@ -26,10 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import kvfn_models  # noqa: E402
 import mlx.core as mx  # noqa: E402
-from kvfn_eval import answers, tasks  # noqa: E402
-from kvfn_eval.evaluator import ANSWER_TOKENS, prompt_tokens, token_counter  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache  # noqa: E402
+
+from kvfn_eval import answers, tasks  # noqa: E402
+from kvfn_eval.evaluator import ANSWER_TOKENS, prompt_tokens, token_counter  # noqa: E402
 
 MLX_LM = ("mlx-lm full", "mlx-lm rotating")
 

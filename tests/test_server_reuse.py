@@ -9,14 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 
 import kvfn
-from tests.test_server_survives import (
+from tests.test_server_survives import (  # noqa: F401
     BUDGET,
     document,
     leave_after,
     loaded,
     serve,
     text,
-)  # noqa: F401
+)
 
 CONTEXT = document("kite", 40)  # ~480 tokens of facts, asked about in several turns
 QUESTIONS = ("What colour was the kite number 5?", "What colour was the kite number 2?",
