@@ -180,6 +180,11 @@ def test_a_warm_up_at_start_leaves_no_trace_but_its_kernels(evicting):
     finally:
         proc.terminate()
         proc.wait(30)
+    # a policy keeping every prompt the model takes (8,192 tokens) whole has nothing to warm
+    proc, _ = start([*EVICT, "--kv-warmup", "--kv-min-tokens", "9000"])
+    proc.terminate()
+    proc.wait(30)
+    assert len(proc.started) == 1 and "listening on" in proc.started[0]
 
 
 def test_one_request_path_compacts_at_once(evicting):

@@ -1120,15 +1120,21 @@ def make_generator(args) -> KVResponseGenerator:
     return KVResponseGenerator(provider, EvictingPromptCache(provider, args.prompt_cache_size))
 
 
+WARM_UP_TOKENS = 32768  # the longest warm-up prompt where the model does not say its context
+
+
 def warm_up(generator, args) -> Optional[tuple]:
     """One request of the server's policy through the generation thread: a synthetic prompt the
-    policy compacts, and a few decoded tokens. (tokens, seconds), or None without a policy."""
+    policy compacts, and a few decoded tokens. (tokens, seconds), or None without a policy or
+    where it keeps every prompt the model takes whole."""
     policy = args.policy
-    if policy is None:
+    longest = generator.model_provider.context_length or WARM_UP_TOKENS
+    if policy is None or policy.keeps_whole(longest - 1):
         return None
     n = 64
-    while policy.keeps_whole(n - 1) and n < 1 << 20:
+    while policy.keeps_whole(n - 1):
         n *= 2
+    n = min(n, longest)
     tokenizer = generator.model_provider.tokenizer
     words = " ".join(f"warm up {i % 97}" for i in range(n))
     prompt = tokenizer.decode(tokenizer.encode(words)[:n])
@@ -1175,8 +1181,9 @@ def main(argv=None) -> None:
     warm = args.kv_warmup
     if warm is None:
         warm = mx.default_device() == mx.gpu
-    if warm and args.policy is not None:
-        tokens, seconds = warm_up(generator, args)
+    done = warm_up(generator, args) if warm else None
+    if done is not None:
+        tokens, seconds = done
         print(f"kvfn-server warmed up {args.kv_eviction} in {seconds:.1f} s (a {tokens}-token "
               "prompt; --no-kv-warmup skips it)", flush=True)  # fmt: skip
     host, port = httpd.server_address[:2]
