@@ -107,34 +107,10 @@ def reconstruction_steps(
         raise ValueError(f"states must hold the {P} prefilled tokens' rows, got rows {rows}")
     if not all(s.dense for s in states):
         raise ValueError("the reconstruction pass needs the dense states of a plain prefill")
-    return _steps(fmodel, tokens.astype(mx.int32), tuple(states), *heads, chunk, overlap, sink)
-
-
-def _steps(fmodel, tokens, states, prompt, resume, suffix, chunk, overlap, sink):
-    B, P = tokens.shape
-    parts = chunks(P, chunk)
-    done = [[] for _ in states]
-    for start, end in parts:
-        if start == 0:
-            head = _ids(prompt, B)
-        else:
-            tail = tokens[:, max(start - overlap, 0) : start]
-            head = mx.concatenate([_ids(resume, B), tail, _ids(suffix, B)], axis=1)
-        inputs = mx.concatenate([head, tokens[:, start:end]], axis=1)
-        n = inputs.shape[1]
-        query = QuerySlice(0, n, "reconstruction", (sink, start, end, P))
-        zeros = tuple(mx.zeros((B, h, end - start), mx.float32) for h in fmodel.n_heads)
-        # each chunk runs over its own copy of the states with room for its n rows, made and
-        # freed layer by layer: the caller's states stay as they were and no second copy of
-        # every layer is ever held (the states and their logits are dropped at once)
-        scores = fmodel.scored_forward(inputs, tuple(with_room(s, n) for s in states), zeros,
-                                       query)[2]  # fmt: skip
-        mx.eval(scores)
-        for kept, s in zip(done, scores):
-            kept.append(s)
-        del scores
-        yield end, P
-    return tuple(mx.concatenate(kept, axis=-1) if len(kept) > 1 else kept[0] for kept in done)
+    prompt, resume, suffix = heads
+    return held_reconstruction_steps(fmodel, tokens.astype(mx.int32), tuple(states), 0, None,
+                                     prompt=prompt, resume=resume, suffix=suffix, chunk=chunk,
+                                     overlap=overlap, sink=sink)  # fmt: skip
 
 
 def held_reconstruction_steps(fmodel, context, states, start, carried, *, prompt, resume,
@@ -144,7 +120,8 @@ def held_reconstruction_steps(fmodel, context, states, start, carried, *, prompt
     the first ``sink`` rows), scored now as the pass scores them (chunks of ``chunk`` from the
     context's start, each after its instruction, over what is held: ``reconstruction_attention``
     over the held slots) and appended to the earlier rows' ``carried`` scores. A generator,
-    yielding after each chunk; it returns every held row's scores."""
+    yielding after each chunk; it returns every held row's scores. With ``start`` 0 and nothing
+    carried (a plain prefill held whole) it is the pass itself (``reconstruction_steps``)."""
     B, stop = context.shape
     base = 0 if carried is None else carried[0].shape[-1]
     held = base + stop - start
@@ -160,6 +137,9 @@ def held_reconstruction_steps(fmodel, context, states, start, carried, *, prompt
         n = inputs.shape[1]
         rows = (sink, base + a - start, base + b - start, held)
         zeros = tuple(mx.zeros((B, h, b - a), mx.float32) for h in fmodel.n_heads)
+        # each chunk runs over its own copy of the states with room for its n rows, made and
+        # freed layer by layer: the caller's states stay as they were and no second copy of
+        # every layer is ever held (the states and their logits are dropped at once)
         scores = fmodel.scored_forward(inputs, tuple(with_room(s, n) for s in states), zeros,
                                        QuerySlice(0, n, "reconstruction", rows))[2]  # fmt: skip
         mx.eval(scores)
