@@ -92,8 +92,10 @@ def compact_states(
     n_kv_heads = tuple(None if s.sliding_window else s.keys.shape[1] for s in states)
     policy = policy.planned(scores, prompt_length=P, n_kv_heads=n_kv_heads)
     policy.check_states(n_kv_heads, batch=states[0].keys.shape[0], prompt_length=P)
-    # a dense state holds exactly P rows, so every kept row is a stored one: still packed
-    statics = tuple((s.sliding_window, s.dense) for s in states)
+    # a dense state holds exactly P rows, as does a packed one whose rows are P (one compacted
+    # while prefilling, then prefilled further): every kept row is a stored one, still packed
+    statics = tuple((s.sliding_window, s.dense or (s.packed and int(s.rows.item()) == P))
+                    for s in states)  # fmt: skip
     flat = [kv.flatten(s)[0] for s in states]
     run, layout = _evictor(policy, P, reserve, statics, compiled and policy.traceable, group)
     out = run(flat, list(scores or ()))

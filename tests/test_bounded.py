@@ -75,6 +75,22 @@ def test_it_is_the_chunk_by_chunk_composition_of_the_public_steps(fm):
     assert mx.array_equal(first_logits(fm, ids, got), first_logits(fm, ids, want)).item()
 
 
+def test_what_it_keeps_decodes_as_fast_as_a_compaction_after_the_prefill(fm):
+    """Rows compacted while prefilling are packed as after the prefill (a slot comparison, not a
+    per-head mask from positions): they decode through the same compiled step, and as the same
+    rows read through the per-head mask do."""
+    ids, policy = prompt(300), kvfn.SnapKV(budget=32, window=WINDOW)
+    after, _ = kvfn.compact(fm, prompt(300, seed=2), policy, prefill_step_size=STEP)
+    first_logits(fm, ids, after)
+    traces = fm.traces
+    got, r = kvfn.compact(fm, ids, policy, max_rows=48, prefill_step_size=STEP)
+    assert r.peak_rows < 299 and all(s.packed for s in got)
+    logits = first_logits(fm, ids, got)
+    assert fm.traces == traces
+    unpacked = tuple(s.replace(packed=False) for s in got)
+    assert mx.allclose(logits, first_logits(fm, ids, unpacked), atol=1e-5).item()
+
+
 def test_kvzip_with_a_cap_never_reached_is_kvzip(fm):
     """Scored once, at the end, over every row: the pass's chunks over the whole context."""
     ids, policy = prompt(201), kvfn.parse_policy("kvzip-c48", budget=32, window=WINDOW)
