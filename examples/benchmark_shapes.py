@@ -6,6 +6,7 @@ process, on a random-weight model.
 python examples/benchmark_shapes.py                                   # tiny shape, CPU-sized
 python examples/benchmark_shapes.py --shape qwen05 --lengths 3000:4100:8 --dtype bfloat16   # GPU
 python examples/benchmark_shapes.py ... --compiled-compaction         # compact_states compiled
+python examples/benchmark_shapes.py ... --compile-after 64            # decode eager at a new shape
 
 Per request: the compaction (or prefill) with its arrays evaluated, the first decode step, and
 decode tokens/s over the rest; ``traces``: the compiled steps ``fm.decode`` traced meanwhile.
@@ -129,7 +130,8 @@ def table(out: list, lengths: list, budget: int, args) -> None:
     snap = next((r["new"]["decode_tps"] for r in out if r["policy"] == "snapkv"), None)
     print(
         f"\n{args.shape} {args.dtype}, lengths {lengths}, budget {budget}, "
-        f"{'compiled' if args.compiled_compaction else 'eager'} compaction; seconds per request"
+        f"{'compiled' if args.compiled_compaction else 'eager'} compaction, compile_after "
+        f"{args.compile_after}; seconds per request"
     )
     print(
         f"{'policy':<16}{'cold':>8}{'new':>8}{'repeat':>8}{'vs mlx-lm':>10}"
@@ -159,6 +161,12 @@ def main(argv=None) -> list:
     p.add_argument("--new-tokens", type=int, default=12)
     p.add_argument("--compiled-compaction", action="store_true",
                    help="compact_states compiled (a trace per prompt length)")  # fmt: skip
+    p.add_argument(
+        "--compile-after",
+        type=int,
+        default=0,
+        help="FunctionalModel(compile_after=N): a shape's first N steps eager",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     low, high, n = (int(x) for x in args.lengths.split(":"))
@@ -172,7 +180,7 @@ def main(argv=None) -> list:
     budget = max(int(args.budget * low), args.window + 8)
     out = []
     for name in ["mlx-lm", *args.policies.split(",")]:
-        fm = kvfn.FunctionalModel(model)  # each policy starts cold
+        fm = kvfn.FunctionalModel(model, compile_after=args.compile_after)  # each starts cold
         policy = None if name == "mlx-lm" else make_policy(name, fm, budget, args.window)
 
         def one(L):

@@ -25,6 +25,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
@@ -285,9 +286,17 @@ def _check_layer(state: kv.State, i: int, kv_heads: int, head_dim: int) -> None:
 class FunctionalModel:
     """An mlx-lm model as pure functions of (tokens, layer states)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, *, compile_after: int = 0):
+        """``compile_after``: the compiled steps run their first ``compile_after`` calls at each
+        layout and shapes eagerly (the same function, not traced) and trace at the next, so a
+        shape met once (a prompt length's own buckets) costs no compilation; 0 traces at once."""
         if not isinstance(model, nn.Module) or not hasattr(model, "layers"):
             raise TypeError(f"FunctionalModel takes an mlx-lm model, got {type(model).__name__}")
+        if isinstance(compile_after, bool) or not isinstance(compile_after, int) \
+                or compile_after < 0:  # fmt: skip
+            raise ValueError(f"compile_after must be an int >= 0, got {compile_after!r}")
+        self.compile_after = compile_after
+        self._calls: dict = {}  # calls a layout and shapes have had, while compile_after holds
         self.model = model
         self.sliding_windows = layer_windows(model)
         self._attn_names = [_attention_name(l, i) for i, l in enumerate(model.layers)]
@@ -486,6 +495,16 @@ class FunctionalModel:
             compiled = self._compiled[key] = mx.compile(fn, inputs=self._model.state)
         return compiled
 
+    def _cold(self, key, tokens, flat, scores) -> bool:
+        """Whether this call runs eagerly: one of the first ``compile_after`` at its layout and
+        shapes (what a trace is specialised to)."""
+        if not self.compile_after:
+            return False
+        shapes = tuple((k, a.shape, a.dtype) for k, a in tree_flatten(list(flat)))
+        signature = (key, tokens.shape, shapes, tuple(s.shape for s in scores))
+        calls = self._calls[signature] = self._calls.get(signature, 0) + 1
+        return calls <= self.compile_after
+
     def step(self, tokens, states, *, check_ids: bool = True) -> tuple:
         """Compiled: logits of the last position (B, vocab) and new states, for n >= 1 tokens.
         Traced once per layout and shapes (``traces``): a decode loop traces once per
@@ -520,17 +539,20 @@ class FunctionalModel:
         flat, static, host = zip(*(tree.flatten(s) for s in states))
         lockstep = self._lockstep(states)
 
-        def run(tokens, flat, scores):  # runs only when mx.compile traces
-            self._traces += 1
+        def step(tokens, flat, scores):
             states_in = tuple(map(tree.unflatten, flat, static))
             self._check_layers(states_in)
             logits, out, adapters = self._run(tokens, states_in, scores, queries, lockstep)
             new_scores = self._scores_out(adapters, scores) if queries is not None else ()
             return logits[:, -1], [tree.flatten(s)[0] for s in out], list(new_scores)
 
+        def run(tokens, flat, scores):  # runs only when mx.compile traces
+            self._traces += 1
+            return step(tokens, flat, scores)
+
         # what the trace closes over; mx.compile keeps a trace per input shapes and dtypes itself
         key = (queries, lockstep, static)
-        fn = self._compiled_step(key, run)
+        fn = step if self._cold(key, tokens, flat, scores) else self._compiled_step(key, run)
         logits, out, new_scores = fn(tokens, list(flat), list(scores))
         n = tokens.shape[1]
         new_states = tuple(

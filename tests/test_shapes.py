@@ -59,6 +59,40 @@ def test_prompts_of_new_lengths_decode_without_a_trace(fm, name):
     assert len(traces) == 20 and sum(traces[1:]) == 0, traces
 
 
+@pytest.mark.parametrize("name", LIBRARY)
+def test_a_shapes_first_steps_run_eagerly_and_equal_the_compiled_ones(fm, name):
+    """``compile_after=3``: the first three decode steps at a layout and shapes run the step's
+    function eagerly (no trace) and give the compiled step's logits; the fourth traces."""
+    ids = [(5 * j + 1) % 90 + 3 for j in range(70)]
+    policy = policy_of(name, fm)
+    lazy = kvfn.FunctionalModel(fm.model, compile_after=3)
+    states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=8)
+    cold, _ = kvfn.compact(lazy, ids, policy, max_new_tokens=8)
+    token = cold_token = mx.array([[ids[-1]]])
+    traces = []
+    for _ in range(5):
+        logits, states = fm.decode(token, states)
+        cold_logits, cold = lazy.decode(cold_token, cold)
+        traces.append(lazy.traces)
+        assert mx.allclose(cold_logits, logits, atol=1e-5).item()
+        token, cold_token = (
+            mx.argmax(logits, axis=-1)[:, None],
+            mx.argmax(cold_logits, axis=-1)[:, None],
+        )
+    assert traces == [0, 0, 0, 1, 1], traces
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "8"])
+def test_a_bad_compile_after_is_refused_by_value(fm, bad):
+    """(A float or a string meets typeguard's check of the annotation first under the tests.)"""
+    if isinstance(bad, int):
+        message, error = f"compile_after must be an int >= 0, got {bad!r}", ValueError
+    else:
+        message, error = "compile_after", Exception
+    with pytest.raises(error, match=message):
+        kvfn.FunctionalModel(fm.model, compile_after=bad)
+
+
 def test_a_full_prompt_of_a_new_length_decodes_without_a_trace(fm):
     traces = []
     for length in range(40, 100, 3):
