@@ -126,6 +126,9 @@ class LayerAdapter:
                 )
                 return self._fetch(r, keys.shape[2])
             q = self.queries[:, :, qs.start : qs.stop]
+            if qs.statistic == "queries":
+                self.scores = q
+                return self._fetch(r, keys.shape[2])
             qpos = before[:, None] + mx.arange(qs.start, qs.stop, dtype=mx.int32)[None]
             if qs.statistic == "reconstruction":
                 self.scores = reconstruction_attention(q, self.state.keys, *qs.rows, self.scale)

@@ -136,6 +136,7 @@ def compact_steps(
     compiled: bool = False,
     settle: bool = True,
     max_rows: Optional[int] = None,
+    pass_step_size: Optional[int] = None,
 ) -> Generator[tuple[int, int], None, tuple[tuple, EvictionResult]]:
     """``compact`` one step at a time, for a caller that interleaves other work between steps
     (kvfn-server's decode steps): a generator that yields ``(done, total)`` after each prefill
@@ -145,9 +146,14 @@ def compact_steps(
     its StopIteration value. With ``settle`` each step's arrays are evaluated before it yields,
     and the compacted states before it returns, so that a step's work is done inside it;
     ``compact`` drains it unsettled. ``max_rows``: evict while prefilling (``_bounded_steps``).
+    ``pass_step_size``: the policy's own pass (KVzip's reconstruction) in forwards of at most
+    this many tokens, a step each, with the same scores (None: a chunk of the pass a step), so
+    that no step of the job is much longer than a prefill chunk of that size.
     The arguments are checked when it is called."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if pass_step_size is not None and (type(pass_step_size) is not int or pass_step_size < 1):
+        raise ValueError(f"pass_step_size must be an int >= 1 or None, got {pass_step_size!r}")
     context = _prompt(prompt_tokens, fmodel.vocab_size)[:, :-1]
     kv.check_capacity(context.shape[1] + max_new_tokens + 1, "the prompt plus max_new_tokens")
     P = context.shape[1]
@@ -155,9 +161,10 @@ def compact_steps(
     if max_rows is not None:
         check_bounded(fmodel, policy, max_rows, prefill_step_size)
         prefill = _bounded_steps(fmodel, context, policy, max_rows, prefill_step_size, dtype,
-                                 settle)  # fmt: skip
+                                 settle, pass_step_size)  # fmt: skip
         return _compaction(fmodel, context, policy, prefill, True, max_new_tokens + 1, compiled,
-                           settle, own_pass=not policy.scores_held)  # fmt: skip
+                           settle, own_pass=not policy.scores_held,
+                           pass_step_size=pass_step_size)  # fmt: skip
     window = policy.observation_window(P)
     kwargs = dict(states=None, capacity=P, prefill_step_size=prefill_step_size, dtype=dtype,
                   compiled=False, settle=settle, check_ids=False)  # fmt: skip
@@ -167,11 +174,11 @@ def compact_steps(
     else:
         prefill = _prefill_steps(fmodel, context, **kwargs)
     return _compaction(fmodel, context, policy, prefill, bool(window), max_new_tokens + 1,
-                       compiled, settle)  # fmt: skip
+                       compiled, settle, pass_step_size=pass_step_size)  # fmt: skip
 
 
 def _compaction(fmodel, context, policy, prefill, scored, reserve, compiled, settle,
-                own_pass=True):  # fmt: skip
+                own_pass=True, pass_step_size=None):  # fmt: skip
     """``compact_steps``' generator, over the steps of its ``prefill`` (which returns the
     states, the scores and, evicting while it prefilled, the most rows it held), then the
     policy's own scoring pass unless the prefill scored what it holds."""
@@ -180,7 +187,8 @@ def _compaction(fmodel, context, policy, prefill, scored, reserve, compiled, set
     scores = scores if scored else None
     own = None
     if own_pass:
-        own = yield from _after(P, policy.score_steps(fmodel, context, states, scores))
+        stepped = {} if pass_step_size is None else {"step": pass_step_size}
+        own = yield from _after(P, policy.score_steps(fmodel, context, states, scores, **stepped))
     scores = own if own is not None else scores
     new, result = compact_states(states, scores, policy, reserve=reserve, compiled=compiled,
                                  group=fmodel.group)  # fmt: skip
@@ -207,7 +215,7 @@ def bounded_chunks(P: int, step: int, window: int) -> list[tuple[int, int]]:
     return [(a, min(b, start)) for a, b in chunks(P, step) if a < start] + [(start, P)]
 
 
-def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle):
+def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_step=None):
     """The prefill of ``compact_steps(max_rows=...)``, a chunk a step: whenever the rows held
     pass ``max_rows`` before the last chunk, the states are compacted back to the policy's
     budget with what the chunk just read can score (its last ``window`` queries' attention over
@@ -233,7 +241,9 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle):
         peak = max(peak, held)
         last = j + 1 == len(parts)
         if policy.scores_held and (last or held > max_rows):
-            steps = policy.held_score_steps(fmodel, context[:, :stop], states, unscored, carried)
+            stepped = {} if pass_step is None else {"step": pass_step}
+            steps = policy.held_score_steps(fmodel, context[:, :stop], states, unscored, carried,
+                                            **stepped)  # fmt: skip
             scores = yield from _as_progress(steps, stop, P)
             unscored = stop
         if held > max_rows and not last:

@@ -41,7 +41,7 @@ N_KV_HEADS_NAMES = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
 _current = contextvars.ContextVar("kvfn_layer_adapter", default=None)
 
 
-STATISTICS = ("attention", "max_attention", "moments", "reconstruction")
+STATISTICS = ("attention", "max_attention", "moments", "reconstruction", "queries")
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,9 @@ class QuerySlice:
     end, context)): for each context row of [start, end), the most weight a query of the slice
     gives it in a softmax over rows [0, min(sink, start)), [start, end) and the call's own
     (``kvfn.scores.reconstruction_attention``), (B, n_heads, end - start) in place of the
-    layer's scores."""
+    layer's scores; or ``"queries"``, the slice's queries after RoPE themselves, (B, n_heads,
+    stop - start, head_dim) in place of the layer's scores (a pass that scores after several
+    calls: KVzip's reconstruction input in steps)."""
 
     start: int
     stop: int
@@ -479,6 +481,8 @@ class FunctionalModel:
             want = (st.keys.shape[0], self.n_heads[i], st.capacity)
             if queries.statistic == "moments":
                 want = (*want[:2], self.head_dims[i] + 2, self.head_dims[i])
+            elif queries.statistic == "queries":
+                want = (*want[:2], w, self.head_dims[i])
             elif queries.statistic == "reconstruction":
                 want = (*want[:2], queries.rows[2] - queries.rows[1])
             elif (

@@ -21,7 +21,7 @@ class StepScored(SnapKV):
     passes: int = 3
     name: ClassVar[str] = "stepscored"
 
-    def score_steps(self, fmodel, tokens, states, gathered=None):
+    def score_steps(self, fmodel, tokens, states, gathered=None, *, step=None):
         scores = gathered
         for i in range(self.passes):
             scores = tuple(s * (i + 2) for s in scores)  # rescaled: the same rows win

@@ -11,7 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import kvfn
 from kvfn import KVzip, parse_policy, reconstruction_scores, repeat_prompt
 from kvfn.policies.adakvzip import AdaKVzip
-from kvfn.policies.kvzip import MAX_STEPS
+from kvfn.policies.kvzip import MAX_STEPS, reconstruction_steps
 from kvfn_eval import answers, tasks
 from kvfn_eval.evaluator import Evaluator, Method, prompt_tokens, token_counter
 from tests.tiny import tiny_model
@@ -147,6 +147,63 @@ def test_each_chunk_scores_its_rows_as_mlx_lm_attends_in_its_own_pass(family, ch
     for g, w in zip(got, want):
         assert g.shape == (1, 4, 37) and g.dtype == mx.float32
         np.testing.assert_allclose(np.array(g[0]), w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("step", [1, 5, 16])
+def test_a_chunk_in_steps_scores_as_mlx_lm_attends_in_its_own_pass(family, step, monkeypatch):
+    """``step``: each chunk's input (its head and 16 context tokens) in forwards of ``step``
+    tokens, a step each; the scores are still those of mlx-lm's one forward of the input."""
+    model = tiny_model(family)
+    fm = kvfn.FunctionalModel(model)
+    context = np.random.default_rng(3).integers(0, 97, 37).tolist()
+    heads = dict(prompt=(5, 11, 2), resume=(7, 8), suffix=(9, 4, 1))
+    states = kvfn.prefill(fm, mx.array([context]), prefill_step_size=16)
+    steps = reconstruction_steps(fm, mx.array([context]), states, chunk=16, step=step, **heads)
+    done = []
+    while True:
+        try:
+            done.append(next(steps))
+        except StopIteration as end:
+            got = end.value
+            break
+    assert done[-1] == (37, 37) and [d for d, _ in done] == sorted(d for d, _ in done)
+    assert len(done) == (3 if step == 16 else len(done)) and len(done) >= 37 // step
+    want = brute_force(model, MODULES[family], monkeypatch, context, 16, **heads)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.array(g[0]), w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_rows", [None, 48])
+def test_a_compaction_with_its_pass_in_steps_keeps_the_same_rows(max_rows):
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(4).integers(0, 97, 161).tolist()
+    policy = KVzip(budget=32, window=4, sink_tokens=2, chunk=64)
+
+    def run(**kw):
+        steps, n = kvfn.compact_steps(fm, ids, policy, prefill_step_size=16, max_rows=max_rows,
+                                      **kw), 0  # fmt: skip
+        while True:
+            try:
+                next(steps)
+                n += 1
+            except StopIteration as end:
+                return end.value[0], n
+
+    (whole, n_whole), (stepped, n_stepped) = run(), run(pass_step_size=8)
+    assert n_stepped > n_whole
+    for a, b in zip(whole, stepped):
+        assert mx.array_equal(a.positions, b.positions).item()
+        assert mx.allclose(a.keys, b.keys).item()
+
+
+@pytest.mark.parametrize("bad", [0, -3, True])  # (a float meets typeguard first here)
+def test_a_bad_pass_step_size_is_refused_by_value(bad):
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    with pytest.raises(
+        ValueError, match=f"pass_step_size must be an int >= 1 or None, got {bad!r}"
+    ):
+        kvfn.compact_steps(fm, list(range(3, 90)), KVzip(budget=40, window=4), pass_step_size=bad)
 
 
 def test_a_row_is_scored_by_its_own_chunk_only():

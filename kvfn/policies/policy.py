@@ -143,20 +143,21 @@ class Policy:
         return None
 
     def score_steps(self, fmodel, tokens: mx.array, states: tuple,
-                    gathered: Optional[tuple] = None):  # fmt: skip
+                    gathered: Optional[tuple] = None, *, step: Optional[int] = None):  # fmt: skip
         """``score_prompt`` as a generator: it yields ``(done, total)`` after each step of a
         pass of its own (KVzip's chunks), so a caller can interleave other work (the server's
-        decode steps), and returns what ``score_prompt`` returns. The default runs
-        ``score_prompt`` in one step."""
+        decode steps), and returns what ``score_prompt`` returns. ``step``: a pass's forwards
+        take at most this many tokens each, a step apiece (None: the pass's own steps). The
+        default runs ``score_prompt`` in one step."""
         return self.score_prompt(fmodel, tokens, states, gathered)
         yield  # noqa: unreachable: makes this a generator
 
     def held_score_steps(self, fmodel, context: mx.array, states: tuple, start: int,
-                         carried: Optional[tuple]):  # fmt: skip
+                         carried: Optional[tuple], *, step: Optional[int] = None):  # fmt: skip
         """Evicting while prefilling, where ``scores_held``: a generator of the scores of every
         row ``states`` hold, yielding after each step of its pass. The last rows are those of
         the context tokens ``context[:, start:]``, not scored yet; ``carried`` holds the earlier
-        rows' scores (None: there are none)."""
+        rows' scores (None: there are none). ``step`` as in ``score_steps``."""
         raise NotImplementedError(f"{type(self).__name__} scores by the prefill's window")
         yield  # noqa: unreachable: makes this a generator
 

@@ -455,7 +455,7 @@ class EvictingPromptCache(LRUPromptCache):
         step = self.provider.cli_args.prefill_step_size
         tokenized = policy.for_tokenizer(self.provider.tokenizer)  # KVzip's repeat instruction
         steps = compact_steps(fm, tokens, tokenized, max_new_tokens=1, prefill_step_size=step,
-                              max_rows=self.max_rows)  # fmt: skip
+                              max_rows=self.max_rows, pass_step_size=step)  # fmt: skip
         job = PendingCompaction(self._caches_after(steps, policy, tokens),
                                 prefill_bytes(fm, len(tokens) - 1), self.gone)  # fmt: skip
         return job if self.interleave else job.finish()
@@ -494,7 +494,8 @@ class EvictingPromptCache(LRUPromptCache):
                 step = self.provider.cli_args.prefill_step_size
                 states, result = yield from compact_steps(fm, tokens[:n], tokenized,
                                                           max_new_tokens=0, prefill_step_size=step,
-                                                          max_rows=max_rows)  # fmt: skip
+                                                          max_rows=max_rows,
+                                                          pass_step_size=step)  # fmt: skip
             finally:
                 self.compacting.discard(key)
             self.keep_context(key, states, result)
