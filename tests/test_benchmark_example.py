@@ -622,3 +622,25 @@ def test_benchmark_policies_prints_the_decode_rows_in_the_same_process(capsys):
             assert row[name] == pytest.approx(row[a] / row[b])
     out = capsys.readouterr().out
     assert "| 400 | 0.25 |" in out and "| 400 | 50 |" in out
+
+
+def test_profile_new_length_times_each_phase_new_then_repeated(capsys):
+    from examples import profile_new_length
+
+    rows = profile_new_length.main(["--lengths", "120", "131", "--budget", "16", "--window", "8"])
+    phases = [r["phase"] for r in rows]
+    assert phases[:2] == ["prefill", "scored_prefill"] and phases[-1] == "snapkv compact_states"
+    assert all(r["new_ms"] > 0 and r["repeat_ms"] > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "lengths [131] (each new; 120 warmed up)" in out and out.count('"length": 131') == len(
+        rows
+    )
+
+
+@pytest.mark.parametrize("argv", [["--lengths", "120", "120"], ["--lengths", "20", "131"]])
+def test_profile_new_length_refuses_lengths_it_cannot_compare(argv, capsys):
+    from examples import profile_new_length
+
+    with pytest.raises(SystemExit):
+        profile_new_length.main(argv)
+    assert "need two or more distinct lengths, each past budget + window" in capsys.readouterr().err
