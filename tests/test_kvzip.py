@@ -14,6 +14,7 @@ from kvfn.policies.adakvzip import AdaKVzip
 from kvfn.policies.kvzip import MAX_STEPS, reconstruction_steps
 from kvfn_eval import answers, tasks
 from kvfn_eval.evaluator import Evaluator, Method, prompt_tokens, token_counter
+from tests.test_compact_steps import run
 from tests.tiny import tiny_model
 
 MODULES = {"llama": llama, "qwen2": qwen2}
@@ -159,16 +160,13 @@ def test_a_chunk_in_steps_scores_as_mlx_lm_attends_in_its_own_pass(family, step,
     context = np.random.default_rng(3).integers(0, 97, 37).tolist()
     heads = dict(prompt=(5, 11, 2), resume=(7, 8), suffix=(9, 4, 1))
     states = kvfn.prefill(fm, mx.array([context]), prefill_step_size=16)
-    steps = reconstruction_steps(fm, mx.array([context]), states, chunk=16, step=step, **heads)
-    done = []
-    while True:
-        try:
-            done.append(next(steps))
-        except StopIteration as end:
-            got = end.value
-            break
+    done, got = run(reconstruction_steps(fm, mx.array([context]), states, chunk=16, step=step,
+                                         **heads))  # fmt: skip
     assert done[-1] == (37, 37) and [d for d, _ in done] == sorted(d for d, _ in done)
-    assert len(done) == (3 if step == 16 else len(done)) and len(done) >= 37 // step
+    # chunks [0, 16), [16, 32), [32, 37) after heads of 3, 13 and 13 tokens: a chunk of more
+    # than ``step`` context tokens takes a step a piece of its input, any other one step
+    pieces = [-(-(h + c) // step) if c > step else 1 for h, c in ((3, 16), (13, 16), (13, 5))]
+    assert len(done) == sum(pieces)
     want = brute_force(model, MODULES[family], monkeypatch, context, 16, **heads)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.array(g[0]), w, rtol=1e-4, atol=1e-6)
@@ -180,17 +178,12 @@ def test_a_compaction_with_its_pass_in_steps_keeps_the_same_rows(max_rows):
     ids = np.random.default_rng(4).integers(0, 97, 161).tolist()
     policy = KVzip(budget=32, window=4, sink_tokens=2, chunk=64)
 
-    def run(**kw):
-        steps, n = kvfn.compact_steps(fm, ids, policy, prefill_step_size=16, max_rows=max_rows,
-                                      **kw), 0  # fmt: skip
-        while True:
-            try:
-                next(steps)
-                n += 1
-            except StopIteration as end:
-                return end.value[0], n
+    def compacted(**kw):
+        done, (states, _) = run(kvfn.compact_steps(fm, ids, policy, prefill_step_size=16,
+                                                   max_rows=max_rows, **kw))  # fmt: skip
+        return states, len(done)
 
-    (whole, n_whole), (stepped, n_stepped) = run(), run(pass_step_size=8)
+    (whole, n_whole), (stepped, n_stepped) = compacted(), compacted(pass_step_size=8)
     assert n_stepped > n_whole
     for a, b in zip(whole, stepped):
         assert mx.array_equal(a.positions, b.positions).item()

@@ -98,8 +98,10 @@ def reconstruction_steps(
     if not isinstance(tokens, mx.array) or tokens.ndim != 2 or tokens.shape[1] < 1:
         shape = tuple(tokens.shape) if isinstance(tokens, mx.array) else type(tokens).__name__
         raise ValueError(f"reconstruction takes tokens of shape (batch, n >= 1), got {shape}")
-    checked = (("chunk", chunk, 1), ("overlap", overlap, 0), ("sink", sink, 0))
-    for name, value, least in checked + ((("step", step, 1),) if step is not None else ()):
+    checked = [("chunk", chunk, 1), ("overlap", overlap, 0), ("sink", sink, 0)]
+    if step is not None:
+        checked.append(("step", step, 1))
+    for name, value, least in checked:
         if type(value) is not int or value < least:
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     heads = [_token_ids(n, v) for n, v in (("prompt", prompt), ("resume", resume),
