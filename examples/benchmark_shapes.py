@@ -10,10 +10,12 @@ python examples/benchmark_shapes.py ... --compile-after 64            # decode e
 
 Per request: the compaction (or prefill) with its arrays evaluated, the first decode step, and
 decode tokens/s over the rest; ``traces``: the compiled steps ``fm.decode`` traced meanwhile.
-Each length runs twice in a row: "new" (a length not seen before) then "repeat" (the same prompt,
+Each row (mlx-lm, then each policy) gets its own N lengths of the range, so that no row's new
+length was seen earlier in the process (MLX keeps per-shape work across rows, such as cuDNN's
+attention graphs). Each length runs twice in a row: "new" then "repeat" (the same prompt,
 everything warm). The first request is "cold"; the other new ones split into those that opened a
 decode bucket (a trace: ``kvfn.wrapper.bucket``) and those that found theirs warm. Ratios: a
-warm-bucket new length to its repeat, every new length to mlx-lm's request of the same prompts,
+warm-bucket new length to its repeat, every new length to mlx-lm's new lengths of the same range,
 and the decode step to SnapKV's.
 """
 
@@ -129,7 +131,8 @@ def table(out: list, lengths: list, budget: int, args) -> None:
     base = seconds(out[0]["new"], args.new_tokens)
     snap = next((r["new"]["decode_tps"] for r in out if r["policy"] == "snapkv"), None)
     print(
-        f"\n{args.shape} {args.dtype}, lengths {lengths}, budget {budget}, "
+        f"\n{args.shape} {args.dtype}, lengths {min(lengths)}-{max(lengths)} ({len(lengths)}, "
+        f"each row its own), budget {budget}, "
         f"{'compiled' if args.compiled_compaction else 'eager'} compaction, compile_after "
         f"{args.compile_after}; seconds per request"
     )
@@ -170,16 +173,21 @@ def main(argv=None) -> list:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     low, high, n = (int(x) for x in args.lengths.split(":"))
-    if not 2 <= low < high or n < 2 or n > high - low:
-        p.error(f"--lengths needs 2 <= LOW < HIGH and 2 <= N <= HIGH - LOW, got {args.lengths}")
+    names = ["mlx-lm", *args.policies.split(",")]
+    if not 2 <= low < high or n < 2 or n * len(names) > high - low:
+        p.error(f"--lengths needs 2 <= LOW < HIGH and 2 <= N, N x {len(names)} rows (mlx-lm "
+                f"and each policy) <= HIGH - LOW, got {args.lengths}")  # fmt: skip
     rng = np.random.default_rng(args.seed)
-    lengths = sorted(rng.choice(np.arange(low, high), size=n, replace=False).tolist())
+    # each row its own lengths, spread over the range: no row's new length was seen before in
+    # this process (MLX keeps per-shape work, cuDNN's attention graphs, across rows)
+    every = sorted(rng.choice(np.arange(low, high), size=n * len(names), replace=False).tolist())
     model = random_model(args.shape, getattr(mx, args.dtype))
     vocab = SHAPES[args.shape][1]["vocab_size"]
-    prompts = {L: rng.integers(0, vocab, size=L).tolist() for L in lengths}
+    prompts = {L: rng.integers(0, vocab, size=L).tolist() for L in every}
     budget = max(int(args.budget * low), args.window + 8)
     out = []
-    for name in ["mlx-lm", *args.policies.split(",")]:
+    for r, name in enumerate(names):
+        lengths = every[r :: len(names)]
         fm = kvfn.FunctionalModel(model, compile_after=args.compile_after)  # each starts cold
         policy = None if name == "mlx-lm" else make_policy(name, fm, budget, args.window)
 
@@ -194,6 +202,7 @@ def main(argv=None) -> list:
         warm = [i for i, new in enumerate(news) if new["traces"] == 0]
         row = {
             "policy": name,
+            "lengths": lengths,
             "budget": budget,
             "cold": summary([cold]),
             "new": summary(news),
@@ -203,7 +212,7 @@ def main(argv=None) -> list:
         }
         print(json.dumps(row), flush=True)
         out.append(row)
-    table(out, lengths, budget, args)
+    table(out, every, budget, args)
     return out
 
 

@@ -23,16 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.benchmark_kernels import load_kernels  # noqa: E402
 
 KERNELS = {  # source name: (the kernel's inputs after q, its own template entries)
-    "SPLIT_SOURCE": (["k", "v", "lengths"], ["C", "HKV", "LSB", "LSH"]),
-    "TWO_GROUP_SOURCE": (["k0", "v0", "k1", "v1", "lengths", "hmap"],
-                         ["C0", "C1", "H0", "H1", "L1", "HKV", "LSB"]),
-    "SLOTS_SOURCE": (["k", "v", "lengths", "hmap"], ["S", "C0", "C1", "L1", "HKV", "LSB"]),
-    "MMA_SPLIT_SOURCE": (["k", "v", "lengths"], ["C", "HKV", "LSB", "LSH"]),
+    "SPLIT_SOURCE": (["k", "v", "lengths"], ["HKV", "LSB", "LSH"]),
+    "TWO_GROUP_SOURCE": (["k0", "v0", "k1", "v1", "lengths", "hmap"], ["H0", "H1", "HKV", "LSB"]),
+    "SLOTS_SOURCE": (["k", "v", "lengths", "hmap"], ["HKV", "LSB"]),
+    "MMA_SPLIT_SOURCE": (["k", "v", "lengths"], ["HKV", "LSB", "LSH"]),
 }  # fmt: skip
 MMA = ("MMA_SPLIT_SOURCE",)  # on MMA_HEADER (the others on HEADER), a template without U and P
 INT_INPUTS = ("lengths", "hmap")
-TEMPLATE = dict(C=8528, HKV=8, LSB=0, LSH=0, C0=8528, C1=320, H0=4,
-                H1=4, L1=320, S=36000)  # fmt: skip
+TEMPLATE = dict(HKV=8, LSB=0, LSH=0, H0=4, H1=4)  # sizes (capacities, splits) are read at run time
 
 
 def resident_blocks(registers: int, threads: int = 128) -> int:
@@ -49,9 +47,7 @@ def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0, dtype: str = 
     source = getattr(kk, name)
     header = kk.MMA_HEADER if name in MMA else kk.HEADER
     inputs, own = KERNELS[name]
-    # a KV head's query heads in one block; plan's splits at 8 KV heads, or one
-    splits = 1 if one_split else kk.plan(1, 8 * heads, 8, 1 << 20, name in MMA)[2]
-    params = dict(W=threads // 32, D=dim, G=heads, GT=heads, NT=1, NS=splits,
+    params = dict(W=threads // 32, D=dim, G=heads, GT=heads, NT=1,
                   **{k: TEMPLATE[k] for k in own})  # fmt: skip
     if name in MMA:
         params.update(ST=max(stages, 1))
@@ -59,7 +55,8 @@ def wrapped(kk, name: str, dim: int, unroll: int, stages: int = 0, dtype: str = 
         params.update(U=unroll, ST=stages, P=int(kk.PREFETCH))
     args = ["const T* q"]
     args += [f"const {'int' if n in INT_INPUTS else 'T'}* {n}" for n in inputs]
-    args += ["const float* scale", f"{'T' if one_split else 'float'}* o_part", "float* lse"]
+    args += ["const float* scale", "const int* dims", f"{'T' if one_split else 'float'}* o_part",
+             "float* lse"]
     template = ", ".join(f"int {k}" for k in params)
     values = ", ".join(str(v) for v in params.values())
     types = ", ".join(a.rsplit(" ", 1)[0].replace("T*", f"{dtype}*") for a in args)

@@ -50,7 +50,7 @@ def phases(fm, ids, args):
     yield "prefill", lambda: kvfn.prefill(fm, context)
     states, scores = yield "scored_prefill", lambda: kvfn.scored_prefill(fm, context,
                                                                          window=args.window)  # fmt: skip
-    s0, keys = scores[0], states[0].keys
+    s0, keys = scores[0][..., :P], states[0].keys  # the prompt's rows of its bucket
     H = keys.shape[1]
     kv_scores = yield "group mean (B, H, P)", lambda: mx.mean(s0.reshape(1, H, -1, P), axis=2)
     yield "pool1d max k7 (B, H, P)", lambda: pool1d(kv_scores, 7, "max")

@@ -166,7 +166,7 @@ def compact_steps(
                            settle, own_pass=not policy.scores_held,
                            pass_step_size=pass_step_size)  # fmt: skip
     window = policy.observation_window(P)
-    kwargs = dict(states=None, capacity=P, prefill_step_size=prefill_step_size, dtype=dtype,
+    kwargs = dict(states=None, capacity=None, prefill_step_size=prefill_step_size, dtype=dtype,
                   compiled=False, settle=settle, check_ids=False)  # fmt: skip
     if window:
         prefill = _scored_steps(fmodel, context, window=window, statistic=policy.statistic,

@@ -590,7 +590,7 @@ def test_each_split_kernel_launches_in_its_own_blocks(monkeypatch, mma):
 
     monkeypatch.setattr(kernels, "_combine_kernel", lambda: kernel(0))
     q, k, v = make(KV * 4, 128, mx.bfloat16)
-    kernels._split_and_combine(kernel, [q, k, v], q, KV, 4096, k.dtype, 0.1, [], mma)
+    kernels._split_and_combine(kernel, [q, k, v], q, KV, 4096, k.dtype, 0.1, [], [4096], mma)
     threads = kernels.MMA_THREADS if mma else kernels.THREADS
     splits = plan(B, KV * 4, KV, 4096, mma)[2]
     assert kernels.MMA_THREADS != kernels.THREADS and splits > 1 and len(launched) == 2
@@ -607,4 +607,65 @@ def test_a_bad_block_size_is_named_before_any_launch(monkeypatch, threads, name,
     monkeypatch.setattr(kernels, name, threads)
     q, k, v = make(KV * 4, 128, mx.bfloat16)
     with pytest.raises(ValueError, match=f"kernels.{name} must be .*; got {threads}"):
-        kernels._split_and_combine(None, [q, k, v], q, KV, C, k.dtype, 0.1, [], mma)
+        kernels._split_and_combine(None, [q, k, v], q, KV, C, k.dtype, 0.1, [], [C], mma)
+
+
+def _launches(monkeypatch) -> list:
+    """Each kernel launch's arguments (nothing runs: the kernels are stand-ins)."""
+    launched = []
+
+    def kernel(*_):
+        def launch(**kw):
+            launched.append(kw)
+            return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+        return launch
+
+    for name in ("_split_kernel", "_mma_split_kernel", "_ranges_kernel", "_mma_ranges_kernel",
+                 "_slots_kernel", "_mma_slots_kernel", "_two_group_kernel", "_combine_kernel"):
+        monkeypatch.setattr(kernels, name, kernel)
+    return launched
+
+
+def _each_layout(rows: int, ring: int) -> list:
+    """One decode attention call per layout's kernel over ``rows`` rows a KV head (a ring of
+    ``ring``), 8 query heads, bf16 head_dim 128: the plain split kernel, the ragged one, the
+    slots one and the two-group one."""
+    from kvfn.states.partitioned import _head_map
+
+    q = mx.zeros((1, 8, 1, 128), mx.bfloat16)
+    k = mx.zeros((1, 2, rows, 128), mx.bfloat16)
+    flat = mx.zeros((1, 2 * rows + 3, 128), mx.bfloat16)
+    slots = mx.zeros((1, rows + ring, 128), mx.bfloat16)
+    k1 = mx.zeros((1, 1, ring, 128), mx.bfloat16)
+    n = mx.array(rows - 1, mx.int32)
+    starts, lengths = mx.array([[0, rows]], mx.int32), mx.array([[rows - 2, rows]], mx.int32)
+    hmap = mx.array([0, 0, rows, 1], mx.int32)
+    return [
+        lambda: kernels._kernel_attention(q, k, k, n, 0.1),
+        lambda: kernels.ranges_decode_attention(q, flat, flat, starts, lengths, scale=0.1),
+        lambda: kernels.slots_decode_attention(q, slots, slots, n, rows, ring, hmap, scale=0.1),
+        lambda: kernels.two_group_decode_attention(q, k[:, :1], k[:, :1], n, k1, k1, ring,
+                                                   _head_map(((0,), (1,))), scale=0.1),
+    ]
+
+
+@pytest.mark.parametrize("layout", range(4), ids=["plain", "ragged", "slots", "two_group"])
+@pytest.mark.parametrize("mma", [False, True], ids=["cuda_cores", "tensor_cores"])
+def test_a_new_capacity_compiles_no_new_kernel(monkeypatch, layout, mma):
+    """What MLX compiles a custom kernel by (its name, source and template arguments) does not
+    depend on a layer's sizes: capacities, slots, ring fill and the split count are read at run
+    time (``dims``, the grid), so a prompt of a new length, or a policy whose per-layer
+    allocation differs by prompt, compiles nothing new (on the GPU a compile took ~0.1-0.5 s a
+    kernel, and a ragged layer's slots differ per prompt). The sizes still reach the kernel."""
+    monkeypatch.setattr(kernels, "TENSOR_CORES", mma)
+    launched = _launches(monkeypatch)
+    for rows, ring in ((2000, 64), (4321, 72)):  # different sizes and split counts
+        _each_layout(rows, ring)[layout]()
+    first, second = launched[0], launched[len(launched) // 2]
+    assert len(launched) == 4  # split and combine, twice
+    assert first["template"] == second["template"]
+    assert launched[1]["template"] == launched[3]["template"]  # the combine's
+    dims = lambda kw: np.array(kw["inputs"][-1]).tolist()  # noqa: E731
+    assert dims(first) != dims(second) and dims(launched[1]) != dims(launched[3])
+    assert dims(launched[1]) == [first["grid"][0] // first["threadgroup"][0]]  # the splits

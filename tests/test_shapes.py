@@ -159,6 +159,8 @@ def test_benchmark_shapes_pairs_each_new_length_with_its_repeat(capsys):
                                  "--new-tokens", "3", "--window", "4"])  # fmt: skip
     rows = {r["policy"]: r for r in out}
     assert list(rows) == ["mlx-lm", "full", "snapkv"]
+    seen = [L for r in out for L in r["lengths"]]  # each row its own lengths: new to the process
+    assert len(seen) == len(set(seen)) == 9 and all(60 <= L < 120 for L in seen)
     assert rows["snapkv"]["warm_new"] == rows["full"]["warm_new"] == 2
     assert rows["snapkv"]["new"]["traces"] == rows["snapkv"]["repeat"]["traces"] == 0
     assert rows["snapkv"]["warm_new_x"] > 0

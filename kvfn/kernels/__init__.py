@@ -68,18 +68,20 @@ def source(name: str) -> str:
 
 HEADER = source("decode.cuh")
 
-# One block per (key split, batch x KV head x head tile). Template constants: T (dtype), W
+# One block per (key split, batch x KV head x head tile). Template constants, each fixed by the
+# model and the layout's kind (so a new prompt length or capacity compiles nothing): T (dtype), W
 # (warps a block, THREADS / 32), D (head_dim), G (query heads per block), GT (query heads per
-# KV head), NT = GT / G, NS (splits), C (capacity), HKV (KV heads), LSB / LSH (lengths' batch /
-# head strides, 0 where broadcast), U (consecutive keys a lane group loads per step), ST (steps
+# KV head), NT = GT / G, HKV (KV heads), LSB / LSH (lengths' batch / head strides, 0 where
+# broadcast), U (consecutive keys a lane group loads per step), ST (steps
 # of rows in flight, copied to shared memory by cp.async; 0: registers), P (with ST = 0, load
-# the next step's rows before this step's math). Each lane holds 16 bytes of a row; LPK lanes
+# the next step's rows before this step's math). Read at run time: NS (splits, the grid's x)
+# and the sizes in ``dims`` (C, the capacity). Each lane holds 16 bytes of a row; LPK lanes
 # hold one row; a warp step covers KPW groups x U consecutive keys. Scores are in base 2 (q is
 # scaled by scale * log2(e)).
 SPLIT_SOURCE = source("split.cu")
 
 # One block per query head (batch-flattened), one thread per dimension: the splits' partial
-# outputs weighted by 2^lse. No valid key at all gives zeros.
+# outputs (dims[0] of them) weighted by 2^lse. No valid key at all gives zeros.
 COMBINE_SOURCE = source("combine.cu")
 
 
@@ -95,6 +97,13 @@ MMA_HEADER = HEADER + source("mma.cuh")
 MMA_SPLIT_SOURCE = source("mma_split.cu")
 
 
+# The sizes a split kernel reads at run time (its ``dims`` input, so that a new capacity or
+# buffer compiles nothing): the plain kernel's capacity C; each layout's source below replaces
+# these two lines with its own sizes and length.
+SIZE_LINE = "  const int C = dims[0];\n"
+LENGTH_LINE = "  const int len = min(max(lengths[(bh / HKV) * LSB + (bh % HKV) * LSH], 0), C);\n"
+
+
 # The split kernel over two head groups of one layer (kvfn.partitioned): each KV head h reads
 # group hmap[2h] (0 or 1) at index hmap[2h + 1] in it; group 0 (k0, v0: (B, H0, C0, D)) has the
 # valid slots [0, lengths), group 1 (k1, v1: (B, H1, C1, D)) the first L1. Queries and outputs
@@ -103,7 +112,10 @@ def _two_group_source() -> str:
     source = SPLIT_SOURCE
     edits = (
         (
-            "  const int len = min(max(lengths[(bh / HKV) * LSB + (bh % HKV) * LSH], 0), C);\n",
+            SIZE_LINE + LENGTH_LINE,
+            "  const int C0 = dims[0];\n"
+            "  const int C1 = dims[1];\n"
+            "  const int L1 = dims[2];\n"
             "  const int grp = hmap[2 * (bh % HKV)];\n"
             "  const int gidx = hmap[2 * (bh % HKV) + 1];\n"
             "  const int C = grp == 0 ? C0 : C1;\n"
@@ -129,7 +141,6 @@ TWO_GROUP_SOURCE = _two_group_source()
 
 # The split kernels over one buffer of slots a layer, k, v (B, S, D), each KV head its own
 # range: the slots layout (kvfn.slots, Duo) and the ragged one (kvfn.ragged, Ada-KV).
-LENGTH_LINE = "  const int len = min(max(lengths[(bh / HKV) * LSB + (bh % HKV) * LSH], 0), C);\n"
 BASE_LINES = ("  const size_t base = (size_t)bh * C * D + part * EPT;\n",
               "  const size_t base = (size_t)bh * C * D;\n")  # fmt: skip
 
@@ -138,9 +149,9 @@ def _from_first_slot(source: str, length: str) -> str:
     """A split kernel's source (CUDA or tensor cores) over one (B, S, D) buffer of slots whose
     KV head starts at slot ``first``: its length line replaced by ``length`` (which sets
     ``first`` and ``len``), its base pointing at slot ``first`` of its sequence."""
-    if source.count(LENGTH_LINE) != 1:
+    if source.count(SIZE_LINE + LENGTH_LINE) != 1:
         raise RuntimeError("kvfn.kernels: the split kernel's source changed; update the edit")
-    source = source.replace(LENGTH_LINE, length)
+    source = source.replace(SIZE_LINE + LENGTH_LINE, length)
     for old in BASE_LINES:
         if old in source:
             return source.replace(
@@ -152,6 +163,10 @@ def _from_first_slot(source: str, length: str) -> str:
 # Slots: KV head h owns the slots from hmap[2h], in group hmap[2h + 1]: 0, C0 slots of which
 # [0, lengths) are valid, or 1, C1 slots of which the first L1.
 SLOTS_LENGTH = (
+    "  const int S = dims[0];\n"
+    "  const int C0 = dims[1];\n"
+    "  const int C1 = dims[2];\n"
+    "  const int L1 = dims[3];\n"
     "  const int first = hmap[2 * (bh % HKV)];\n"
     "  const int grp = hmap[2 * (bh % HKV) + 1];\n"
     "  const int C = grp == 0 ? C0 : C1;\n"
@@ -164,6 +179,7 @@ MMA_SLOTS_SOURCE = _from_first_slot(MMA_SPLIT_SOURCE, SLOTS_LENGTH)
 # Ragged: KV head h of sequence b holds the slots [starts, starts + lengths) (int32 (B, HKV),
 # flat index b * HKV + h).
 RANGES_LENGTH = (
+    "  const int S = dims[0];\n"
     "  const int first = starts[bh];\n"
     "  const int len = min(max(lengths[bh], 0), max(S - first, 0));\n"
 )
@@ -197,10 +213,10 @@ def ranges_decode_attention(q, k, v, starts, lengths, *, scale):
                              f"{x.shape}")  # fmt: skip
     capacity = max(1, k.shape[1] // kv_heads)  # a head's slots on average: sizes the splits
     mma = _mma_applies(q, k, kv_heads, capacity)
-    template = [("S", k.shape[1]), ("HKV", kv_heads)]
     kernel = _mma_ranges_kernel if mma else _ranges_kernel
     return _split_and_combine(kernel, [q, k, v, starts.reshape(-1), lengths.reshape(-1)], q,
-                              kv_heads, capacity, k.dtype, scale, template, mma)  # fmt: skip
+                              kv_heads, capacity, k.dtype, scale, [("HKV", kv_heads)],
+                              [k.shape[1]], mma)  # fmt: skip
 
 
 def ranges_fused(q, k, v, kv_heads: int) -> bool:
@@ -213,13 +229,13 @@ def ranges_fused(q, k, v, kv_heads: int) -> bool:
 
 @lru_cache(maxsize=None)
 def _ranges_kernel(shared_memory: int):
-    return cuda_kernel("kvfn_ranges_decode_split", ["q", "k", "v", "starts", "lengths", "scale"],
+    return cuda_kernel("kvfn_ranges_decode_split", ["q", "k", "v", "starts", "lengths", "scale", "dims"],
                        ["o_part", "lse"], RANGES_SOURCE, shared_memory=shared_memory)  # fmt: skip
 
 
 @lru_cache(maxsize=None)
 def _mma_ranges_kernel(shared_memory: int):
-    return cuda_kernel("kvfn_ranges_decode_mma", ["q", "k", "v", "starts", "lengths", "scale"],
+    return cuda_kernel("kvfn_ranges_decode_mma", ["q", "k", "v", "starts", "lengths", "scale", "dims"],
                        ["o_part", "lse"], MMA_RANGES_SOURCE, header=MMA_HEADER,
                        shared_memory=shared_memory)  # fmt: skip
 
@@ -357,9 +373,10 @@ def mma_staged_bytes(dim: int) -> int:
 
 
 def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale, template,
-                       mma=False):  # fmt: skip
-    """One split-K launch of ``split_kernel(shared bytes)`` (its ``inputs`` then the scale; its own
-    ``template`` entries after the shared ones; ``mma``: the tensor-core kernel's staging) over
+                       dims, mma=False):  # fmt: skip
+    """One split-K launch of ``split_kernel(shared bytes)`` (its ``inputs``, the scale, then its
+    sizes ``dims`` as an int32 array; its own ``template`` entries after the shared ones; ``mma``:
+    the tensor-core kernel's staging) over
     ``capacity`` rows a KV head, then the combine: (B, n_q_heads, 1, D) in q's dtype. With one
     split the split kernel writes that output itself (the combine would copy it)."""
     name, threads = ("MMA_THREADS", MMA_THREADS) if mma else ("THREADS", THREADS)
@@ -375,7 +392,7 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
         shared = split_shared_bytes(tile, dim, unroll)[1]
         staging = [("U", unroll), ("ST", STAGES), ("P", PREFETCH)]
     o_part, lse = split_kernel(shared)(
-        inputs=[*inputs, mx.array([scale * LOG2E], dtype=mx.float32)],
+        inputs=[*inputs, mx.array([scale * LOG2E], dtype=mx.float32), _ints(dims)],
         template=[
             ("T", dtype),
             ("W", threads // 32),
@@ -383,7 +400,6 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
             ("G", tile),
             ("GT", q_heads // kv_heads),
             ("NT", tiles),
-            ("NS", splits),
             *template,
             *staging,
         ],
@@ -395,8 +411,8 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
     if splits == 1:
         return o_part.reshape(q.shape)
     (out,) = _combine_kernel()(
-        inputs=[o_part, lse],
-        template=[("T", q.dtype), ("D", dim), ("NS", splits)],
+        inputs=[o_part, lse, _ints([splits])],
+        template=[("T", q.dtype), ("D", dim)],
         grid=(batch * q_heads * dim, 1, 1),
         threadgroup=(dim, 1, 1),
         output_shapes=[q.shape],
@@ -408,12 +424,11 @@ def _split_and_combine(split_kernel, inputs, q, kv_heads, capacity, dtype, scale
 def _kernel_attention(q, k, v, lengths, scale):
     kv_heads, capacity = k.shape[1], k.shape[2]
     lb, lh = lengths.shape + (1,) * (2 - lengths.ndim)
-    template = [("C", capacity), ("HKV", kv_heads), ("LSB", lh if lb > 1 else 0),
-                ("LSH", 1 if lh > 1 else 0)]  # fmt: skip
+    template = [("HKV", kv_heads), ("LSB", lh if lb > 1 else 0), ("LSH", 1 if lh > 1 else 0)]
     mma = _mma_applies(q, k)
     return _split_and_combine(_mma_split_kernel if mma else _split_kernel,
                               [q, k, v, lengths.reshape(-1)], q, kv_heads, capacity, k.dtype,
-                              scale, template, mma)  # fmt: skip
+                              scale, template, [capacity], mma)  # fmt: skip
 
 
 def _mma_applies(q, k, kv_heads=None, capacity=None) -> bool:
@@ -451,12 +466,12 @@ def two_group_decode_attention(q, k0, v0, lengths, k1, v1, length1: int, head_ma
         raise ValueError(f"groups {k0.shape}, {k1.shape} do not hold {kv_heads} KV heads")
     if lengths.dtype != mx.int32 or lengths.ndim > 1 or lengths.size not in (1, batch):
         raise ValueError(f"lengths must be int32 () or ({batch},), got {lengths.shape}")
-    template = [("C0", k0.shape[2]), ("C1", k1.shape[2]), ("H0", k0.shape[1]),
-                ("H1", k1.shape[1]), ("L1", int(length1)), ("HKV", kv_heads),
+    template = [("H0", k0.shape[1]), ("H1", k1.shape[1]), ("HKV", kv_heads),
                 ("LSB", 1 if lengths.size > 1 else 0)]  # fmt: skip
     inputs = [q, k0, v0, k1, v1, lengths.reshape(-1), head_map]
     return _split_and_combine(_two_group_kernel, inputs, q, kv_heads,
-                              max(k0.shape[2], k1.shape[2]), k0.dtype, scale, template)  # fmt: skip
+                              max(k0.shape[2], k1.shape[2]), k0.dtype, scale, template,
+                              [k0.shape[2], k1.shape[2], int(length1)])  # fmt: skip
 
 
 def slots_decode_attention(q, k, v, lengths, capacity: int, ring: int, head_map, *, scale):
@@ -476,13 +491,13 @@ def slots_decode_attention(q, k, v, lengths, capacity: int, ring: int, head_map,
     if not _holds_heads(k.shape[1], kv_heads, int(capacity), int(ring)):
         raise ValueError(f"{k.shape[1]} slots are not {kv_heads} KV heads of {capacity} (plain) "
                          f"or {ring} (ring) slots")  # fmt: skip
-    template = [("S", k.shape[1]), ("C0", int(capacity)), ("C1", int(ring)), ("L1", int(ring)),
-                ("HKV", kv_heads), ("LSB", 1 if lengths.size > 1 else 0)]  # fmt: skip
+    template = [("HKV", kv_heads), ("LSB", 1 if lengths.size > 1 else 0)]
     rows = max(capacity, ring)
     mma = _mma_applies(q, k, kv_heads, rows)
     return _split_and_combine(_mma_slots_kernel if mma else _slots_kernel,
                               [q, k, v, lengths.reshape(-1), head_map], q, kv_heads, rows,
-                              k.dtype, scale, template, mma)  # fmt: skip
+                              k.dtype, scale, template,
+                              [k.shape[1], int(capacity), int(ring), int(ring)], mma)  # fmt: skip
 
 
 def _holds_heads(slots: int, kv_heads: int, capacity: int, ring: int) -> bool:
@@ -500,14 +515,14 @@ def slots_fused(q, k, v) -> bool:
 
 @lru_cache(maxsize=None)
 def _mma_slots_kernel(shared_memory: int):
-    return cuda_kernel("kvfn_slots_decode_mma", ["q", "k", "v", "lengths", "hmap", "scale"],
+    return cuda_kernel("kvfn_slots_decode_mma", ["q", "k", "v", "lengths", "hmap", "scale", "dims"],
                        ["o_part", "lse"], MMA_SLOTS_SOURCE, header=MMA_HEADER,
                        shared_memory=shared_memory)  # fmt: skip
 
 
 @lru_cache(maxsize=None)
 def _slots_kernel(shared_memory: int):
-    return cuda_kernel("kvfn_slots_decode_split", ["q", "k", "v", "lengths", "hmap", "scale"],
+    return cuda_kernel("kvfn_slots_decode_split", ["q", "k", "v", "lengths", "hmap", "scale", "dims"],
                        ["o_part", "lse"], SLOTS_SOURCE, shared_memory=shared_memory)  # fmt: skip
 
 
@@ -522,26 +537,32 @@ def two_group_fused(q, k0, k1) -> bool:
 @lru_cache(maxsize=None)
 def _two_group_kernel(shared_memory: int):
     return cuda_kernel("kvfn_two_group_decode_split",
-                       ["q", "k0", "v0", "k1", "v1", "lengths", "hmap", "scale"],
+                       ["q", "k0", "v0", "k1", "v1", "lengths", "hmap", "scale", "dims"],
                        ["o_part", "lse"], TWO_GROUP_SOURCE, shared_memory=shared_memory)  # fmt: skip
 
 
 @lru_cache(maxsize=None)
 def _split_kernel(shared_memory: int):
-    return cuda_kernel("kvfn_ragged_decode_split", ["q", "k", "v", "lengths", "scale"],
+    return cuda_kernel("kvfn_ragged_decode_split", ["q", "k", "v", "lengths", "scale", "dims"],
                        ["o_part", "lse"], SPLIT_SOURCE, shared_memory=shared_memory)  # fmt: skip
 
 
 @lru_cache(maxsize=None)
 def _mma_split_kernel(shared_memory: int):
-    return cuda_kernel("kvfn_ragged_decode_mma", ["q", "k", "v", "lengths", "scale"],
+    return cuda_kernel("kvfn_ragged_decode_mma", ["q", "k", "v", "lengths", "scale", "dims"],
                        ["o_part", "lse"], MMA_SPLIT_SOURCE, header=MMA_HEADER,
                        shared_memory=shared_memory)  # fmt: skip
 
 
 @lru_cache(maxsize=None)
 def _combine_kernel():
-    return cuda_kernel("kvfn_ragged_decode_combine", ["o_part", "lse"], ["out"], COMBINE_SOURCE)
+    return cuda_kernel("kvfn_ragged_decode_combine", ["o_part", "lse", "dims"], ["out"],
+                       COMBINE_SOURCE)
+
+
+def _ints(values) -> mx.array:
+    """Sizes a kernel reads at run time (its ``dims`` input)."""
+    return mx.array([int(v) for v in values], dtype=mx.int32)
 
 
 def cuda_kernel(name, input_names, output_names, source, header=HEADER, shared_memory=0):

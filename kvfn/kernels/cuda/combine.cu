@@ -1,4 +1,5 @@
 
+  const int NS = dims[0];
   const int r = blockIdx.x;
   const int d = threadIdx.x;
   float mm = neg_inf();

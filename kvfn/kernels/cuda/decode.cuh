@@ -56,10 +56,10 @@ __device__ __forceinline__ void stage_rows(
 // Split `split` of query heads [head0, head0 + G): the block's W warps' online-softmax states
 // (in shared memory: m, l W x G, acc W x G x D) merged into its output in o_part's type (the
 // partial output in float, or with one split the attention's in T) and its log-sum-exp.
-template <int W, int G, int D, int NS, typename O>
+template <int W, int G, int D, typename O>
 __device__ __forceinline__ void write_split(const float* sm_m, const float* sm_l,
                                             const float* sm_acc, O* o_part, float* lse,
-                                            int head0, int split) {
+                                            int head0, int split, int NS) {
   for (int x = threadIdx.x; x < G * D; x += W * 32) {
     const int g = x / D;
     const int d = x % D;

@@ -16,6 +16,8 @@
   const int g = lane / 4;
   const int t = lane % 4;
 
+  const int NS = gridDim.x;
+  const int C = dims[0];
   const int len = min(max(lengths[(bh / HKV) * LSB + (bh % HKV) * LSH], 0), C);
   int chunk = (len + NS - 1) / NS;
   chunk = (chunk + STEP - 1) / STEP * STEP;
@@ -140,4 +142,4 @@
     }
   }
   __syncthreads();
-  write_split<W, G, D, NS>(sm_m, sm_l, sm_acc, o_part, lse, head0, split);
+  write_split<W, G, D>(sm_m, sm_l, sm_acc, o_part, lse, head0, split, NS);

@@ -18,6 +18,8 @@
   const int part = lane % LPK;
   const int group = warp * KPW + lane / LPK;
 
+  const int NS = gridDim.x;
+  const int C = dims[0];
   const int len = min(max(lengths[(bh / HKV) * LSB + (bh % HKV) * LSH], 0), C);
   int chunk = (len + NS - 1) / NS;
   chunk = (chunk + STEP - 1) / STEP * STEP;
@@ -183,4 +185,4 @@
     }
   }
   __syncthreads();
-  write_split<W, G, D, NS>(&sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0], o_part, lse, head0, split);
+  write_split<W, G, D>(&sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0], o_part, lse, head0, split, NS);
