@@ -83,7 +83,8 @@ def profile(name, model, fm, tokens, chunk, window) -> list:
         return rec.last(kvfn.tree.arrays(states))
     states = None  # grown: each chunk prefilled after the last, with room for it alone
     for i in range(0, L, chunk):
-        states = kvfn.prefill(fm, tokens[:, i : i + chunk], states=states)
+        room = chunk if states is None else None  # the first chunk's rows, not their bucket
+        states = kvfn.prefill(fm, tokens[:, i : i + chunk], states=states, capacity=room)
         if i + chunk < L:
             mx.eval(kvfn.tree.arrays(states))
             rec.record()

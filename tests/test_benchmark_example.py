@@ -278,7 +278,7 @@ def test_profile_decode_times_each_step_and_reads_ncu_csv(capsys, tmp_path):
 def test_profile_prefill_shows_kvfn_states_made_at_full_size():
     from examples import profile_prefill
 
-    result = profile_prefill.main(["--shape", "tiny", "--length", "64", "--chunk", "32",
+    result = profile_prefill.main(["--shape", "tiny", "--length", "256", "--chunk", "128",
                                    "--window", "8", "--rounds", "1"])  # fmt: skip
     assert set(result) == set(profile_prefill.ROWS)
     chunks = {name: runs[0] for name, runs in result.items()}

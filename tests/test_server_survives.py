@@ -441,3 +441,34 @@ def test_chaos_the_server_stays_healthy_and_frees_everything(serve):
             assert status == 400, (body, got)
     assert held["active_sequences"] == held["compacting_sequences"] == 0
     assert summary["bytes_left"] == 0, (start, held)
+
+
+def test_a_prompt_beside_a_compaction_gets_the_loop_first(monkeypatch):
+    """While mlx-lm has other prompts to process, a compaction job steps only every JOB_EVERY-th
+    loop step, so a short prompt that arrives during a long compaction is not slowed to the
+    compaction's pace; with none waiting it steps every loop step, and it is never starved.
+    (The loop itself is stubbed: mlx-lm's step does nothing, the job counts its steps.)"""
+    from collections import deque
+
+    from mlx_lm.generate import BatchGenerator
+
+    monkeypatch.setattr(BatchGenerator, "_next", lambda self: ([], []))
+    steps = iter(range(10**6))
+    job = kv_server.PendingCompaction(((s + 1, 10**6) for s in steps), nbytes=0)
+    batch = type("Batch", (list,), {"uids": ()})
+    gen = object.__new__(kv_server.TrackedBatchGenerator)
+    gen._old_wired_limit, gen._jobs, gen._failed, gen._waited = None, deque(), {}, 0
+    gen._jobs.append((0, [1], None, job))
+    gen._generation_batch, gen._prompt_batch, gen.completion_batch_size = batch(), batch(), 4
+    gen._counters = type("Counters", (), {"prompt_time": 0.0})()
+
+    def run(n: int, waiting: bool) -> int:
+        gen._unprocessed_sequences = deque([(1, [2], None, None)] if waiting else [])
+        before = job.progress[0]
+        for _ in range(n):
+            gen._next()
+        return job.progress[0] - before
+
+    assert run(8, waiting=False) == 8  # alone: a step each
+    assert run(12, waiting=True) == 12 // gen.JOB_EVERY  # beside a waiting prompt
+    assert run(4, waiting=False) == 4

@@ -626,7 +626,10 @@ class TrackedBatchGenerator(BatchGenerator):
     batch, then at most one chunk of prompt processing), then one step of the oldest job,
     reported as a prompt-processing response (the server sends its progress to the client as
     mlx-lm's keepalive); a finished job's sequence joins mlx-lm's queue with its caches, first
-    in line. A pending sequence has no cache to extract; removing it drops its job.
+    in line. A pending sequence has no cache to extract; removing it drops its job. While other
+    prompts are being processed, a job steps only every ``JOB_EVERY``-th loop step: a prompt
+    that arrives during a long compaction is not slowed to the compaction's pace (its chunks
+    are shorter work than the job's), and the job still goes on.
 
     Failures are one request's: a job step that raises (or whose client has left) drops that
     job alone; a step of mlx-lm's own batches that raises (a batched prefill chunk or decode
@@ -635,9 +638,12 @@ class TrackedBatchGenerator(BatchGenerator):
     step until the server removes it, which frees nothing more: its rows went with the job or
     the batch."""
 
+    JOB_EVERY = 4
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._jobs = deque()
+        self._waited = 0  # loop steps the oldest job has waited for other prompts
         self._failed = {}  # uid -> the exception its request is answered with
         self.kv_bytes, self.sequences, self.compacting = 0, 0, 0
         _LIVE_BATCHES.add(self)
@@ -675,10 +681,18 @@ class TrackedBatchGenerator(BatchGenerator):
             self._fail_batches(e, held - still_queued)
         self._drop_abandoned_jobs()
         if self._jobs and len(self._generation_batch) < self.completion_batch_size:
-            prompt_responses += self._advance_job()
+            if self._waited + 1 >= self.JOB_EVERY or not self._prompts_waiting():
+                self._waited = 0
+                prompt_responses += self._advance_job()
+            else:
+                self._waited += 1
         for uid, error in self._failed.items():
             prompt_responses.append(PromptProcessingBatch.Response(uid, error, False, False))
         return prompt_responses, generation_responses
+
+    def _prompts_waiting(self) -> bool:
+        """Whether mlx-lm has prompts to process (in its prompt batch or queued)."""
+        return len(self._prompt_batch) > 0 or len(self._unprocessed_sequences) > 0
 
     def _advance_job(self) -> list:
         """One step of the oldest job: its progress as a prompt response, or none when it
