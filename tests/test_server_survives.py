@@ -446,15 +446,22 @@ def test_chaos_the_server_stays_healthy_and_frees_everything(serve):
 def test_a_prompt_beside_a_compaction_gets_the_loop_first(monkeypatch):
     """While mlx-lm has other prompts to process, a compaction job steps only every JOB_EVERY-th
     loop step, so a short prompt that arrives during a long compaction is not slowed to the
-    compaction's pace; with none waiting it steps every loop step, and it is never starved.
-    (The loop itself is stubbed: mlx-lm's step does nothing, the job counts its steps.)"""
+    compaction's pace; with none waiting it steps every loop step, and it is never starved. A
+    loop step runs the job's step first, then mlx-lm's. (The loop itself is stubbed: mlx-lm's
+    step does nothing, the job counts its steps.)"""
     from collections import deque
 
     from mlx_lm.generate import BatchGenerator
 
-    monkeypatch.setattr(BatchGenerator, "_next", lambda self: ([], []))
-    steps = iter(range(10**6))
-    job = kv_server.PendingCompaction(((s + 1, 10**6) for s in steps), nbytes=0)
+    order = []
+    monkeypatch.setattr(BatchGenerator, "_next", lambda self: order.append("mlx-lm") or ([], []))
+
+    def steps():
+        for s in range(10**6):
+            order.append("job")
+            yield s + 1, 10**6
+
+    job = kv_server.PendingCompaction(steps(), nbytes=0)
     batch = type("Batch", (list,), {"uids": ()})
     gen = object.__new__(kv_server.TrackedBatchGenerator)
     gen._old_wired_limit, gen._jobs, gen._failed, gen._waited = None, deque(), {}, 0
@@ -470,5 +477,18 @@ def test_a_prompt_beside_a_compaction_gets_the_loop_first(monkeypatch):
         return job.progress[0] - before
 
     assert run(8, waiting=False) == 8  # alone: a step each
-    assert run(12, waiting=True) == 12 // gen.JOB_EVERY  # beside a waiting prompt
+    assert order[:4] == ["job", "mlx-lm"] * 2  # the job's step before mlx-lm's, whose tokens
+    assert run(12, waiting=True) == 12 // gen.JOB_EVERY  # go out without waiting for it
     assert run(4, waiting=False) == 4
+
+
+def test_the_loop_takes_new_requests_every_poll_interval(monkeypatch):
+    """mlx-lm's generation loop takes new requests only after 0.5 s of batch steps; kvfn's
+    after REQUEST_POLL_S, set by the loop's own thread before it starts (a request that arrives
+    during a long compaction joins at once: docs/serving.md has the figures)."""
+    seen = []
+    monkeypatch.setattr(kv_server.KVResponseGenerator, "_generate",
+                        lambda self: seen.append(self._time_budget._budget))  # fmt: skip
+    gen = kv_server.KVResponseGenerator(None, None)
+    gen._generation_thread.join(10)
+    assert seen == [kv_server.KVResponseGenerator.REQUEST_POLL_S] and seen[0] < 0.5

@@ -85,6 +85,7 @@ from mlx_lm.server import (
     GenerationContext,
     ModelProvider,
     ResponseGenerator,
+    TimeBudget,
 )
 
 from .. import distributed
@@ -622,14 +623,15 @@ class TrackedBatchGenerator(BatchGenerator):
     threads without touching the generation thread's arrays).
 
     A sequence whose cache is a ``PendingCompaction`` waits in ``_jobs`` (mlx-lm's sequence
-    tuples, oldest first). Each ``_next`` runs mlx-lm's own (a decode step of the generation
-    batch, then at most one chunk of prompt processing), then one step of the oldest job,
-    reported as a prompt-processing response (the server sends its progress to the client as
-    mlx-lm's keepalive); a finished job's sequence joins mlx-lm's queue with its caches, first
-    in line. A pending sequence has no cache to extract; removing it drops its job. While other
-    prompts are being processed, a job steps only every ``JOB_EVERY``-th loop step: a prompt
-    that arrives during a long compaction is not slowed to the compaction's pace (its chunks
-    are shorter work than the job's), and the job still goes on.
+    tuples, oldest first). Each ``_next`` runs one step of the oldest job, reported as a
+    prompt-processing response (the server sends its progress to the client as mlx-lm's
+    keepalive), then mlx-lm's own (a decode step of the generation batch, then at most one
+    chunk of prompt processing): the tokens mlx-lm's step makes are handed out without waiting
+    for the job's. A finished job's sequence joins mlx-lm's queue with its caches, first in
+    line. A pending sequence has no cache to extract; removing it drops its job. While other
+    prompts wait to be processed, a job steps only every ``JOB_EVERY``-th loop step: a prompt
+    that arrives during a long compaction is not slowed to the compaction's pace, and the job
+    still goes on.
 
     Failures are one request's: a job step that raises (or whose client has left) drops that
     job alone; a step of mlx-lm's own batches that raises (a batched prefill chunk or decode
@@ -668,6 +670,16 @@ class TrackedBatchGenerator(BatchGenerator):
         return out
 
     def _next(self):
+        # the job's step first, so that the tokens mlx-lm's step makes next are handed out as
+        # soon as they are made, not after the job's step (a new request's first token)
+        self._drop_abandoned_jobs()
+        job_responses = []
+        if self._jobs and len(self._generation_batch) < self.completion_batch_size:
+            if self._waited + 1 >= self.JOB_EVERY or not self._prompts_waiting():
+                self._waited = 0
+                job_responses = self._advance_job()
+            else:
+                self._waited += 1
         queued = {s[0] for s in self._unprocessed_sequences}
         held = {*self._prompt_batch.uids, *self._generation_batch.uids, *queued}
         try:
@@ -679,13 +691,7 @@ class TrackedBatchGenerator(BatchGenerator):
             # raised (a merge, a split into decoding, a finish): each of them fails too
             still_queued = {s[0] for s in self._unprocessed_sequences}
             self._fail_batches(e, held - still_queued)
-        self._drop_abandoned_jobs()
-        if self._jobs and len(self._generation_batch) < self.completion_batch_size:
-            if self._waited + 1 >= self.JOB_EVERY or not self._prompts_waiting():
-                self._waited = 0
-                prompt_responses += self._advance_job()
-            else:
-                self._waited += 1
+        prompt_responses = job_responses + prompt_responses
         for uid, error in self._failed.items():
             prompt_responses.append(PromptProcessingBatch.Response(uid, error, False, False))
         return prompt_responses, generation_responses
@@ -769,11 +775,17 @@ class KVResponseGenerator(ResponseGenerator):
 
     On the HTTP threads, ``_await_response`` (each item a request's queue gives) raises
     ``ClientGone`` once the request's client has left, having stopped its generation context,
-    so that the loop removes the sequence at its next step."""
+    so that the loop removes the sequence at its next step.
+
+    It takes new requests after every ``REQUEST_POLL_S`` of batch steps, where mlx-lm waits
+    0.5 s: a request that arrives while a compaction's steps run joins the loop at once, not up
+    to half a second later (on this CPU that wait was most of such a request's first token)."""
 
     failure = None  # why the generation thread stopped, once it has
+    REQUEST_POLL_S = 0.02
 
     def _run_generate(self):
+        self._time_budget = TimeBudget(budget=self.REQUEST_POLL_S)  # the loop's own thread
         try:
             self._generate()
         except Exception as e:  # mlx-lm's own, noting why
