@@ -165,3 +165,23 @@ def test_benchmark_shapes_pairs_each_new_length_with_its_repeat(capsys):
     assert rows["snapkv"]["new"]["traces"] == rows["snapkv"]["repeat"]["traces"] == 0
     assert rows["snapkv"]["warm_new_x"] > 0
     assert "warm new/rep" in capsys.readouterr().out
+
+
+def test_a_fresh_prefill_takes_its_prompts_bucket():
+    """Prompts of different lengths in one bucket prefill into states of one capacity, so every
+    chunk but the last reads its keys at the same shape and strides (MLX's CUDA backend builds
+    an attention graph per shape and strides); an explicit capacity is kept as given, and the
+    rows held are the prompt's."""
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    lengths = (290, 333, 401)  # one bucket: 512
+    assert len({bucket(n) for n in lengths}) == 1
+    for n in lengths:
+        tokens = mx.array([[1 + i % 90 for i in range(n)]])
+        states = kvfn.prefill(fm, tokens, prefill_step_size=128)
+        scored, scores = kvfn.scored_prefill(fm, tokens, window=8, prefill_step_size=128)
+        for s in (states[0], scored[0]):
+            assert (s.capacity, s.rows.item()) == (bucket(n), n)
+        assert scores[0].shape[-1] == bucket(n)
+        exact = kvfn.prefill(fm, tokens, capacity=n + 3, prefill_step_size=128)
+        assert exact[0].capacity == n + 3
+        assert mx.array_equal(exact[0].keys[:, :, :n], states[0].keys[:, :, :n]).item()
