@@ -185,3 +185,18 @@ def test_a_fresh_prefill_takes_its_prompts_bucket():
         exact = kvfn.prefill(fm, tokens, capacity=n + 3, prefill_step_size=128)
         assert exact[0].capacity == n + 3
         assert mx.array_equal(exact[0].keys[:, :, :n], states[0].keys[:, :, :n]).item()
+
+
+@pytest.mark.parametrize("name", ["snapkv", "streaming"])
+def test_a_prompt_kept_whole_holds_its_rows_not_its_prefills_bucket(name):
+    """A prompt the policy keeps whole is prefilled into its bucket (256 slots here) but kept
+    in its rows plus the room asked for, copied out of the bucket's buffer."""
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    policy = kvfn.parse_policy(name, budget=128, window=8)
+    ids = [1 + i % 90 for i in range(41)]
+    states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=3)
+    full = kvfn.prefill(fm, mx.array([ids[:-1]]))
+    assert full[0].capacity == 256 and full[0].keys.shape[2] == 256
+    for s in states:
+        assert (s.capacity, s.keys.shape[2], s.rows.item()) == (40 + 4, 44, 40)
+    assert mx.array_equal(states[0].keys[:, :, :40], full[0].keys[:, :, :40]).item()

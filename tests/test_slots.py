@@ -174,11 +174,12 @@ def test_slots_chunk_then_decode_and_grow():
     """A chunk (through the groups), decode past the plain heads' capacity (they grow), and a
     rollback: all as the two-group state does."""
     fm = kvfn.FunctionalModel(tiny_model("llama"))
-    # 256 rows: the retrieval heads keep the prompt whole, in its prefill's capacity (a bucket)
-    ids = np.random.default_rng(3).integers(0, 97, 257).tolist()
+    ids = np.random.default_rng(3).integers(0, 97, 40).tolist()
     states, _ = kvfn.compact(fm, ids, Duo(retrieval=PATTERN, sink_tokens=2, recent=4),
                              max_new_tokens=1)  # fmt: skip
-    assert states[0].groups[0].capacity == 256 + 2  # and room for max_new_tokens + 1
+    # the retrieval heads keep the prompt's 39 rows whole, with room for max_new_tokens + 1,
+    # not the prefill's bucket (256 slots)
+    assert states[0].groups[0].capacity == 39 + 2
     a, b = states, sl.pack_layers(states)
     chunk = mx.array([ids[:5]])
     la, a = fm.step(chunk, a)

@@ -251,4 +251,4 @@ class Duo(Policy):
             qh = mx.array([h * n_q + r for h in heads for r in range(n_q)], mx.int32)
             return self._snapkv().compact_layer(sub, mx.take(scores, qh, axis=1), prompt_length=P,
                                                 layer=layer, reserve=reserve)  # fmt: skip
-        return kv.reserve(sub.replace(max_rows=P), max(sub.capacity, P + reserve))
+        return kv.fitted(sub.replace(max_rows=P), P + reserve)

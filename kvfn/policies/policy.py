@@ -257,7 +257,7 @@ class Policy:
                                     layer=layer, group=group)  # fmt: skip
             state = kv.gather(state, idx, packed=state.packed)
         rows = self.rows_after(P)
-        return kv.reserve(state.replace(max_rows=rows), max(state.capacity, rows + reserve))
+        return kv.fitted(state.replace(max_rows=rows), rows + reserve)
 
     @classmethod
     def options(cls, parts: list[str]) -> dict:

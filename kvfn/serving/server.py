@@ -93,7 +93,7 @@ from ..compaction import check_bounded, compact_steps
 from ..eviction import kept
 from ..passes import _prefill_steps, prefill
 from ..states import tree
-from ..wrapper import FunctionalModel, attending_copy
+from ..wrapper import FunctionalModel, attending_copy, bucket
 from . import flags
 from .batch import HeadGroupsKVCache, RaggedLayerCache
 from .flags import (
@@ -372,7 +372,8 @@ class PendingCompaction:
 
 
 def prefill_bytes(fm, n: int) -> int:
-    """Bytes of the states a prefill of ``n`` tokens fills (made lazily: nothing is allocated)."""
+    """Bytes of states of ``n`` rows (made lazily: nothing is allocated); a compaction's
+    prefill holds its prompt's ``bucket``."""
     return sum(a.nbytes for a in tree.arrays(fm.init_states(1, n)))
 
 
@@ -458,7 +459,7 @@ class EvictingPromptCache(LRUPromptCache):
         steps = compact_steps(fm, tokens, tokenized, max_new_tokens=1, prefill_step_size=step,
                               max_rows=self.max_rows, pass_step_size=step)  # fmt: skip
         job = PendingCompaction(self._caches_after(steps, policy, tokens),
-                                prefill_bytes(fm, len(tokens) - 1), self.gone)  # fmt: skip
+                                prefill_bytes(fm, bucket(len(tokens) - 1)), self.gone)  # fmt: skip
         return job if self.interleave else job.finish()
 
     def reuses(self, policy, tokens, n: int) -> bool:
@@ -477,8 +478,8 @@ class EvictingPromptCache(LRUPromptCache):
         tokenized = policy.for_tokenizer(self.provider.tokenizer)
         key = (tokenized, self.max_rows, tuple(tokens[:n]))
         held = len(tokens) - n if key in self.contexts else len(tokens) - 1
-        job = PendingCompaction(self._reused(fm, tokens, policy, key, n), prefill_bytes(fm, held),
-                                self.gone)  # fmt: skip
+        job = PendingCompaction(self._reused(fm, tokens, policy, key, n),
+                                prefill_bytes(fm, bucket(held)), self.gone)  # fmt: skip
         return job if self.interleave else job.finish()
 
     def _reused(self, fm, tokens, policy, key, n: int):
@@ -674,7 +675,9 @@ class TrackedBatchGenerator(BatchGenerator):
         # soon as they are made, not after the job's step (a new request's first token)
         self._drop_abandoned_jobs()
         job_responses = []
-        if self._jobs and len(self._generation_batch) < self.completion_batch_size:
+        if not self._jobs:
+            self._waited = 0  # the next job waits from nothing
+        elif len(self._generation_batch) < self.completion_batch_size:
             if self._waited + 1 >= self.JOB_EVERY or not self._prompts_waiting():
                 self._waited = 0
                 job_responses = self._advance_job()

@@ -374,6 +374,21 @@ def evict(state: State, keep_indices) -> State:
 
 
 @typechecked
+def fitted(state: State, capacity: int) -> State:
+    """The same state in exactly ``capacity`` slots (at least the rows it may hold,
+    ``max_rows``): free slots added at the end, or its last free slots dropped, copied out of
+    the larger buffer so that it is freed (a kept-whole layer prefilled into its prompt's
+    bucket holds no more than its rows and ``capacity``)."""
+    if capacity >= state.capacity:
+        return reserve(state, capacity)
+    if state.max_rows is None or state.max_rows > capacity:
+        raise ValueError(f"cannot fit up to {state.max_rows} rows into {capacity} slots")
+    slots = mx.arange(capacity, dtype=mx.int32)
+    cut = lambda x: mx.take(x, slots, axis=2)  # noqa: E731  (a copy, not a view of the buffer)
+    return state.replace(keys=cut(state.keys), values=cut(state.values),
+                         positions=cut(state.positions))  # fmt: skip
+
+
 def reserve(state: State, capacity: int) -> State:
     """The same state with room for ``capacity`` rows (free slots added at the end)."""
     extra = capacity - state.capacity
