@@ -9,6 +9,7 @@ import mlx.core as mx
 from typeguard import typechecked
 
 from . import wrapper
+from .kernels import on_cuda
 from .scores import query_moments
 from .states import cache as kv
 from .states import tree
@@ -44,45 +45,65 @@ def with_room(state, n: int):
     return kv.reserve(state.replace(max_rows=r), max(state.capacity, r + n))
 
 
+def padding(states, start: int, stop: int, size: int) -> int:
+    """Token slots to append to a last chunk [start, stop) so that it takes ``size`` rows where
+    every state has the room (0 where one is not a plain dense state): its attention then has
+    the shape a full chunk at ``start`` has, whatever the prompt's length."""
+    if not all(isinstance(s, kv.State) and s.dense for s in states):
+        return 0
+    room = min(s.capacity for s in states) - start
+    return max(0, min(size, room) - (stop - start))
+
+
 def _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic="attention",
-          settle=False):  # fmt: skip
+          settle=False, padded=None):  # fmt: skip
     """The chunk loop as a generator: it yields ``(done, n)`` after each chunk and returns
     ``(states, scores)``. ``first()`` makes the first (states, scores) here, so that no caller's
     frame holds them and the first chunk's writes can reuse their buffers (a held buffer must be
     copied). Every chunk but the last is evaluated before it yields (that bounds the graph); the
-    last stays lazy unless ``settle``."""
+    last stays lazy unless ``settle``. ``padded``: the last chunk runs as a full one (``padding``
+    slots of token 0 after it, trimmed again: no real query sees them); None: on CUDA only."""
     states, scores = first()
     n = tokens.shape[1]
     parts = chunks(n, prefill_step_size)
+    padded = on_cuda() if padded is None else padded
     for j, (start, stop) in enumerate(parts):
+        last = j + 1 == len(parts)
+        pad = padding(states, start, stop, prefill_step_size) if padded and last else 0
+        chunk = tokens[:, start:stop]
+        if pad:
+            chunk = mx.concatenate([chunk, mx.zeros((chunk.shape[0], pad), chunk.dtype)], axis=1)
         first_scored = max(n - window, start) if window else stop
         if first_scored < stop:
             q = QuerySlice(first_scored - start, stop - start, statistic)
             step = fmodel.scored_step if compiled else fmodel.scored_forward
-            states, scores = step(tokens[:, start:stop], states, scores, q, check_ids=False)[1:]
+            states, scores = step(chunk, states, scores, q, check_ids=False)[1:]
         else:
             step = fmodel.step if compiled else fmodel.forward
             # the logits are dropped at once: kept, their graph would hold the old buffers and
             # the next write could not reuse them
-            states = step(tokens[:, start:stop], states, check_ids=False)[1]
-        if settle or j + 1 < len(parts):
+            states = step(chunk, states, check_ids=False)[1]
+        if pad:
+            states = tuple(kv.trim(s, pad) for s in states)
+        if settle or not last:
             mx.eval(tree.arrays(states), scores)
         yield stop, n
     return states, scores
 
 
 def _prefill_steps(fmodel, tokens, *, states, capacity, prefill_step_size, dtype, compiled,
-                   settle=False, check_ids=True):  # fmt: skip
+                   settle=False, check_ids=True, padded=None):  # fmt: skip
     """``prefill`` as ``_loop``'s generator (its arguments checked now, not when it first runs;
     ``check_ids``: the token ids too, unless the caller did)."""
     if prefill_step_size <= 0:
         raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
     first = lambda: (_start(fmodel, tokens, states, capacity, dtype, check_ids), ())  # noqa: E731
-    return _loop(fmodel, tokens, first, 0, prefill_step_size, compiled, settle=settle)
+    return _loop(fmodel, tokens, first, 0, prefill_step_size, compiled, settle=settle,
+                 padded=padded)  # fmt: skip
 
 
 def _scored_steps(fmodel, tokens, *, window, states, capacity, prefill_step_size, dtype, compiled,
-                  statistic, settle=False, check_ids=True):  # fmt: skip
+                  statistic, settle=False, check_ids=True, padded=None):  # fmt: skip
     """``scored_prefill`` as ``_loop``'s generator (its arguments checked now)."""
     if not 1 <= window <= tokens.shape[1]:
         raise ValueError(f"window must be in [1, {tokens.shape[1]}] (the tokens), got {window}")
@@ -100,7 +121,8 @@ def _scored_steps(fmodel, tokens, *, window, states, capacity, prefill_step_size
             zeros = (mx.zeros((B, h, s.capacity), mx.float32) for h, s in zip(fmodel.n_heads, made))
         return made, tuple(zeros)
 
-    return _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic, settle)
+    return _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic, settle,
+                 padded)  # fmt: skip
 
 
 def _drain(steps, progress: Optional[Callable[[int, int], None]]):
@@ -126,6 +148,7 @@ def prefill(
     dtype: Optional[mx.Dtype] = None,
     progress: Optional[Callable[[int, int], None]] = None,
     compiled: bool = False,
+    padded: Optional[bool] = None,
 ) -> tuple:
     """Run ``tokens`` (B, n) through the model in chunks into fresh states (room for
     ``capacity`` rows, at least n; by default n's ``kvfn.wrapper.bucket``, at most 25% more,
@@ -133,13 +156,16 @@ def prefill(
     as a slice of its buffer, and MLX's CUDA backend builds an attention graph (cuDNN) per
     shape and strides: in a bucket, a prompt of a new length builds one for its last chunk,
     where an exact capacity built one for every chunk (0.5 s of a 3,300-token prompt's 0.6 s
-    first prefill on an H100). Eager by default, as mlx-lm
+    first prefill on an H100). ``padded`` (None: on CUDA) runs the last chunk as a full one, a
+    few slots of token 0 after it, trimmed again and seen by no real query: then every prompt in
+    a bucket attends in the shapes its longest one did, and a new length builds no graph.
+    Eager by default, as mlx-lm
     prefills: a plain (dense) state is written at static slots and attended with the fused
     causal kernel, no mask array. ``compiled=True`` runs the compiled step instead (a trace per
     chunk shape; for states that are not dense)."""
     steps = _prefill_steps(fmodel, tokens, states=states, capacity=capacity,
                            prefill_step_size=prefill_step_size, dtype=dtype,
-                           compiled=compiled)  # fmt: skip
+                           compiled=compiled, padded=padded)  # fmt: skip
     return _drain(steps, progress)[0]
 
 
@@ -156,6 +182,7 @@ def scored_prefill(
     progress: Optional[Callable[[int, int], None]] = None,
     compiled: bool = False,
     statistic: str = "attention",
+    padded: Optional[bool] = None,
 ) -> tuple[tuple, tuple]:
     """``prefill`` that also sums the attention of the last ``window`` tokens' queries over
     every key into per-key scores, chunk by chunk (the window may span chunks), in the same
@@ -163,8 +190,8 @@ def scored_prefill(
     sliding-window layers, which are never evicted). O(window x prompt) per layer, never a
     prompt-sized matrix. With ``statistic="moments"`` the scores are instead the running
     moments of those queries before RoPE (``kvfn.scores.query_moments``: mean and covariance
-    per query head)."""
+    per query head). ``padded`` as in ``prefill``."""
     steps = _scored_steps(fmodel, tokens, window=window, states=states, capacity=capacity,
                           prefill_step_size=prefill_step_size, dtype=dtype, compiled=compiled,
-                          statistic=statistic)  # fmt: skip
+                          statistic=statistic, padded=padded)  # fmt: skip
     return _drain(steps, progress)

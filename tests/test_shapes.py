@@ -200,3 +200,69 @@ def test_a_prompt_kept_whole_holds_its_rows_not_its_prefills_bucket(name):
     for s in states:
         assert (s.capacity, s.keys.shape[2], s.rows.item()) == (40 + 4, 44, 40)
     assert mx.array_equal(states[0].keys[:, :, :40], full[0].keys[:, :, :40]).item()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_padded_last_chunk_attends_in_the_buckets_shapes_and_changes_nothing(family,
+                                                                              monkeypatch):  # fmt: skip
+    """``padded`` (CUDA's default) runs the last prefill chunk as a full one: every prompt in a
+    bucket attends in shapes its longest one already met (no new attention graph for a new
+    length), and the states, scores and next logits are the unpadded ones."""
+    fm = kvfn.FunctionalModel(tiny_model(family))
+    seen = []
+    sdpa = mx.fast.scaled_dot_product_attention
+
+    def recorded(q, k, v, **kwargs):
+        seen.append((q.shape[2], k.shape[2]))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recorded)
+    shapes = {}
+    for n in (401, 290, 333):  # one bucket (512): the longest first
+        tokens = mx.array([[1 + (7 * i) % 90 for i in range(n)]])
+        runs = {}
+        for padded in (True, False):
+            seen.clear()
+            states, scores = kvfn.scored_prefill(fm, tokens, window=8, prefill_step_size=128,
+                                                 padded=padded)  # fmt: skip
+            shapes[n, padded] = set(seen)
+            logits, _ = fm.forward(mx.array([[5]]), states)
+            runs[padded] = states, scores, logits
+        (padded, p_scores, p_logits), (plain, scores, logits) = runs[True], runs[False]
+        for a, b, sa, sb in zip(padded, plain, p_scores, scores):
+            assert (a.rows.item(), a.max_rows, a.dense, a.capacity) == (n, n, True, bucket(n))
+            assert mx.array_equal(a.offset, b.offset).item()
+            assert mx.array_equal(a.positions, b.positions).item()
+            assert mx.allclose(a.keys[:, :, :n], b.keys[:, :, :n], atol=1e-5).item()
+            assert mx.allclose(a.values[:, :, :n], b.values[:, :, :n], atol=1e-5).item()
+            assert mx.allclose(sa, sb, atol=1e-5).item()
+        assert mx.allclose(p_logits, logits, atol=1e-4).item()
+    assert shapes[290, True] <= shapes[401, True] and shapes[333, True] <= shapes[401, True]
+    assert not shapes[290, False] <= shapes[401, False]  # unpadded: a shape of its own
+    assert {q for q, _ in shapes[290, True]} == {128}
+
+
+@pytest.mark.parametrize("name", LIBRARY)
+def test_every_policy_compacts_a_padded_prefill_as_an_unpadded_one(fm, name, monkeypatch):
+    """What CUDA's padded last chunk leaves past a prompt's rows (the padding's keys, trimmed)
+    is seen by no policy: the rows kept, their positions and the tokens decoded are the same."""
+    policy = policy_of(name, fm)
+    ids = [(5 * j) % 90 + 3 for j in range(150)]
+    runs = []
+    for padded in (True, False):
+        monkeypatch.setattr(kvfn.passes, "on_cuda", lambda: padded)
+        states, result = kvfn.compact(fm, ids, policy, max_new_tokens=4, prefill_step_size=64)
+        tokens, token = [], mx.array([[ids[-1]]])
+        for _ in range(4):
+            logits, states = fm.decode(token, states)
+            token = mx.argmax(logits, axis=-1)[:, None]
+            tokens.append(token.item())
+        runs.append((kvfn.tree.arrays(states), result.rows_after, tokens, logits))
+    (a, rows_a, tokens_a, logits_a), (b, rows_b, tokens_b, logits_b) = runs
+    assert rows_a == rows_b and tokens_a == tokens_b
+    assert mx.allclose(logits_a, logits_b, atol=1e-4).item()
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.shape == y.shape
+        if mx.issubdtype(x.dtype, mx.integer):
+            assert mx.array_equal(x, y).item()
