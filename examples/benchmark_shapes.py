@@ -14,8 +14,9 @@ Each row (mlx-lm, then each policy) gets its own N lengths of the range, so that
 length was seen earlier in the process (MLX keeps per-shape work across rows, such as cuDNN's
 attention graphs). Each length runs twice in a row: "new" then "repeat" (the same prompt,
 everything warm). The first request is "cold"; the other new ones split into those that opened a
-decode bucket (a trace: ``kvfn.wrapper.bucket``) and those that found theirs warm. Ratios: a
-warm-bucket new length to its repeat, every new length to mlx-lm's new lengths of the same range,
+bucket (a decode trace, or a prefill into a ``kvfn.wrapper.bucket`` no kvfn request of the process
+had met: its attention shapes are new) and those that found theirs warm (mlx-lm: every new one
+after its first; it has no buckets). Ratios: a warm-bucket new length to its repeat, every new length to mlx-lm's new lengths of the same range,
 and the decode step to SnapKV's.
 """
 
@@ -35,6 +36,8 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import llama, qwen2  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from kvfn.wrapper import bucket  # noqa: E402
 
 SHAPES = {
     "tiny": (llama, dict(model_type="llama", hidden_size=256, num_hidden_layers=4,
@@ -185,7 +188,7 @@ def main(argv=None) -> list:
     vocab = SHAPES[args.shape][1]["vocab_size"]
     prompts = {L: rng.integers(0, vocab, size=L).tolist() for L in every}
     budget = max(int(args.budget * low), args.window + 8)
-    out = []
+    out, met = [], set()  # the prefill buckets kvfn requests have met
     for r, name in enumerate(names):
         lengths = every[r :: len(names)]
         fm = kvfn.FunctionalModel(model, compile_after=args.compile_after)  # each starts cold
@@ -194,12 +197,15 @@ def main(argv=None) -> list:
         def one(L):
             if name == "mlx-lm":
                 return mlx_lm_request(model, prompts[L], args.new_tokens)
-            return request(fm, prompts[L], policy, args.new_tokens, args.compiled_compaction)
+            opened = bucket(L - 1) not in met
+            met.add(bucket(L - 1))
+            got = request(fm, prompts[L], policy, args.new_tokens, args.compiled_compaction)
+            return {**got, "opened": opened}
 
         cold = one(lengths[0])
         pairs = [(one(L), one(L)) for L in lengths[1:]]
         news = [new for new, _ in pairs]
-        warm = [i for i, new in enumerate(news) if new["traces"] == 0]
+        warm = [i for i, new in enumerate(news) if not new["traces"] and not new.get("opened")]
         row = {
             "policy": name,
             "lengths": lengths,
