@@ -61,20 +61,12 @@ def bounded_decode(
     return _loop(fmodel, token, states, policy, steps, interval, sample)
 
 
-def fitted(state: kv.State, capacity: int) -> kv.State:
-    """``state`` in exactly ``capacity`` slots, free ones added or cut (its rows fit)."""
-    if state.capacity <= capacity:
-        return kv.reserve(state, capacity)
-    cut = {f: getattr(state, f)[:, :, :capacity] for f in ("keys", "values", "positions")}
-    return state.replace(**cut)
-
-
 def _loop(fmodel, token, states, policy, steps, interval, sample):
     cap = policy.budget + interval
     capacity = bucket(cap)
     held, scores = states[0].max_rows, None
     if held <= cap:  # one capacity from the first step, whatever room the caller reserved
-        states = tuple(fitted(s, capacity) for s in states)
+        states = tuple(kv.fitted(s, capacity) for s in states)
     for _ in range(steps):
         if held + 1 > cap - policy.window:  # this step's query is in the observation window
             if scores is None:  # room for the window's rows now: the scores keep one shape
