@@ -159,7 +159,7 @@ def compact_steps(
     P = context.shape[1]
     policy.check_prompt(P)
     if max_rows is not None:
-        check_bounded(fmodel, policy, max_rows, prefill_step_size)
+        check_bounded(fmodel.sliding_windows, policy, max_rows, prefill_step_size)
         prefill = _bounded_steps(fmodel, context, policy, max_rows, prefill_step_size, dtype,
                                  settle, pass_step_size)  # fmt: skip
         return _compaction(fmodel, context, policy, prefill, True, max_new_tokens + 1, compiled,
@@ -197,11 +197,12 @@ def _compaction(fmodel, context, policy, prefill, scored, reserve, compiled, set
     return new, (dataclasses.replace(result, peak_rows=peak[0]) if peak else result)
 
 
-def check_bounded(fmodel: FunctionalModel, policy: Policy, max_rows, step: int,
+def check_bounded(windows: Sequence, policy: Policy, max_rows, step: int,
                   during: str = "prefilling") -> None:  # fmt: skip
-    """Refuses, by name and reason, what cannot evict while prefilling (or generating)."""
+    """Refuses, by name and reason, what cannot evict while prefilling (or generating) a
+    model whose layers have these sliding ``windows`` (None: full attention)."""
     policy.check_max_rows(max_rows, during)
-    if any(w is not None for w in fmodel.sliding_windows):
+    if any(w is not None for w in windows):
         raise ValueError(f"this model has sliding-window layers, whose rows are kept apart; "
                          f"evicting while {during} takes full-attention layers")  # fmt: skip
     if step <= 0:

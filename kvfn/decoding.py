@@ -23,9 +23,10 @@ def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1)[:, None]
 
 
-def check_bounded_decode(fmodel: FunctionalModel, states, policy: Policy, interval) -> None:
-    """Refuses, by name and reason, what cannot evict while generating."""
-    check_bounded(fmodel, policy, policy.budget, 1, during="generating")
+def check_bounded_decode(states, policy: Policy, interval) -> None:
+    """Refuses, by name and reason, what cannot evict while generating ``states``."""
+    windows = [getattr(s, "sliding_window", None) for s in states]
+    check_bounded(windows, policy, policy.budget, 1, during="generating")
     if type(interval) is not int or interval <= policy.window:
         raise ValueError(f"interval must be an int > the policy's window {policy.window}, "
                          f"got {interval!r}")  # fmt: skip
@@ -56,7 +57,7 @@ def bounded_decode(
     one capacity from the first step (states with more room are cut to it).
     Returns the states as its StopIteration value. A policy that cannot compact its own states
     again (``Policy.cannot_recompact``) is refused by name."""
-    check_bounded_decode(fmodel, states, policy, interval)
+    check_bounded_decode(states, policy, interval)
     sample = sample or greedy
     return _loop(fmodel, token, states, policy, steps, interval, sample)
 

@@ -181,3 +181,78 @@ def test_per_head_states_are_refused_by_name():
     assert len(to_mlx_cache(plain)) == len(plain)
     with pytest.raises(TypeError, match="not a kvfn layer state"):
         to_mlx_cache([plain[0], "layer"])
+
+
+# -- evicting while mlx-lm generates -------------------------------------------------------------
+def bounded_run(fm, ids, states, policy, steps, interval):
+    from kvfn import bounded_decode
+
+    gen = bounded_decode(fm, mx.array([[ids[-1]]]), states, policy, steps=steps, interval=interval)
+    tokens = []
+    while True:
+        try:
+            tokens.append(next(gen).item())
+        except StopIteration as end:
+            return tokens, end.value
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from kvfn.wrapper import attending_copy
+    from tests.tiny import tiny_model
+
+    model = tiny_model("llama")
+    return model, attending_copy(model), FunctionalModel(model)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "streaming", "chunkkv"])
+def test_caches_evicting_in_mlx_lm_generate_keep_what_bounded_decode_keeps(tiny, name):
+    """The oracle: mlx-lm's own generate over ``to_mlx_cache(states, policy=...)`` (the model as
+    ``attending_copy``, so the caches read the queries) gives kvfn.bounded_decode's tokens, holds
+    at most budget + interval rows, and keeps the rows it keeps."""
+    import kvfn
+
+    model, attending, fm = tiny
+    ids = [(7 * j) % 90 + 3 for j in range(100)]
+    settings = dict(budget=32) if name == "streaming" else dict(budget=32, window=8)
+    policy = kvfn.parse_policy(name, **settings)
+    states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=8)
+    interval, steps = 40, 130
+    want, final = bounded_run(fm, ids, states, policy, steps, interval)
+    caches = to_mlx_cache(states, policy=policy, interval=interval)
+    got, sizes = [], []
+    for token, _ in generate_step(mx.array([ids[-1]]), attending, prompt_cache=caches,
+                                  max_tokens=steps):  # fmt: skip
+        got.append(int(token))
+        sizes.append(caches[0].size())
+    assert got == want
+    assert max(sizes) <= 32 + interval and min(sizes) <= 33  # it compacted, more than once
+    assert sum(b < a for a, b in zip(sizes, sizes[1:])) == 3
+    # generate_step runs one step ahead: one more row than bounded_decode's last state holds
+    for c, s in zip(caches, final):
+        kept = s.positions[0, :, : s.max_rows].tolist()
+        assert [row[: len(k)] for row, k in zip(c.positions[0, :, : c.rows].tolist(), kept)] == kept
+
+
+def test_an_evicting_cache_says_what_it_needs_and_what_it_refuses(tiny):
+    import kvfn
+
+    model, _, fm = tiny
+    ids = [(7 * j) % 90 + 3 for j in range(100)]
+    policy = kvfn.SnapKV(budget=32, window=8)
+    states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=8)
+    caches = to_mlx_cache(states, policy=policy, interval=40)
+    with pytest.raises(ValueError, match=r"kvfn.wrapper.attending_copy\(model\)"):
+        list(generate_step(mx.array([ids[-1]]), model, prompt_cache=caches, max_tokens=4))
+    streaming = to_mlx_cache(states, policy=kvfn.StreamingLLM(budget=32), interval=40)
+    sizes = [streaming[0].size() for _ in generate_step(mx.array([ids[-1]]), model,
+                                                        prompt_cache=streaming, max_tokens=90)]  # fmt: skip
+    assert max(sizes) <= 72 and min(sizes) <= 33  # it needs no queries: the plain model will do
+    with pytest.raises(ValueError, match="kvzip cannot evict while generating"):
+        to_mlx_cache(states, policy=kvfn.KVzip(budget=32, window=8))
+    with pytest.raises(ValueError, match="interval must be an int > the policy's window 8"):
+        to_mlx_cache(states, policy=policy, interval=8)
+    with pytest.raises(ValueError, match="evicts while generating is not quantized"):
+        to_mlx_cache(states, policy=policy)[0].to_quantized()
+    with pytest.raises(ValueError, match="evicts while generating is not batched"):
+        CompactedKVCache.merge(to_mlx_cache(states, policy=policy)[:1] * 2)

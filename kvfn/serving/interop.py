@@ -4,7 +4,8 @@
 ``generate`` / ``stream_generate``, speculative decoding and ``save_prompt_cache`` /
 ``load_prompt_cache`` work with a compacted prompt. Its ``offset`` is the true next position
 (RoPE); ``size()`` is the number of stored rows; ``positions`` travel with the state, so a
-file round trip keeps both.
+file round trip keeps both. ``to_mlx_cache(states, policy=...)`` gives caches that also evict
+while mlx-lm generates (``Evicting``), as ``kvfn.bounded_decode`` does in kvfn's own loop.
 """
 
 from typing import List, Optional, Sequence
@@ -16,6 +17,9 @@ from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache
 from typeguard import typechecked
 
+from ..decoding import check_bounded_decode
+from ..policies.policy import Policy
+from ..scores import window_attention_scores
 from ..states import cache as kv
 from ..states import layout
 
@@ -85,13 +89,17 @@ class CompactedKVCache(_TruePositions):
 
     step = 256
 
-    def __init__(self, keys, values, positions, offset: int, sliding_window: Optional[int] = None):
+    def __init__(self, keys, values, positions, offset: int, sliding_window: Optional[int] = None,
+                 evicting: Optional["Evicting"] = None):  # fmt: skip
         self.keys, self.values, self.positions = keys, values, positions
         self.offset, self.sliding_window = int(offset), sliding_window
         self.rows = keys.shape[2]
+        self.evicting = evicting
 
     # -- mlx-lm protocol ----------------------------------------------------------------------
     def update_and_fetch(self, keys, values):
+        if self.evicting is not None:
+            self.evicting.before_append(self)
         n = keys.shape[2]
         self.keys, self.values, self.positions = self._grow(
             [self.keys, self.values, self.positions], n
@@ -103,6 +111,13 @@ class CompactedKVCache(_TruePositions):
         self.offset += n
         self.rows += n
         return self.keys[:, :, : self.rows], self.values[:, :, : self.rows]
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        """mlx-lm's attention (``kvfn.wrapper.attending_copy`` calls it after
+        ``update_and_fetch``); an evicting cache also reads the queries it scores rows by."""
+        if self.evicting is not None:
+            self.evicting.observe(self, queries, scale)
+        return scaled_dot_product_attention(queries, keys, values, self, scale, mask, sinks)
 
     @property
     def state(self):
@@ -128,6 +143,9 @@ class CompactedKVCache(_TruePositions):
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedCompactedKVCache":
         """The stored rows quantized with ``mx.quantize``, as mlx-lm's ``QuantizedKVCache`` does
         (so mlx-lm's ``kv_bits`` also applies to a compacted cache)."""
+        if self.evicting is not None:
+            raise ValueError("a cache that evicts while generating is not quantized (mlx-lm's "
+                             "kv_bits): its compactions read and gather the full-precision rows")  # fmt: skip
         r = self.rows
         keys, values = (
             mx.quantize(x[:, :, :r], group_size=group_size, bits=bits)
@@ -226,6 +244,9 @@ class BatchCompactedKVCache(BatchKVCache):
         for i, c in enumerate(caches):
             if not isinstance(c, CompactedKVCache):
                 raise TypeError(f"sequence {i}: cannot batch a {type(c).__name__} with kvfn caches")
+            if c.evicting is not None:
+                raise ValueError(f"sequence {i}: a cache that evicts while generating is not "
+                                 "batched (its own compactions take one sequence)")  # fmt: skip
             if c.sliding_window is not None:
                 raise ValueError(f"sequence {i}: sliding-window caches are not batched")
         rows = [c.rows for c in caches]
@@ -297,6 +318,63 @@ class BatchCompactedKVCache(BatchKVCache):
         return super().nbytes + sum(p.nbytes for p in self.prefix_positions)
 
 
+def widened(scores: mx.array, width: int) -> mx.array:
+    """Per-row scores (B, H, n) with zeros for the rows up to ``width``."""
+    more = width - scores.shape[-1]
+    return mx.pad(scores, [(0, 0), (0, 0), (0, more)]) if more else scores
+
+
+class Evicting:
+    """What makes a ``CompactedKVCache`` evict while mlx-lm generates: whenever its rows reach
+    the policy's budget plus ``interval``, the next append first compacts them back to the
+    budget, as ``kvfn.bounded_decode`` does (the same rows: scored by the attention of the last
+    ``policy.window`` queries, which the model hands the cache through ``attend`` when it runs
+    as ``kvfn.wrapper.attending_copy(model)``). ``layer`` of ``layers``: the policy's layer."""
+
+    def __init__(self, policy: Policy, interval: int, layer: int, layers: int):
+        self.policy, self.interval = policy.for_layer(layer, layers), interval
+        self.layer, self.cap = layer, policy.budget + interval
+        self.scores, self.unseen = None, False
+
+    def before_append(self, cache: "CompactedKVCache") -> None:
+        if self.unseen and self.policy.needs_scores:
+            raise ValueError(
+                f"{self.policy.name} evicts while generating by the attention of recent "
+                "queries, which this model does not hand its caches: run it as "
+                "kvfn.wrapper.attending_copy(model)"
+            )
+        self.unseen = True
+        if cache.rows >= self.cap:
+            self.compact(cache)
+
+    def observe(self, cache: "CompactedKVCache", queries: mx.array, scale) -> None:
+        """Adds the attention of those of ``queries`` (after RoPE, the last at ``offset - 1``)
+        that are in the observation window before a compaction over the rows held."""
+        self.unseen = False
+        n, r = queries.shape[2], cache.rows
+        first = max(0, self.cap - self.policy.window - (r - n))  # a query's rows before it
+        if not self.policy.needs_scores or first >= n:
+            return
+        qpos = mx.arange(cache.offset - n + first, cache.offset, dtype=mx.int32)[None]
+        got = window_attention_scores(queries[:, :, first:], qpos, cache.to_state(), scale)
+        if self.scores is not None:
+            width = max(r, self.scores.shape[-1])
+            got = widened(got, width) + widened(self.scores, width)
+        self.scores = got
+
+    def compact(self, cache: "CompactedKVCache") -> None:
+        r = cache.rows
+        state = cache.to_state().replace(packed=True)
+        scores = None if self.scores is None else self.scores[..., :r]
+        new = self.policy.compact_layer(state, scores, prompt_length=r, layer=self.layer,
+                                        reserve=self.interval)  # fmt: skip
+        kept = self.policy.rows_after(r)
+        cache.keys, cache.values, cache.positions = (
+            x[:, :, :kept] for x in (new.keys, new.values, new.positions)
+        )
+        cache.rows, self.scores = kept, None
+
+
 def register() -> None:
     """Let mlx-lm's ``load_prompt_cache`` resolve kvfn's cache classes by their names.
 
@@ -307,12 +385,15 @@ def register() -> None:
 
 
 @typechecked
-def to_mlx_cache(states: Sequence) -> list:
+def to_mlx_cache(states: Sequence, *, policy: Optional[Policy] = None, interval: int = 512) -> list:
     """mlx-lm cache objects for the given layer states (batch size 1, rows without holes).
 
     A layer of a per-head kind (ragged rows, head groups, slots) keeps a row count per head,
     which no mlx-lm cache object holds (a model builds one mask for every head): a ValueError
-    names it and what takes it instead."""
+    names it and what takes it instead. With ``policy``, the caches evict while mlx-lm
+    generates: at most the policy's budget plus ``interval`` rows a layer (``Evicting``; a
+    window-scored policy needs the model as ``kvfn.wrapper.attending_copy(model)``). What
+    cannot evict while generating is refused by name, as ``kvfn.bounded_decode`` refuses it."""
     register()
     for i, s in enumerate(states):
         layout.of(s)  # a TypeError for what is no kvfn layer state
@@ -322,6 +403,8 @@ def to_mlx_cache(states: Sequence) -> list:
                 "cache objects cannot hold; decode it with FunctionalModel.decode (kvfn-server "
                 "serves it through its per-head batch caches)"
             )
+    if policy is not None:
+        check_bounded_decode(states, policy, interval)
     caches = []
     for i, s in enumerate(states):
         if s.keys.shape[0] != 1:
@@ -333,8 +416,9 @@ def to_mlx_cache(states: Sequence) -> list:
                 f"layer {i}: the state has empty rows among its first {r} (after a prefix trim); "
                 "mlx-lm builds one mask for all layers, so it cannot take them"
             )
+        evicting = None if policy is None else Evicting(policy, interval, i, len(states))
         caches.append(CompactedKVCache(s.keys[:, :, :r], s.values[:, :, :r], positions,
-                                       int(s.offset.item()), s.sliding_window))  # fmt: skip
+                                       int(s.offset.item()), s.sliding_window, evicting))  # fmt: skip
     return caches
 
 

@@ -254,7 +254,7 @@ class KVModelProvider(ModelProvider):
             )
         if self.cli_args.kv_max_rows is not None:
             fm = self.functional_model()
-            check_bounded(fm, self.cli_args.policy, self.cli_args.kv_max_rows, 1)
+            check_bounded(fm.sliding_windows, self.cli_args.policy, self.cli_args.kv_max_rows, 1)
         if self.cli_args.policy is not None and self.is_batchable:
             # each layer's batch cache attends with its own mask (per-layer row counts, heads)
             self.model = attending_copy(model)
@@ -1039,7 +1039,7 @@ class KVAPIHandler(APIHandler):
             if cli.kv_max_rows is None or policy is None:
                 return None
             try:
-                check_bounded(fm, policy, cli.kv_max_rows, cli.prefill_step_size)
+                check_bounded(fm.sliding_windows, policy, cli.kv_max_rows, cli.prefill_step_size)
             except ValueError:  # a policy (or a budget) of the request's own that cannot
                 return None
             return cli.kv_max_rows
@@ -1048,7 +1048,7 @@ class KVAPIHandler(APIHandler):
             return None
         if policy is None:
             raise ValueError("kv_max_rows needs a kv_eviction policy")
-        check_bounded(fm, policy, max_rows, cli.prefill_step_size)
+        check_bounded(fm.sliding_windows, policy, max_rows, cli.prefill_step_size)
         return max_rows
 
     def kv_usage(self, usage: dict) -> dict:
