@@ -64,21 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--compare", action="store_true", help="also generate with the full cache, side by side"
     )
-    p.add_argument("--kv-decode-interval", type=positive_int, metavar="N",
-                   help="evict while generating: every N generated tokens compact back to the "
-                   "budget (kvfn.bounded_decode; kvpress's DecodingPress uses 512)")  # fmt: skip
     args = p.parse_args(argv)
-    flags.read(args, p)
-    if args.kv_decode_interval is not None:
-        if args.policy is None:
-            p.error("argument --kv-decode-interval: needs --kv-eviction POLICY")
-        try:
-            args.policy.check_max_rows(args.policy.budget, during="generating")
-        except ValueError as e:
-            p.error(f"argument --kv-decode-interval: {e}")
-        if args.kv_decode_interval <= args.policy.window:
-            p.error(f"argument --kv-decode-interval: must be above --kv-window "
-                    f"{args.policy.window}, got {args.kv_decode_interval}")  # fmt: skip
+    flags.read(args, p)  # --kv-max-rows and --kv-decode-interval checked there, with the policy
     if args.policy is None and args.compare:
         p.error("argument --compare: needs --kv-eviction POLICY")
     args.progress = progress

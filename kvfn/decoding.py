@@ -23,13 +23,18 @@ def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1)[:, None]
 
 
-def check_bounded_decode(states, policy: Policy, interval) -> None:
-    """Refuses, by name and reason, what cannot evict while generating ``states``."""
-    windows = [getattr(s, "sliding_window", None) for s in states]
+def check_generating(policy: Policy, interval, windows=()) -> None:
+    """Refuses, by name and reason, a policy that cannot evict every ``interval`` generated
+    tokens, or a model whose layers have sliding ``windows``."""
     check_bounded(windows, policy, policy.budget, 1, during="generating")
     if type(interval) is not int or interval <= policy.window:
         raise ValueError(f"interval must be an int > the policy's window {policy.window}, "
                          f"got {interval!r}")  # fmt: skip
+
+
+def check_bounded_decode(states, policy: Policy, interval) -> None:
+    """Refuses, by name and reason, what cannot evict while generating ``states``."""
+    check_generating(policy, interval, [getattr(s, "sliding_window", None) for s in states])
     kinds = {type(s).__name__ for s in states if type(s) is not kv.State}
     if kinds:
         raise ValueError(f"bounded_decode takes plain layer states, got {sorted(kinds)}")

@@ -124,7 +124,7 @@ def test_example_evicts_while_generating(capsys):
         (["--kv-eviction", "kvzip", "--kv-decode-interval", "64"],
          "--kv-decode-interval: kvzip cannot evict while generating"),
         (["--kv-eviction", "snapkv", "--kv-decode-interval", "8", "--kv-window", "8",
-          "--kv-budget", "64"], "--kv-decode-interval: must be above --kv-window 8, got 8"),
+          "--kv-budget", "64"], "--kv-decode-interval: interval must be an int > the policy's window 8, got 8"),
     ):  # fmt: skip
         with pytest.raises(SystemExit):
             generate.parse_args(argv)

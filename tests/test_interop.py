@@ -254,5 +254,56 @@ def test_an_evicting_cache_says_what_it_needs_and_what_it_refuses(tiny):
         to_mlx_cache(states, policy=policy, interval=8)
     with pytest.raises(ValueError, match="evicts while generating is not quantized"):
         to_mlx_cache(states, policy=policy)[0].to_quantized()
-    with pytest.raises(ValueError, match="evicts while generating is not batched"):
-        CompactedKVCache.merge(to_mlx_cache(states, policy=policy)[:1] * 2)
+
+
+def batch_run(model, entries, steps):
+    """Greedy tokens of (caches, rest) entries through mlx-lm's BatchGenerator, and the widest
+    its running batch's buffer grew."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
+    uids = gen.insert([rest for _, rest in entries], max_tokens=[steps] * len(entries),
+                      caches=[c for c, _ in entries])  # fmt: skip
+    got, widest = {u: [] for u in uids}, 0
+    while any(len(t) < steps for t in got.values()):
+        for r in gen.next_generated():
+            got[r.uid].append(r.token)
+        layer = gen._generation_batch.prompt_cache  # mlx-lm's running batch: one cache a layer
+        if layer and layer[0].keys is not None:
+            widest = max(widest, layer[0].keys.shape[2])
+    gen.close()
+    return [got[u] for u in uids], widest
+
+
+@pytest.mark.parametrize("with_plain", [True, False])
+def test_evicting_sequences_batched_by_mlx_lm_keep_what_each_keeps_alone(tiny, with_plain):
+    """Continuous batching (mlx-lm's BatchGenerator over ``BatchCompactedKVCache``): sequences of
+    different lengths, each evicting on its own schedule (beside one that does not), give the
+    tokens each gives alone (kvfn.bounded_decode; fm.decode for the plain one); evicting alone,
+    the batch's buffer holds no more than budget + interval rows and mlx-lm's growth step."""
+    import kvfn
+
+    model, attending, fm = tiny
+    policy, interval = kvfn.SnapKV(budget=32, window=8), 40
+    steps = 110 if with_plain else 300
+    lengths = (100, 61, 80) if with_plain else (100, 61)
+    entries, want = [], []
+    for k, n in enumerate(lengths):
+        ids = [(7 * j + k) % 90 + 3 for j in range(n)]
+        states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=8)
+        if k < 2:
+            tokens, _ = bounded_run(fm, ids, states, policy, steps, interval)
+            caches = to_mlx_cache(states, policy=policy, interval=interval)
+        else:
+            token, tokens, s = mx.array([[ids[-1]]]), [], states
+            for _ in range(steps):
+                logits, s = fm.decode(token, s)
+                token = mx.argmax(logits, axis=-1)[:, None]
+                tokens.append(token.item())
+            caches = to_mlx_cache(states)
+        entries.append((caches, ids[-1:]))
+        want.append(tokens)
+    got, widest = batch_run(attending, entries, steps)
+    assert got == want
+    if not with_plain:
+        assert widest <= 32 + interval + 256 < 33 + steps

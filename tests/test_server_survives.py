@@ -228,8 +228,68 @@ def test_a_request_caps_the_rows_held_while_prefilling(serve, loaded):
     status, out = plain.post(chat(kv_max_rows=64))
     assert status == 400 and "kv_max_rows needs a kv_eviction policy" in out["error"], out
     with pytest.raises(SystemExit):
-        kv_server.parse_args([*COMMON, "--kv-eviction", "pyramidkv", *BUDGET, "--kv-max-rows", "64"])
+        kv_server.parse_args(
+            [*COMMON, "--kv-eviction", "pyramidkv", *BUDGET, "--kv-max-rows", "64"]
+        )
     assert server.get("/health")[1]["kv_settings"]["max_rows"] == 64
+
+
+def test_a_request_evicts_while_generating(serve, loaded):
+    """``kv_decode_interval`` (or ``--kv-decode-interval``): every N generated tokens the rows go
+    back to the budget, and the answer is kvfn's own ``bounded_decode``'s, beside a request that
+    does not evict (batched with it); what cannot evict while generating is a 400 that says why."""
+    model, tokenizer = loaded
+    server = serve(["--kv-eviction", "snapkv", *BUDGET, "--kv-decode-interval", "16"])
+    long = document("boat", 30).rsplit(" What", 1)[0] + " Write a long story about these boats."
+    fm = kvfn.FunctionalModel(model)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": long}],
+                                        add_generation_prompt=True)  # fmt: skip
+    policy = kvfn.SnapKV(budget=64, window=8)
+    states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=1, prefill_step_size=128)
+    want, eos = [], set(tokenizer.eos_token_ids)
+    for token in kvfn.bounded_decode(fm, mx.array([[ids[-1]]]), states, policy, steps=72,
+                                     interval=16):  # fmt: skip
+        if token.item() in eos:
+            break
+        want.append(token.item())
+    assert len(want) == 72  # long enough to compact four times while generating
+    results = {}
+
+    def ask(key, **kw):
+        results[key] = server.post(chat(long, max_tokens=72, **kw))
+
+    threads = [threading.Thread(target=ask, args=("evicting",)),
+               threading.Thread(target=ask, args=("plain",), kwargs={"kv_decode_interval": None})]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert text(results["evicting"]) == tokenizer.decode(want)
+    assert results["evicting"][1]["usage"]["kv_eviction"]["decode_interval"] == 16
+    assert "decode_interval" not in results["plain"][1]["usage"]["kv_eviction"]
+    assert text(results["plain"]) == own_answer(loaded, policy, long, 72, prefill_step_size=128)
+    assert text(results["plain"]) != text(results["evicting"])  # the evictions changed it
+    short = "Write a long story about boats."  # kept whole, then evicted while generating
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": short}],
+                                        add_generation_prompt=True)  # fmt: skip
+    states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=1, prefill_step_size=128)
+    tokens = [t.item() for t in kvfn.bounded_decode(fm, mx.array([[ids[-1]]]), states, policy,
+                                                      steps=72, interval=16)]  # fmt: skip
+    tokens = tokens[: next((i for i, t in enumerate(tokens) if t in eos), len(tokens))]
+    got = server.post(chat(short, max_tokens=72))
+    assert text(got) == tokenizer.decode(tokens) and got[1]["usage"]["kv_eviction"]["kept_whole"]
+    for body, why in (
+        (chat(kv_decode_interval=8), "interval must be an int > the policy's window 8, got 8"),
+        (chat(kv_decode_interval="32"), "interval must be an int"),
+        (chat(kv_eviction="kvzip", kv_decode_interval=32), "kvzip cannot evict while generating"),
+    ):
+        status, out = server.post(body)
+        assert status == 400 and why in out["error"], out
+    status, out = serve([]).post(chat(kv_decode_interval=32))
+    assert status == 400 and "kv_decode_interval needs a kv_eviction policy" in out["error"], out
+    assert server.get("/health")[1]["kv_settings"]["decode_interval"] == 16
+    held = server.idle()
+    assert held["active_bytes"] == 0 and held["compacting_sequences"] == 0
 
 
 def test_pyramidkv_batched_with_other_streams_answers_as_alone(serve):

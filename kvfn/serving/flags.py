@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Optional
 
+from ..decoding import check_generating
 from ..policies.duo import HeadPattern
 from ..policies.policy import POLICIES, Policy, parse_policy
 
@@ -61,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser, eviction_help: str) -> None:
     kv.add_argument("--kv-max-rows", type=positive_int, metavar="R",
                     help="evict while prefilling: hold at most R rows a head (plus one prefill "
                     "chunk) at any moment, however long the prompt (kvfn.compact's max_rows)")  # fmt: skip
+    kv.add_argument("--kv-decode-interval", type=positive_int, metavar="N",
+                    help="evict while generating: every N generated tokens compact back to "
+                    "--kv-budget (at most budget + N rows a head; kvfn.bounded_decode's)")  # fmt: skip
     duo = parser.add_argument_group(
         "DuoAttention (--kv-eviction duo; duo-snapkv compresses retrieval heads to --kv-budget)"
     )
@@ -135,8 +139,10 @@ def read(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             name = "--" + flag.replace("_", "-")
             parser.error(f"argument {name}: needs --kv-eviction duo, got {args.kv_eviction}")
     if args.kv_eviction == "none":
-        if args.kv_max_rows is not None:
-            parser.error("argument --kv-max-rows: needs --kv-eviction POLICY")
+        for flag in ("kv_max_rows", "kv_decode_interval"):
+            if getattr(args, flag) is not None:
+                name = "--" + flag.replace("_", "-")
+                parser.error(f"argument {name}: needs --kv-eviction POLICY")
         return
     if args.kv_budget < args.kv_sink_tokens + args.kv_window:
         parser.error(
@@ -157,3 +163,8 @@ def read(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             args.policy.check_max_rows(args.kv_max_rows)
         except ValueError as e:
             parser.error(f"argument --kv-max-rows: {e}")
+    if args.kv_decode_interval is not None:
+        try:
+            check_generating(args.policy, args.kv_decode_interval)
+        except ValueError as e:
+            parser.error(f"argument --kv-decode-interval: {e}")

@@ -98,8 +98,8 @@ class CompactedKVCache(_TruePositions):
 
     # -- mlx-lm protocol ----------------------------------------------------------------------
     def update_and_fetch(self, keys, values):
-        if self.evicting is not None:
-            self.evicting.before_append(self)
+        if self.evicting is not None and self.evicting.due(self.rows, False):
+            self.evicting.compact(self)
         n = keys.shape[2]
         self.keys, self.values, self.positions = self._grow(
             [self.keys, self.values, self.positions], n
@@ -116,7 +116,9 @@ class CompactedKVCache(_TruePositions):
         """mlx-lm's attention (``kvfn.wrapper.attending_copy`` calls it after
         ``update_and_fetch``); an evicting cache also reads the queries it scores rows by."""
         if self.evicting is not None:
-            self.evicting.observe(self, queries, scale)
+            first = self.evicting.first_scored(self.rows, queries.shape[2])
+            if first is not None:
+                self.evicting.observe(self, queries, scale, first)
         return scaled_dot_product_attention(queries, keys, values, self, scale, mask, sinks)
 
     @property
@@ -238,15 +240,13 @@ class BatchCompactedKVCache(BatchKVCache):
     def __init__(self, left_padding: List[int]):
         super().__init__(left_padding)
         self.prefix_positions = [mx.zeros((1, 1, 0), mx.int32) for _ in left_padding]
+        self.evicting = [None for _ in left_padding]  # each sequence's ``Evicting``, if any
 
     @classmethod
     def merge(cls, caches):
         for i, c in enumerate(caches):
             if not isinstance(c, CompactedKVCache):
                 raise TypeError(f"sequence {i}: cannot batch a {type(c).__name__} with kvfn caches")
-            if c.evicting is not None:
-                raise ValueError(f"sequence {i}: a cache that evicts while generating is not "
-                                 "batched (its own compactions take one sequence)")  # fmt: skip
             if c.sliding_window is not None:
                 raise ValueError(f"sequence {i}: sliding-window caches are not batched")
         rows = [c.rows for c in caches]
@@ -255,6 +255,7 @@ class BatchCompactedKVCache(BatchKVCache):
         batch = cls(padding)
         batch.offset = mx.array([c.offset for c in caches])
         batch.prefix_positions = [c.positions[:, :, : c.rows] for c in caches]
+        batch.evicting = [c.evicting for c in caches]
         if longest == 0:
             return batch
         full = [c for c in caches if c.rows > 0]
@@ -286,18 +287,46 @@ class BatchCompactedKVCache(BatchKVCache):
         if prefix.shape[1] != keys.shape[1]:
             prefix = mx.broadcast_to(prefix, (1, keys.shape[1], prefix.shape[2]))
         positions = mx.concatenate([prefix, tail], axis=2)
-        return CompactedKVCache(keys, values, positions, offset)
+        return CompactedKVCache(keys, values, positions, offset, evicting=self.evicting[idx])
 
     def filter(self, batch_indices):
         self.prefix_positions = [self.prefix_positions[i] for i in batch_indices]
+        self.evicting = [self.evicting[i] for i in batch_indices]
         super().filter(batch_indices)
 
     def extend(self, other):
         if not isinstance(other, BatchCompactedKVCache):
             raise TypeError(f"cannot extend kvfn's batch cache with a {type(other).__name__}")
         prefix = self.prefix_positions + other.prefix_positions
+        evicting = self.evicting + other.evicting
         super().extend(other)
-        self.prefix_positions = prefix
+        self.prefix_positions, self.evicting = prefix, evicting
+
+    def update_and_fetch(self, keys, values):
+        if self._right_padding is None and any(e is not None for e in self.evicting):
+            self._evict()
+        return super().update_and_fetch(keys, values)
+
+    def _evict(self) -> None:
+        """Compacts each evicting sequence whose rows are due, in place, right-aligned at the
+        end of the batch's rows (the slots before them become its left padding), then drops the
+        padding every sequence has (the buffer then holds no more than the longest's rows)."""
+        padding = self.left_padding.tolist()
+        for i, e in enumerate(self.evicting):
+            if e is None or not e.due(self._idx - padding[i], True):
+                continue
+            one = self.extract(i)
+            e.compact(one)
+            padding[i] = start = self._idx - one.rows
+            self.keys[i : i + 1, :, start : self._idx] = one.keys
+            self.values[i : i + 1, :, start : self._idx] = one.values
+            self.prefix_positions[i] = one.positions
+        self.left_padding = mx.array(padding)
+        common = min(padding)
+        if common:
+            self.keys, self.values = (x[..., common:, :] for x in (self.keys, self.values))
+            self._idx -= common
+            self.left_padding = self.left_padding - common
 
     def trim(self, n: int) -> int:
         """Drop up to ``n`` of the rows appended in this batch (never a compacted prefix)."""
@@ -310,8 +339,17 @@ class BatchCompactedKVCache(BatchKVCache):
         numbers of rows (pyramidkv) or are padded differently; where they agree, the two masks
         are the same."""
         n = queries.shape[2]
+        if any(e is not None for e in self.evicting):
+            self._observe(queries, scale)
         own = create_causal_mask(n, offset=self._idx - n, left_padding=self.left_padding)
         return scaled_dot_product_attention(queries, keys, values, self, scale, own, sinks)
+
+    def _observe(self, queries, scale) -> None:
+        padding = self.left_padding.tolist()
+        for i, e in enumerate(self.evicting):
+            first = None if e is None else e.first_scored(self._idx - padding[i], queries.shape[2])
+            if first is not None:
+                e.observe(self.extract(i), queries[i : i + 1], scale, first)
 
     @property
     def nbytes(self) -> int:
@@ -336,25 +374,31 @@ class Evicting:
         self.layer, self.cap = layer, policy.budget + interval
         self.scores, self.unseen = None, False
 
-    def before_append(self, cache: "CompactedKVCache") -> None:
-        if self.unseen and self.policy.needs_scores:
+    def due(self, rows: int, attends: bool) -> bool:
+        """Whether rows held before an append call for a compaction; a ValueError where the
+        model did not hand the cache its last queries and the cache needs them (a window-scored
+        policy, or ``attends``: a batch masks its sequences itself)."""
+        if self.unseen and (attends or self.policy.needs_scores):
+            why = ("scores rows by the attention of recent queries" if self.policy.needs_scores
+                   else "in a batch masks each sequence's rows itself")  # fmt: skip
             raise ValueError(
-                f"{self.policy.name} evicts while generating by the attention of recent "
-                "queries, which this model does not hand its caches: run it as "
-                "kvfn.wrapper.attending_copy(model)"
+                f"{self.policy.name} evicting while generating {why}, which needs the model to "
+                "hand its caches the queries: run it as kvfn.wrapper.attending_copy(model)"
             )
         self.unseen = True
-        if cache.rows >= self.cap:
-            self.compact(cache)
+        return rows >= self.cap
 
-    def observe(self, cache: "CompactedKVCache", queries: mx.array, scale) -> None:
-        """Adds the attention of those of ``queries`` (after RoPE, the last at ``offset - 1``)
-        that are in the observation window before a compaction over the rows held."""
+    def first_scored(self, rows: int, n: int) -> Optional[int]:
+        """Of the last ``n`` queries, over ``rows`` rows held after their append, the first in
+        the observation window before a compaction (None: none is, or the policy needs none)."""
         self.unseen = False
+        first = max(0, self.cap - self.policy.window - (rows - n))  # a query's rows before it
+        return first if self.policy.needs_scores and first < n else None
+
+    def observe(self, cache: "CompactedKVCache", queries: mx.array, scale, first: int) -> None:
+        """Adds the attention of ``queries[:, :, first:]`` (after RoPE, the last at ``offset -
+        1``) over the rows held."""
         n, r = queries.shape[2], cache.rows
-        first = max(0, self.cap - self.policy.window - (r - n))  # a query's rows before it
-        if not self.policy.needs_scores or first >= n:
-            return
         qpos = mx.arange(cache.offset - n + first, cache.offset, dtype=mx.int32)[None]
         got = window_attention_scores(queries[:, :, first:], qpos, cache.to_state(), scale)
         if self.scores is not None:

@@ -90,6 +90,7 @@ from mlx_lm.server import (
 
 from .. import distributed
 from ..compaction import check_bounded, compact_steps
+from ..decoding import check_generating
 from ..eviction import kept
 from ..passes import _prefill_steps, prefill
 from ..states import tree
@@ -102,7 +103,7 @@ from .flags import (
     positive_int,
     probability,
 )
-from .interop import CompactedKVCache, QuantizedCompactedKVCache, to_mlx_cache
+from .interop import CompactedKVCache, Evicting, QuantizedCompactedKVCache, to_mlx_cache
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
@@ -255,6 +256,9 @@ class KVModelProvider(ModelProvider):
         if self.cli_args.kv_max_rows is not None:
             fm = self.functional_model()
             check_bounded(fm.sliding_windows, self.cli_args.policy, self.cli_args.kv_max_rows, 1)
+        if self.cli_args.kv_decode_interval is not None:
+            check_generating(self.cli_args.policy, self.cli_args.kv_decode_interval,
+                             self.functional_model().sliding_windows)  # fmt: skip
         if self.cli_args.policy is not None and self.is_batchable:
             # each layer's batch cache attends with its own mask (per-layer row counts, heads)
             self.model = attending_copy(model)
@@ -392,6 +396,7 @@ class EvictingPromptCache(LRUPromptCache):
         self.provider = provider
         self.policy = provider.cli_args.policy  # set per request by the response generator
         self.max_rows = provider.cli_args.kv_max_rows  # so is this
+        self.decode_interval = provider.cli_args.kv_decode_interval  # and this
         self.context_tokens = 0  # and this: the shared context a query-agnostic policy reuses
         # (policy, max_rows, context tokens) -> (states, result, bytes)
         self.contexts = OrderedDict()
@@ -433,7 +438,7 @@ class EvictingPromptCache(LRUPromptCache):
                 else:  # fresh states: prefill reuses their buffers
                     states = prefill(fm, mx.array([tokens[:-1]]), capacity=len(tokens),
                                           prefill_step_size=step)  # fmt: skip
-                return self.as_mlx_caches(states), tokens[-1:]
+                return self.as_mlx_caches(states, policy), tokens[-1:]
             return self.compaction(tokens, policy), tokens[-1:]
         if policy is not None and not policy.keeps_whole(len(tokens) - 1):
             return self.compaction(tokens, policy), tokens[-1:]
@@ -447,8 +452,20 @@ class EvictingPromptCache(LRUPromptCache):
             return cache, rest
         if cache is None:  # mlx-lm batches one cache class: every sequence gets kvfn's
             fm = self.provider.functional_model()
-            return to_mlx_cache(fm.init_states(1, 0)), rest
-        return [as_kvfn_cache(c) for c in cache], rest
+            caches = to_mlx_cache(fm.init_states(1, 0))
+        else:
+            caches = [as_kvfn_cache(c) for c in cache]
+        return self.evicting(caches, policy, self.decode_interval), rest
+
+    def evicting(self, caches: list, policy, interval=None) -> list:
+        """A request's caches, made to evict while generating every ``interval`` tokens (its
+        ``kv_decode_interval``; None: not): each layer an ``Evicting`` of its ``policy``. A job
+        passes the request's own, taken when it was made: ``self.decode_interval`` is the latest
+        request's by the time the job ends."""
+        for i, c in enumerate(caches):
+            off = policy is None or interval is None
+            c.evicting = None if off else Evicting(policy, interval, i, len(caches))
+        return caches
 
     def compaction(self, tokens, policy):
         """The compaction of all but the last of ``tokens``: a ``PendingCompaction``, or its
@@ -458,7 +475,7 @@ class EvictingPromptCache(LRUPromptCache):
         tokenized = policy.for_tokenizer(self.provider.tokenizer)  # KVzip's repeat instruction
         steps = compact_steps(fm, tokens, tokenized, max_new_tokens=1, prefill_step_size=step,
                               max_rows=self.max_rows, pass_step_size=step)  # fmt: skip
-        job = PendingCompaction(self._caches_after(steps, policy, tokens),
+        job = PendingCompaction(self._caches_after(steps, policy, tokens, self.decode_interval),
                                 prefill_bytes(fm, bucket(len(tokens) - 1)), self.gone)  # fmt: skip
         return job if self.interleave else job.finish()
 
@@ -478,11 +495,11 @@ class EvictingPromptCache(LRUPromptCache):
         tokenized = policy.for_tokenizer(self.provider.tokenizer)
         key = (tokenized, self.max_rows, tuple(tokens[:n]))
         held = len(tokens) - n if key in self.contexts else len(tokens) - 1
-        job = PendingCompaction(self._reused(fm, tokens, policy, key, n),
+        job = PendingCompaction(self._reused(fm, tokens, policy, key, n, self.decode_interval),
                                 prefill_bytes(fm, bucket(held)), self.gone)  # fmt: skip
         return job if self.interleave else job.finish()
 
-    def _reused(self, fm, tokens, policy, key, n: int):
+    def _reused(self, fm, tokens, policy, key, n: int, interval):
         tokenized, max_rows, _ = key
         while key in self.compacting:  # another request compacts this context: its result
             yield 0, 1
@@ -517,7 +534,7 @@ class EvictingPromptCache(LRUPromptCache):
             "bytes_kept": sum(b for _, b in held),
             "bytes_total": round(result.total_bytes_before * whole),
         })  # fmt: skip
-        return self.as_mlx_caches(rest)
+        return self.as_mlx_caches(rest, policy, interval)
 
     def keep_context(self, key, states, result) -> None:
         """Store a compacted context (at its compacted size), the least recently used ones
@@ -563,10 +580,10 @@ class EvictingPromptCache(LRUPromptCache):
         self.note(policy, tokens, {"kept_whole": True, "rows_kept": rows, "rows_total": rows,
                                    "bytes_kept": nbytes, "bytes_total": nbytes})  # fmt: skip
 
-    def _caches_after(self, steps, policy, tokens):
+    def _caches_after(self, steps, policy, tokens, interval):
         """``steps``, then the caches of the states they return (their eviction recorded)."""
         states, result = yield from steps
-        caches = self.as_mlx_caches(states)
+        caches = self.as_mlx_caches(states, policy, interval)
         self.note(policy, tokens, {
             "kept_whole": False,
             "rows_kept": result.total_rows_after,
@@ -578,7 +595,7 @@ class EvictingPromptCache(LRUPromptCache):
         self.compacted_requests += 1
         return caches
 
-    def as_mlx_caches(self, states) -> list:
+    def as_mlx_caches(self, states, policy, interval=None) -> list:
         """mlx-lm caches of one sequence's states: with a per-head policy, ragged layers
         (``RaggedLayerCache``, a plain state's heads each keeping all its rows) or per-head
         caches in the server's head groups; else ``kvfn.to_mlx_cache``'s."""
@@ -586,7 +603,7 @@ class EvictingPromptCache(LRUPromptCache):
             return [RaggedLayerCache.from_state(s) for s in states]
         groups = self.provider.head_groups
         if groups is None:
-            return to_mlx_cache(states)
+            return self.evicting(to_mlx_cache(states), policy, interval)
         return [HeadGroupsKVCache.from_state(s, g) for s, g in zip(states, groups)]
 
     def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
@@ -799,6 +816,8 @@ class KVResponseGenerator(ResponseGenerator):
     def _tokenize(self, tokenizer, request, args):
         self.prompt_cache.policy = getattr(request, "kv_policy", self.cli_args.policy)
         self.prompt_cache.max_rows = getattr(request, "kv_max_rows", self.cli_args.kv_max_rows)
+        self.prompt_cache.decode_interval = getattr(request, "kv_decode_interval",
+                                                    self.cli_args.kv_decode_interval)  # fmt: skip
         self.prompt_cache.context_tokens = getattr(request, "kv_context", 0)
         # under mlx.launch every rank runs each step: a job stops only by the shared removal
         self.prompt_cache.gone = None if self._is_distributed else _CLIENTS.get(id(request))
@@ -1029,6 +1048,7 @@ class KVAPIHandler(APIHandler):
             )
         request.kv_policy = self.kv_policy_used = policy
         request.kv_max_rows = self.max_rows_of(policy)
+        request.kv_decode_interval = self.kv_decode_interval = self.decode_interval_of(policy)
 
     def max_rows_of(self, policy):
         """The body's ``kv_max_rows`` (optional; null: none), checked; else the server's flag
@@ -1051,11 +1071,35 @@ class KVAPIHandler(APIHandler):
         check_bounded(fm.sliding_windows, policy, max_rows, cli.prefill_step_size)
         return max_rows
 
+    def decode_interval_of(self, policy):
+        """The body's ``kv_decode_interval`` (optional; null: none), checked; else the server's
+        flag where the request's policy can take it (else none)."""
+        cli = self.response_generator.cli_args
+        windows = self.response_generator.model_provider.functional_model().sliding_windows
+        if "kv_decode_interval" not in self.body:
+            if cli.kv_decode_interval is None or policy is None:
+                return None
+            try:
+                check_generating(policy, cli.kv_decode_interval, windows)
+            except ValueError:
+                return None
+            return cli.kv_decode_interval
+        interval = self.body["kv_decode_interval"]
+        if interval is None:
+            return None
+        if policy is None:
+            raise ValueError("kv_decode_interval needs a kv_eviction policy")
+        check_generating(policy, interval, windows)
+        return interval
+
     def kv_usage(self, usage: dict) -> dict:
         policy = getattr(self, "kv_policy_used", None)
         info = self.response_generator.prompt_cache.evictions.get((policy, tuple(self.kv_prompt)))
         if info is not None:
             usage["kv_eviction"] = dict(info)
+            interval = getattr(self, "kv_decode_interval", None)
+            if interval is not None:
+                usage["kv_eviction"]["decode_interval"] = interval
             if not info["kept_whole"]:
                 # mlx-lm counts the compacted prompt as cached: only a reused context's rows
                 # are (its last token is prefilled again, with the rest)
@@ -1120,7 +1164,8 @@ class KVAPIHandler(APIHandler):
             body["kv_settings"] = {"budget": cli.kv_budget, "window": cli.kv_window,
                                    "sink_tokens": cli.kv_sink_tokens,
                                    "min_tokens": cli.kv_min_tokens,
-                                   "max_rows": cli.kv_max_rows}  # fmt: skip
+                                   "max_rows": cli.kv_max_rows,
+                                   "decode_interval": cli.kv_decode_interval}  # fmt: skip
             if cli.duo is not None:
                 policy = cli.policy
                 heads = [x for row in policy.heads for x in row]
