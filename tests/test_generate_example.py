@@ -101,11 +101,25 @@ def test_example_evicts_while_prefilling_and_prints_its_peak(capsys):
     assert "kv_peak_rows:" in out and "peak_memory_gb:" in out
 
 
+def test_a_cap_below_the_default_budget_is_the_budget():
+    """``--kv-max-rows R`` without ``--kv-budget``: the budget is 512, or R where R is lower
+    (the issue's ``--kv-max-rows 256`` runs); a budget given above the cap is refused."""
+    assert (
+        generate.parse_args(["--kv-eviction", "snapkv", "--kv-max-rows", "256"]).policy.budget
+        == 256
+    )
+    assert (
+        generate.parse_args(["--kv-eviction", "snapkv", "--kv-max-rows", "900"]).policy.budget
+        == 512
+    )
+    assert generate.parse_args(["--kv-eviction", "snapkv"]).policy.budget == 512
+
+
 def test_example_refuses_a_policy_that_cannot_evict_while_prefilling(capsys):
     for argv, message in (
         (["--kv-eviction", "pyramidkv", "--kv-max-rows", "600"],
          "--kv-max-rows: pyramidkv cannot evict while prefilling: its layers"),
-        (["--kv-eviction", "snapkv", "--kv-max-rows", "100"],
+        (["--kv-eviction", "snapkv", "--kv-budget", "512", "--kv-max-rows", "100"],
          "--kv-max-rows: max_rows must be an int >= the policy's budget 512, got 100"),
         (["--kv-max-rows", "96"], "--kv-max-rows: needs --kv-eviction POLICY"),
     ):  # fmt: skip

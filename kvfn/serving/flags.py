@@ -48,12 +48,16 @@ def probability(text: str) -> float:
     return value
 
 
+BUDGET = 512  # --kv-budget's default
+
+
 def add_arguments(parser: argparse.ArgumentParser, eviction_help: str) -> None:
     """The eviction flags (off unless ``--kv-eviction`` names a policy) and DuoAttention's."""
     kv = parser.add_argument_group("KV-cache eviction (off unless --kv-eviction names a policy)")
     kv.add_argument("--kv-eviction", default="none", help=eviction_help)
-    kv.add_argument("--kv-budget", type=positive_int, default=512,
-                    help="rows kept per layer and head")  # fmt: skip
+    kv.add_argument("--kv-budget", type=positive_int,
+                    help=f"rows kept per layer and head (default {BUDGET}, or --kv-max-rows "
+                    "where that is lower)")  # fmt: skip
     kv.add_argument("--kv-window", type=positive_int, default=32,
                     help="observation window (recent rows)")  # fmt: skip
     kv.add_argument("--kv-sink-tokens", type=non_negative_int, default=4)
@@ -131,6 +135,8 @@ def read(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Sets ``args.duo`` (``head_pattern_settings``) and ``args.policy`` (None for "none")
     from the flags; a bad one exits through ``parser.error``, named."""
     args.duo = args.policy = None
+    if args.kv_budget is None:
+        args.kv_budget = min(BUDGET, args.kv_max_rows or BUDGET)
     if not args.kv_eviction:
         parser.error("argument --kv-eviction: must be a policy name or 'none', got ''")
     cls = POLICIES.get(args.kv_eviction.split("-")[0])
