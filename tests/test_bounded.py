@@ -348,3 +348,16 @@ def test_benchmark_memory_bounds_the_peak_rows_and_prints_each_run(capsys):
     assert by["mlx-lm rotating"]["kv_held_gb"] < by["mlx-lm full"]["kv_held_gb"]
     runs = [line for line in capsys.readouterr().out.splitlines() if line.startswith('{"round"')]
     assert len(runs) == 2 * len(benchmark_memory.CONFIGS)  # a warm-up round and a measured one
+
+
+def test_benchmark_generation_caps_every_evicting_config_and_prints_each(capsys):
+    from examples import benchmark_generation
+
+    out = benchmark_generation.main(["--prompt-tokens", "20", "--new-tokens", "600", "--rows",
+                                     "64", "--interval", "24", "--window", "8"])  # fmt: skip
+    by = {r["config"]: r for r in out}
+    assert [r["config"] for r in out] == list(benchmark_generation.CONFIGS)
+    for config in ("mlx-lm rotating", "kvfn bounded_decode", "mlx-lm over kvfn evicting"):
+        assert by[config]["most_rows"] <= 64 < by["mlx-lm full"]["most_rows"], config
+        assert by[config]["kv_held_gb"] < by["mlx-lm full"]["kv_held_gb"], config
+    assert "mlx-lm over kvfn evicting" in capsys.readouterr().out

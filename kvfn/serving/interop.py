@@ -405,6 +405,9 @@ class Evicting:
             width = max(r, self.scores.shape[-1])
             got = widened(got, width) + widened(self.scores, width)
         self.scores = got
+        # queued now: a lazy sum would hold every observed step's copy of the rows until the
+        # compaction (the window's steps, each a buffer a layer)
+        mx.async_eval(self.scores)
 
     def compact(self, cache: "CompactedKVCache") -> None:
         r = cache.rows
