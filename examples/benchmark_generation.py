@@ -107,7 +107,9 @@ def main(argv=None) -> list:
     model = random_model(args.shape, getattr(mx, args.dtype))
     vocab = SHAPES[args.shape][1]["vocab_size"]
     ids = np.random.default_rng(args.seed).integers(0, vocab, size=args.prompt_tokens).tolist()
-    run(configs[0], model, ids, argparse.Namespace(**{**vars(args), "new_tokens": 8}))  # warm
+    warm = argparse.Namespace(**{**vars(args), "new_tokens": args.rows + 8})
+    for c in configs:  # a compaction and its scored steps each: their kernels and traces built
+        run(c, model, ids, warm)
     out = []
     for c in configs:
         got = run(c, model, ids, args)
