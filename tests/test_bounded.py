@@ -361,3 +361,18 @@ def test_benchmark_generation_caps_every_evicting_config_and_prints_each(capsys)
         assert by[config]["most_rows"] <= 64 < by["mlx-lm full"]["most_rows"], config
         assert by[config]["kv_held_gb"] < by["mlx-lm full"]["kv_held_gb"], config
     assert "mlx-lm over kvfn evicting" in capsys.readouterr().out
+
+
+def test_perplexity_bounded_reads_the_text_the_full_cache_reads_until_the_cap(capsys):
+    """Until the cap is first reached every capped cache is the full cache (the same losses);
+    after it they hold at most the cap."""
+    from examples import perplexity_bounded
+
+    out = perplexity_bounded.main(["--tokens", "160", "--rows", "96", "--interval", "32",
+                                   "--window", "8", "--configs",
+                                   "full cache,mlx-lm rotating,kvfn snapkv"])  # fmt: skip
+    by = {r["config"]: r for r in out}
+    assert by["full cache"]["most_rows"] == 159
+    for config in ("mlx-lm rotating", "kvfn snapkv"):
+        assert by[config]["most_rows"] <= 96 and by[config]["agree_with_full"] >= 95 / 159
+    assert "kvfn snapkv" in capsys.readouterr().out
