@@ -13,7 +13,7 @@ from typing import Callable, Generator, Optional
 import mlx.core as mx
 
 from .compaction import check_bounded, compact_states
-from .policies.policy import Policy
+from .policies.policy import BasePolicy
 from .states import cache as kv
 from .states.layout import bucket
 from .wrapper import FunctionalModel, QuerySlice
@@ -23,7 +23,7 @@ def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1)[:, None]
 
 
-def check_bounded_decode(fmodel: FunctionalModel, states, policy: Policy, interval) -> None:
+def check_bounded_decode(fmodel: FunctionalModel, states, policy: BasePolicy, interval) -> None:
     """Refuses, by name and reason, what cannot evict while generating."""
     check_bounded(fmodel, policy, policy.budget, 1, during="generating")
     if type(interval) is not int or interval <= policy.window:
@@ -41,7 +41,7 @@ def bounded_decode(
     fmodel: FunctionalModel,
     token: mx.array,
     states: tuple,
-    policy: Policy,
+    policy: BasePolicy,
     *,
     steps: int,
     interval: int = 512,
