@@ -26,6 +26,10 @@ import numpy as np
 from ..states import ragged
 from .policy import BasePolicy, Plan, Policy
 
+# a scorer's flags (kvfn.Policy's) that an allocation has from its scorer unless it sets its own
+SCORER_FLAGS = ("needs_scores", "statistic", "traceable", "ragged", "query_agnostic",
+                "cannot_recompact", "scores_held")  # fmt: skip
+
 
 def top_mask(priority: mx.array, k: int) -> mx.array:
     """A boolean mask of the ``k`` largest entries along the last axis (ties: any of them)."""
@@ -66,12 +70,21 @@ class Allocation(BasePolicy):
             raise AttributeError(name)
         return getattr(self.scorer, name)
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # a shorthand's class says what its scorer's does where it does not decide (as its
+        # instances do): the registry reads these off classes
+        for flag in SCORER_FLAGS if cls.default_scorer else ():
+            if not hasattr(cls, flag):
+                setattr(cls, flag, getattr(cls.default_scorer, flag))
+
     @classmethod
-    def settings(cls) -> set:
+    def settings(cls) -> dict:
         own = super().settings()
         if cls.default_scorer is None:
             return own
-        return (own - {"scorer"}) | cls.default_scorer.settings()
+        own.pop("scorer")
+        return {**cls.default_scorer.settings(), **own}
 
     def replace(self, **changes) -> "Allocation":
         """With ``changes``: its own fields here, the rest its scorer's (``budget=``, ...)."""
@@ -201,6 +214,7 @@ class AcrossHeads(Allocation):
     cannot_recompact: ClassVar[str] = (
         "it keeps each head's rows ragged, and a compaction takes plain layers"
     )
+    scores_held: ClassVar[bool] = False  # it never evicts while prefilling
 
     def validate(self) -> None:
         super().validate()

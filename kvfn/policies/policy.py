@@ -61,9 +61,10 @@ class BasePolicy:
                 raise ValueError(f"{self.name} {f.name} must be a non-negative int, got {value!r}")
 
     @classmethod
-    def settings(cls) -> set:
-        """The keywords its constructor takes (what ``parse_policy`` and the server pass)."""
-        return {f.name for f in dataclasses.fields(cls)}
+    def settings(cls) -> dict:
+        """The keywords its constructor takes (what ``parse_policy`` and the server pass), each
+        to its default (``dataclasses.MISSING``: none)."""
+        return {f.name: f.default for f in dataclasses.fields(cls)}
 
     @classmethod
     def options(cls, parts: list[str]) -> dict:
@@ -340,7 +341,7 @@ def parse_policy(spec: str, **settings) -> BasePolicy:
     cls = POLICIES.get(head)
     if cls is None:
         raise ValueError(f"unknown policy {spec!r} (known: {', '.join(sorted(POLICIES))})")
-    unknown = sorted(set(settings) - cls.settings())
+    unknown = sorted(set(settings) - set(cls.settings()))
     if unknown:
         raise ValueError(f"policy {head!r} has no setting {', '.join(unknown)}")
     return cls(**{**settings, **cls.options(parts)})
