@@ -16,7 +16,7 @@ from typeguard import typechecked
 
 from .eviction import EvictionResult, result_of
 from .passes import _drain, _prefill_steps, _scored_steps, chunks
-from .policies.policy import Policy
+from .policies.policy import BasePolicy, Plan
 from .policies.snapkv import SnapKV
 from .states import cache as kv
 from .states import tree
@@ -33,9 +33,11 @@ def _window_cut(state: kv.State, P: int, extra: int) -> kv.State:
 
 
 @lru_cache(maxsize=64)
-def _evictor(policy: Policy, P: int, extra: int, statics: tuple, compiled: bool, group):
-    """The compaction of one prompt length as a function of arrays; ``layout[0]`` holds, once
-    traced, each output layer's static part and host bounds (they depend only on the key)."""
+def _evictor(policy: BasePolicy, plan: Optional[Plan], P: int, extra: int, statics: tuple,
+             compiled: bool, group):  # fmt: skip
+    """The compaction of one prompt length under ``plan`` as a function of arrays; ``layout[0]``
+    holds, once traced, each output layer's static part and host bounds (they depend only on
+    the key)."""
     layout = []
 
     def run(flat, scores):
@@ -48,7 +50,7 @@ def _evictor(policy: Policy, P: int, extra: int, statics: tuple, compiled: bool,
                 sc = scores[i][..., :P] if scores else None
                 layer_policy = policy.for_layer(i, len(statics))
                 new = layer_policy.compact_layer(s, sc, prompt_length=P, layer=i, reserve=extra,
-                                                 group=group)  # fmt: skip
+                                                 group=group, plan=plan)  # fmt: skip
             arrays_out, static_out, host = tree.flatten(new)
             out.append(arrays_out)
             shapes.append((static_out, host))
@@ -62,11 +64,12 @@ def _evictor(policy: Policy, P: int, extra: int, statics: tuple, compiled: bool,
 def compact_states(
     states: Sequence[kv.State],
     scores: Optional[Sequence[mx.array]],
-    policy: Policy,
+    policy: BasePolicy,
     *,
     reserve: int = 0,
     compiled: bool = False,
     group: Optional[mx.distributed.Group] = None,
+    plan: Optional[Plan] = None,
 ) -> tuple[tuple, EvictionResult]:
     """Apply ``policy`` to freshly prefilled ``states`` of one prompt length (and its
     ``scored_prefill`` scores, if it needs them): select, gather and reserve room for
@@ -75,7 +78,9 @@ def compact_states(
     3.6-3.8 s per new prompt length against tens of ms saved at a repeated one).
     Sliding-window layers are cut to their window (lossless). ``group``: the states hold this
     rank's slice of every layer's heads, split evenly over the group (``FunctionalModel.group``
-    of a sharded model); every rank then keeps the rows one process would keep."""
+    of a sharded model); every rank then keeps the rows one process would keep. ``plan``: what
+    the policy's ``plan`` would decide from these scores (a layer's budget and each sequence's
+    rows, ``kvfn.policies.Plan``), given instead; checked before tracing."""
     bounds = {s.max_rows if s.max_rows is not None else int(s.rows.item()) for s in states}
     if len(bounds) != 1:
         raise ValueError(f"compact_states takes states of one prompt length, got rows {bounds}")
@@ -90,14 +95,16 @@ def compact_states(
         raise ValueError(f"{len(scores)} score arrays for {len(states)} layers")
     kv.check_capacity(P + reserve)
     n_kv_heads = tuple(None if s.sliding_window else s.keys.shape[1] for s in states)
-    policy = policy.planned(scores, prompt_length=P, n_kv_heads=n_kv_heads)
-    policy.check_states(n_kv_heads, batch=states[0].keys.shape[0], prompt_length=P)
+    if plan is None:
+        plan = policy.plan(scores, prompt_length=P, n_kv_heads=n_kv_heads)
+    policy.check_states(n_kv_heads, batch=states[0].keys.shape[0], prompt_length=P, plan=plan)
     # a dense state holds exactly P rows, as does a packed one whose rows are P (one compacted
     # while prefilling, then prefilled further): every kept row is a stored one, still packed
     statics = tuple((s.sliding_window, s.dense or (s.packed and int(s.rows.item()) == P))
                     for s in states)  # fmt: skip
     flat = [kv.flatten(s)[0] for s in states]
-    run, layout = _evictor(policy, P, reserve, statics, compiled and policy.traceable, group)
+    run, layout = _evictor(policy, plan, P, reserve, statics, compiled and policy.traceable,
+                           group)  # fmt: skip
     out = run(flat, list(scores or ()))
     new = tuple(tree.unflatten(o, st, host) for o, (st, host) in zip(out, layout[0]))
     new = tuple(
@@ -128,7 +135,7 @@ def _prompt(tokens, vocab: Optional[int]) -> mx.array:
 def compact_steps(
     fmodel: FunctionalModel,
     prompt_tokens: Sequence[int] | mx.array,
-    policy: Policy,
+    policy: BasePolicy,
     *,
     max_new_tokens: int = 256,
     prefill_step_size: int = 512,
@@ -197,7 +204,7 @@ def _compaction(fmodel, context, policy, prefill, scored, reserve, compiled, set
     return new, (dataclasses.replace(result, peak_rows=peak[0]) if peak else result)
 
 
-def check_bounded(windows: Sequence, policy: Policy, max_rows, step: int,
+def check_bounded(windows: Sequence, policy: BasePolicy, max_rows, step: int,
                   during: str = "prefilling") -> None:  # fmt: skip
     """Refuses, by name and reason, what cannot evict while prefilling (or generating) a
     model whose layers have these sliding ``windows`` (None: full attention)."""
@@ -298,7 +305,7 @@ def _after(base: int, steps):
 def compact(
     fmodel: FunctionalModel,
     prompt_tokens: Sequence[int] | mx.array,
-    policy: Policy,
+    policy: BasePolicy,
     *,
     max_new_tokens: int = 256,
     prefill_step_size: int = 512,

@@ -13,7 +13,7 @@ from typing import Callable, Generator, Optional
 import mlx.core as mx
 
 from .compaction import check_bounded, compact_states
-from .policies.policy import Policy
+from .policies.policy import BasePolicy
 from .states import cache as kv
 from .states.layout import bucket
 from .wrapper import FunctionalModel, QuerySlice
@@ -23,7 +23,7 @@ def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1)[:, None]
 
 
-def check_generating(policy: Policy, interval, windows=()) -> None:
+def check_generating(policy: BasePolicy, interval, windows=()) -> None:
     """Refuses, by name and reason, a policy that cannot evict every ``interval`` generated
     tokens, or a model whose layers have sliding ``windows``."""
     check_bounded(windows, policy, policy.budget, 1, during="generating")
@@ -32,7 +32,7 @@ def check_generating(policy: Policy, interval, windows=()) -> None:
                          f"got {interval!r}")  # fmt: skip
 
 
-def check_bounded_decode(states, policy: Policy, interval) -> None:
+def check_bounded_decode(states, policy: BasePolicy, interval) -> None:
     """Refuses, by name and reason, what cannot evict while generating ``states``."""
     check_generating(policy, interval, [getattr(s, "sliding_window", None) for s in states])
     kinds = {type(s).__name__ for s in states if type(s) is not kv.State}
@@ -47,7 +47,7 @@ def bounded_decode(
     fmodel: FunctionalModel,
     token: mx.array,
     states: tuple,
-    policy: Policy,
+    policy: BasePolicy,
     *,
     steps: int,
     interval: int = 512,

@@ -10,6 +10,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import kvfn
 from kvfn import KVzip, parse_policy, reconstruction_scores, repeat_prompt
+from kvfn.policies import Plan
 from kvfn.policies.adakvzip import AdaKVzip
 from kvfn.policies.kvzip import MAX_STEPS, reconstruction_steps
 from kvfn_eval import answers, tasks
@@ -72,17 +73,16 @@ def test_adakvzip_global_ranks_every_layers_pairs_together():
     s1 = rng.uniform(0.02, 0.03, (1, 4, 40)).astype(np.float32)  # layer 1: flat, above the rest
     p = parse_policy("adakvzip-global", budget=10, window=4, sink_tokens=2)
     assert p.across_layers and p.floor == 0
-    planned = p.planned([mx.array(s0), mx.array(s1)], prompt_length=40, n_kv_heads=(2, 2))
+    plan = p.plan([mx.array(s0), mx.array(s1)], prompt_length=40, n_kv_heads=(2, 2))
     # 2 layers x 2 heads x 10 = 40 pairs: 24 forced, the 12 sharp ones, 4 of layer 1's
-    assert planned.layer_budgets == (12, 8)
-    layer0 = planned.for_layer(0, 2)
-    assert layer0.budget == 12 and not layer0.across_layers and layer0.layer_budgets == ()
+    assert plan == Plan(budgets=(12, 8), totals=((24,), (16,)))
+    assert plan.layer(0) == (12, (24,)) and p.budget == 10  # returned, the settings as they were
     fm = kvfn.FunctionalModel(tiny_model("llama"))
     ids = np.random.default_rng(1).integers(0, 97, 40).tolist()
     _, result = kvfn.compact(fm, ids, p.replace(budget=12), max_new_tokens=2)
     assert result.total_rows_after == 3 * 12  # the memory of a flat budget, shared unevenly
-    with pytest.raises(ValueError, match="adakvzip layer_budgets must be a tuple of ints >= 6"):
-        p.replace(layer_budgets=(12, 5))
+    with pytest.raises(ValueError, match="adakvzip plan budgets must be >= 6"):
+        p.check_states((2, 2), batch=1, prompt_length=40, plan=Plan(budgets=(12, 5)))
 
 
 def chunk_inputs(context, chunk, prompt, resume, suffix, overlap=8):
@@ -359,7 +359,7 @@ def test_parser_and_bad_settings_are_named():
         (lambda: KVzip(budget=64, kernel_size=2), "kvzip kernel_size must be odd, 1 to 255, got 2"),
         (lambda: KVzip(budget=64, chunk=0), "kvzip chunk must be >= 1, got 0"),
         (lambda: KVzip(budget=64, overlap=-1), "kvzip overlap must be a non-negative int, got -1"),
-        (lambda: AdaKVzip(budget=64, overlap=-2), "adakvzip overlap must be a non-negative int, got -2"),
+        (lambda: AdaKVzip(budget=64, overlap=-2), "^kvzip overlap must be a non-negative int, got -2"),  # its scorer
         (lambda: KVzip(budget=64, per_head=1), "kvzip per_head must be a bool, got 1"),
         (lambda: KVzip(budget=20), "kvzip budget 20 is below sink_tokens \\+ window = 4 \\+ 32"),
         (lambda: parse_policy("kvzip-avg", budget=64), "unknown option 'avg' for policy 'kvzip'"),

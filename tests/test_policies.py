@@ -20,6 +20,9 @@ from kvfn import (
     StreamingLLM,
     parse_policy,
 )
+from kvfn.policies import AcrossHeads, AcrossLayers, Plan, Pyramid
+from tests.test_duo import TOL, kept_sets_gap
+from tests.test_ragged import held_positions, reference_allocation
 from tests.tiny import tiny_model
 
 
@@ -48,17 +51,24 @@ POLICIES = [
     KVzip(budget=20, window=6, sink_tokens=3, per_head=False, kernel_size=3),
     ExpectedAttention(budget=20, window=6, sink_tokens=3, future=16),
     ExpectedAttention(budget=20, window=6, sink_tokens=3, covariance=False, per_head=False),
+    # allocations: today's shorthands and scorers they could not wrap before
+    kvfn.AdaKV(budget=20, window=6, sink_tokens=3),
+    kvfn.AdaKVzip(budget=20, window=6, sink_tokens=3, floor=0, across_layers=True),
+    AcrossHeads(ExpectedAttention(budget=20, window=6, sink_tokens=3, future=16), floor=10),
+    AcrossHeads(ChunkKV(budget=20, window=6, sink_tokens=3, chunk_size=4)),
+    AcrossLayers(KVzip(budget=20, window=6, sink_tokens=3, chunk=16)),
+    Pyramid(KVzip(budget=20, window=6, sink_tokens=3, chunk=7), beta=4),
 ]
 IDS = [repr(p) for p in POLICIES]
-# stored per head, each against the per-head masked oracle: tests/test_ragged.py, test_duo.py
-PER_HEAD = {"adakv", "adakvzip", "duo"}
+# stored in head groups, against the per-head masked oracle in tests/test_duo.py
+PER_HEAD = {"duo"}
 
 
 def test_every_policy_of_the_library_runs_through_a_suite():
     from kvfn.policies.policy import POLICIES as REGISTRY
 
     library = {n for n, cls in REGISTRY.items() if cls.__module__.startswith("kvfn.policies.")}
-    assert library == {p.name for p in POLICIES if p.name != "everyother"} | PER_HEAD
+    assert library == {p.name for p in POLICIES if p.name in REGISTRY} - {"everyother"} | PER_HEAD
     assert all(REGISTRY[n].ragged or REGISTRY[n].head_groups is not kvfn.Policy.head_groups
                for n in PER_HEAD)  # fmt: skip
 
@@ -68,30 +78,47 @@ def scores_for(policy, B=2, H=6, P=50, seed=0):
     return mx.array(rng.random((B, H, P)), mx.float32) if policy.needs_scores else None
 
 
+def select(policy, scores, P: int, n_kv: int = 3, B: int = 2) -> mx.array:
+    """One layer's selection: the keep indices (B, n_kv, budget), or a ragged policy's mask
+    (B, n_kv, P) of the rows each head keeps."""
+    pick = policy.keep_mask if policy.ragged else policy.keep_indices
+    return pick(scores, prompt_length=P, n_kv_heads=n_kv, batch=B, layer=1)
+
+
+def kept_rows(policy, selected: mx.array) -> list:
+    """Per sequence and KV head, the rows ``select`` keeps."""
+    if policy.ragged:
+        return [[np.flatnonzero(h).tolist() for h in b] for b in np.array(selected)]
+    return np.array(selected).tolist()
+
+
 @pytest.mark.parametrize("policy", POLICIES, ids=IDS)
 def test_contract_shapes_sorted_unique_sinks_window_budget(policy):
-    B, H, n_kv, P = 2, 6, 3, 50
-    idx = policy.keep_indices(scores_for(policy), prompt_length=P, n_kv_heads=n_kv, batch=B,
-                              layer=1)  # fmt: skip
-    assert idx.shape == (B, n_kv, policy.budget) and idx.dtype == mx.int32
-    for row in np.array(idx).reshape(-1, policy.budget):
-        assert row.tolist() == sorted(set(row.tolist()))  # sorted, unique
-        assert row.min() >= 0 and row.max() < P
-        assert set(range(policy.sink_tokens)) <= set(row.tolist())
-        assert set(range(P - policy.window, P)) <= set(row.tolist())
+    B, n_kv, P = 2, 3, 50
+    idx = select(policy, scores_for(policy), P)
+    if not policy.ragged:
+        assert idx.shape == (B, n_kv, policy.budget) and idx.dtype == mx.int32
+    for heads in kept_rows(policy, idx):
+        for row in heads:
+            assert row == sorted(set(row))  # sorted, unique
+            assert min(row) >= 0 and max(row) < P
+            assert set(range(policy.sink_tokens)) <= set(row)
+            assert set(range(P - policy.window, P)) <= set(row)
+        if policy.ragged:  # the layer's rows, shared out
+            assert sum(map(len, heads)) == policy.budget * n_kv
+        else:
+            assert {len(row) for row in heads} == {policy.budget}
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=IDS)
 def test_contract_keeps_short_prompts_whole_and_is_traceable(policy):
-    whole = policy.keep_indices(scores_for(policy, P=20), prompt_length=20, n_kv_heads=3, batch=2)
-    assert np.array(whole).tolist() == [[list(range(20))] * 3] * 2
+    whole = select(policy, scores_for(policy, P=20), 20)
+    assert kept_rows(policy, whole) == [[list(range(20))] * 3] * 2
     sc = scores_for(policy)
-
-    def select(scores):
-        return policy.keep_indices(scores, prompt_length=50, n_kv_heads=3, batch=2)
-
-    eager = select(sc)
-    traced = mx.compile(select)(sc) if sc is not None else mx.compile(lambda: select(None))()
+    eager = select(policy, sc, 50)
+    traced = mx.compile(lambda *s: select(policy, s[0] if s else None, 50))(
+        *([sc] * (sc is not None))
+    )
     assert np.array_equal(np.array(eager), np.array(traced))
 
 
@@ -101,6 +128,10 @@ def test_contract_compact_is_exact_for_every_policy(policy):
     fm = FunctionalModel(tiny_model("llama"))
     ids = np.random.default_rng(1).integers(0, 97, 40).tolist()
     states, result = kvfn.compact(fm, ids, policy, max_new_tokens=3, prefill_step_size=16)
+    if policy.ragged:  # each head its own rows: against the per-head masked full attention
+        assert kept_sets_gap(fm, ids, states, [held_positions(s, 39) for s in states], 3) < TOL
+        assert result.total_rows_after == 3 * policy.budget
+        return
     full = kvfn.prefill(fm, mx.array([ids[:-1]]), capacity=len(ids) + 3)
     rows = tuple(policy.for_layer(i, 3).rows_after(39) for i in range(3))
     restricted = tuple(kvfn.restrict(f, c.positions[:, :, :r])
@@ -159,11 +190,12 @@ def test_bad_settings_are_named(make, message):
 def test_settings_that_do_not_fit_the_model_or_states_are_named_before_tracing():
     fm = FunctionalModel(tiny_model("llama"))  # 3 layers
     ids = list(range(40))
-    with pytest.raises(ValueError, match="layer_budgets has 1 entries; the model has 3 layers"):
-        kvfn.compact(fm, ids, kvfn.AdaKVzip(budget=16, window=4, layer_budgets=(12,)))
+    states, scores = kvfn.scored_prefill(fm, mx.array([ids]), window=4)
+    with pytest.raises(ValueError, match="adakvzip plan has 1 budgets; the model has 3 layers"):
+        kvfn.compact_states(states, scores, kvfn.AdaKVzip(budget=16, window=4),
+                            plan=Plan(budgets=(12,)))  # fmt: skip
     with pytest.raises(ValueError, match="the prompt plus max_new_tokens is 1099511627816 rows"):
         kvfn.compact(fm, ids, SnapKV(budget=16, window=4), max_new_tokens=2**40)
-    states, scores = kvfn.scored_prefill(fm, mx.array([ids]), window=4)
     with pytest.raises(ValueError, match="2 score arrays for 3 layers"):
         kvfn.compact_states(states, scores[:2], SnapKV(budget=16, window=4))
     with pytest.raises(ValueError, match="capacity is 1099511627776 rows, more than a state"):
@@ -241,3 +273,87 @@ def test_pyramidkv_budgets_fall_with_depth_and_average_the_budget():
     assert result.rows_after[0] > result.rows_after[2]
     with pytest.raises(ValueError, match="beta"):
         PyramidKV(budget=40, beta=0)
+
+
+# -- scorers and allocations compose --------------------------------------------------------------
+
+
+def test_an_allocation_shares_out_any_scorers_rows():
+    """Ada-KV's allocation over Expected Attention's scores (Ada-KV was a SnapKV subclass, KVzip's
+    a class of its own): the traced allocation equals the numpy reference over that scorer's
+    row scores; the shorthands are their compositions."""
+    rng = np.random.default_rng(4)
+    P, H = 90, 3
+    scores = rng.random((2 * H, P)) ** 4
+    settings = dict(budget=24, window=5, sink_tokens=3)
+    policy = AcrossHeads(ExpectedAttention(**settings), floor=20)
+    keep = policy.allocation(mx.array(scores[None], mx.float32), prompt_length=P, n_kv_heads=H)
+    assert [k.tolist() for k in keep] == reference_allocation(policy, scores, P, H)
+    assert policy.name == "acrossheads(expected)" and policy.statistic == "moments"
+    assert policy.ragged and policy.budget == 24 and policy.replace(budget=30).scorer.budget == 30
+    snap = AcrossHeads(SnapKV(**settings, kernel_size=1), floor=20)
+    ada = kvfn.AdaKV(**settings, kernel_size=1, floor=20)
+    assert ada.scorer == snap.scorer and ada.name == "adakv"
+    for a, b in zip(ada.allocation(mx.array(scores[None], mx.float32), prompt_length=P,
+                                   n_kv_heads=H),
+                    snap.allocation(mx.array(scores[None], mx.float32), prompt_length=P,
+                                    n_kv_heads=H)):  # fmt: skip
+        assert a.tolist() == b.tolist()
+    assert kvfn.AdaKVzip(**settings).scorer == KVzip(**settings)
+    assert PyramidKV(**settings, beta=4).for_layer(2, 3) == Pyramid(
+        SnapKV(**settings), beta=4
+    ).for_layer(2, 3)
+    with pytest.raises(TypeError, match="Pyramid wraps a scorer"):
+        Pyramid(kvfn.AdaKV(**settings))
+    with pytest.raises(ValueError, match="acrossheads\\(expected\\) allocates rows among heads"):
+        AcrossHeads(ExpectedAttention(**settings, per_head=False))
+    with pytest.raises(TypeError, match="AdaKV takes SnapKV's settings or one SnapKV"):
+        kvfn.AdaKV(scorer=KVzip(**settings))
+
+
+def test_pyramid_budgets_take_any_scorer():
+    """Pyramid over KVzip: each layer keeps the reconstruction pass's top rows at its own budget,
+    and the pass runs where only the smallest layer compacts (a budget that fits the prompt)."""
+    fm = FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(6).integers(0, 97, 90).tolist()
+    policy = Pyramid(KVzip(budget=40, window=4, sink_tokens=2, chunk=32), beta=4)
+    states, result = kvfn.compact(fm, ids, policy)
+    assert result.rows_after == tuple(policy.layer_budgets(3)) == (67, 40, 13)
+    context = mx.array([ids[:-1]])
+    scores = policy.score_prompt(fm, context, kvfn.prefill(fm, context))
+    for i, (s, rows) in enumerate(zip(states, result.rows_after)):
+        want = policy.for_layer(i, 3).keep_indices(scores[i], prompt_length=89, n_kv_heads=2,
+                                                   layer=i)  # fmt: skip
+        assert np.array_equal(np.array(s.positions[..., :rows]), np.array(want))
+    roomy = Pyramid(KVzip(budget=60, window=4, sink_tokens=2), beta=4)  # layers 102, 60, 18
+    assert not roomy.scorer.observation_window(39) and roomy.scorer.keeps_whole(39)
+    _, result = kvfn.compact(fm, ids[:40], roomy)
+    assert result.rows_after == (39, 39, 18)
+
+
+def test_a_plan_is_returned_and_given_not_written_into_the_settings():
+    """AcrossLayers (adakvzip-global) decides each layer's rows per prompt: ``plan`` returns
+    them, ``compact_states`` follows the one it makes or one given, and the policy is unchanged
+    (one compaction's plan is never the next prompt's)."""
+    fm = FunctionalModel(tiny_model("llama"))
+    rng = np.random.default_rng(8)
+    P, L, H = 49, 3, fm.n_kv_heads[0]
+    states = kvfn.prefill(fm, mx.array(rng.integers(0, 97, (2, P))))
+    scores = [mx.array(rng.random((2, fm.n_heads[i], P)) ** 3, mx.float32) for i in range(L)]
+    policy = AcrossLayers(KVzip(budget=12, window=3, sink_tokens=2))
+    plan = policy.plan(scores, prompt_length=P, n_kv_heads=(H,) * L)
+    assert isinstance(plan, Plan) and len(plan.budgets) == len(plan.totals) == L
+    assert [sum(t[b] for t in plan.totals) for b in range(2)] == [12 * H * L] * 2
+    assert kvfn.parse_policy("adakvzip-global", budget=12, window=3, sink_tokens=2).plan(
+        scores, prompt_length=P, n_kv_heads=(H,) * L) == plan  # fmt: skip
+
+    def lengths(kept):
+        return [np.array(s.lengths).tolist() for s in kept]
+
+    made = kvfn.compact_states(states, scores, policy)[0]
+    assert lengths(made) == lengths(kvfn.compact_states(states, scores, policy, plan=plan)[0])
+    assert [np.sum(x, axis=1).tolist() for x in lengths(made)] == list(map(list, plan.totals))
+    flat = Plan(totals=((12 * H, 12 * H),) * L)  # another plan: a flat budget
+    assert [np.sum(x, axis=1).tolist() for x in lengths(
+        kvfn.compact_states(states, scores, policy, plan=flat)[0])] == [[12 * H] * 2] * L  # fmt: skip
+    assert policy == AcrossLayers(KVzip(budget=12, window=3, sink_tokens=2))

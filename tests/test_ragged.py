@@ -12,6 +12,7 @@ import pytest
 import kvfn
 from kvfn import cache as kv
 from kvfn import ragged
+from kvfn.policies import Plan
 from tests.test_duo import TOL, greedy_logits, kept_sets_gap, kept_visibility, reference_logits
 from tests.tiny import stacked_gap, tiny_model
 
@@ -336,9 +337,10 @@ def test_a_plan_across_layers_keeps_each_sequences_own_pairs_in_a_batch():
 
 
 def test_a_plan_of_counts_that_does_not_fit_is_refused_before_tracing(monkeypatch):
-    """``totals`` (AdaKV) and ``layer_totals`` (AdaKVzip) are a count a sequence: one for each
-    sequence of the batch, each between the rows every head must keep and ``budget`` a head (more
-    would run past the ragged buffer). A plan within them keeps exactly its counts."""
+    """A plan's ``totals`` (``AcrossHeads.plan``'s, or given to ``compact_states``) are a
+    count a sequence: one for each sequence of the batch, each between the rows every head must
+    keep and the layer's budget a head (more would run past the ragged buffer). A plan within
+    them keeps exactly its counts."""
     from kvfn import compaction
 
     fm = kvfn.FunctionalModel(tiny_model("llama"))
@@ -348,35 +350,37 @@ def test_a_plan_of_counts_that_does_not_fit_is_refused_before_tracing(monkeypatc
     policy = kvfn.AdaKV(budget=20, window=4, sink_tokens=2, floor=0)  # each head keeps 6
     least, most = 6 * H, 20 * H
 
-    def counts(plan):
-        kept, _ = kvfn.compact_states(states, scores, plan)
+    def totals(*counts):
+        return Plan(totals=(counts,) * L)
+
+    def counts(policy, plan):
+        kept, _ = kvfn.compact_states(states, scores, policy, plan=plan)
         return [[int(mx.sum(s.lengths[b]).item()) for b in range(2)] for s in kept]
 
-    assert counts(policy.replace(totals=(least, most))) == [[least, most]] * L
-    whole = policy.replace(budget=100, totals=(60 * H, least))  # a budget past the prompt's rows
-    assert counts(whole) == [[60 * H, least]] * L
+    assert counts(policy, totals(least, most)) == [[least, most]] * L
+    whole = policy.replace(budget=100)  # a budget past the prompt's rows
+    assert counts(whole, totals(60 * H, least)) == [[60 * H, least]] * L
 
     def traced(*args):
         raise AssertionError("traced before the plan was checked")
 
     monkeypatch.setattr(compaction, "_evictor", traced)
+    zip_ = kvfn.AdaKVzip(budget=20, window=4, sink_tokens=2, floor=0)
     bad = [
-        (policy.replace(totals=(least,)), "adakv totals has 1 counts .* the batch has 2 sequences"),
-        (policy.replace(totals=(least, most + 1)), rf"adakv totals \[{most + 1}\] out of range .* "
-                                                   rf"at most {most} \(20 rows a head"),
-        (policy.replace(totals=(least - 1, most)), rf"adakv totals \[{least - 1}\] out of range .* "
-                                                   rf"at least {least} \(the 6 sinks, window"),
-        (policy.replace(floor=50, totals=(least, most)),
+        (policy, totals(least), "adakv totals has 1 counts .* the batch has 2 sequences"),
+        (policy, totals(least, most + 1), rf"adakv totals \[{most + 1}\] out of range .* "
+                                          rf"at most {most} \(20 rows a head"),
+        (policy, totals(least - 1, most), rf"adakv totals \[{least - 1}\] out of range .* "
+                                          rf"at least {least} \(the 6 sinks, window"),
+        (policy.replace(floor=50), totals(least, most),
          rf"adakv totals \[{least}\] out of range .* at least {16 * H} \(the 16 sinks"),
-        (kvfn.AdaKVzip(budget=20, window=4, sink_tokens=2, floor=0, layer_budgets=(20,) * L,
-                       layer_totals=((least, most), (least,), (least, most))),
+        (zip_, Plan(budgets=(20,) * L, totals=((least, most), (least,), (least, most))),
          "adakvzip totals has 1 counts .* the batch has 2 sequences"),
-        (kvfn.AdaKVzip(budget=20, window=4, sink_tokens=2, floor=0, layer_budgets=(10, 20, 20),
-                       layer_totals=((least, most),) * L),
+        (zip_, Plan(budgets=(10, 20, 20), totals=((least, most),) * L),
          rf"adakvzip totals \[{most}\] out of range .* at most {10 * H} \(10 rows a head"),
-        (whole.replace(totals=(60 * H + 1, least)),
+        (whole, totals(60 * H + 1, least),
          rf"at most {60 * H} \(60 rows a head: the budget, or the prompt\)"),
     ]  # fmt: skip
-    for plan, message in bad:
+    for bad_policy, plan, message in bad:
         with pytest.raises(ValueError, match=message):
-            kvfn.compact_states(states, scores, plan)
+            kvfn.compact_states(states, scores, bad_policy, plan=plan)

@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import ClassVar
 
 import mlx.core as mx
@@ -139,7 +139,7 @@ def option_names(name: str) -> list[str]:
     """Each option word of a registered policy's name, and each number option at the field's
     default (``snapkv-avg``, ``snapkv-k7``, ...)."""
     cls = REGISTRY[name]
-    defaults = {f.name: f.default for f in fields(cls)}
+    defaults = cls.settings()  # a shorthand's: its scorer's too
     numbers = [f"{p}{defaults[f]}" for p, f in cls.numbers.items()
                if isinstance(defaults.get(f), int) and defaults[f] > 0]  # fmt: skip
     return [f"{name}-{w}" for w in [*cls.words, *numbers]]

@@ -15,7 +15,6 @@ mlx-lm's own ``mx.quantize`` + quantized attention; an evicted cell by kvfn's de
 states stacked with other cells' (``Evaluator.answers``).
 """
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -59,7 +58,7 @@ class Method:
         parts += [f"kv{self.kv_bits}"] if self.kv_bits else []
         return "+".join(parts) or "full"
 
-    def make_policy(self, budget: int, **settings) -> kvfn.Policy:
+    def make_policy(self, budget: int, **settings) -> kvfn.policies.BasePolicy:
         return kvfn.parse_policy(self.policy, budget=budget, **settings)
 
     @classmethod
@@ -327,10 +326,10 @@ class Evaluator:
         self.itemsize = mx.zeros((), self.dtype).itemsize
 
     # -- selection ------------------------------------------------------------------------------
-    def policy(self, method: Method, rows: int, sample_seed: int) -> kvfn.Policy:
+    def policy(self, method: Method, rows: int, sample_seed: int) -> kvfn.policies.BasePolicy:
         settings = dict(window=self.window, sink_tokens=self.sink_tokens)
         probe = method.make_policy(rows, **settings)
-        fields = {f.name for f in dataclasses.fields(probe)}
+        fields = probe.settings()
         if "seed" in fields:  # e.g. random rows: per sample
             probe = probe.replace(seed=self.seed * 1_000_003 + sample_seed)
         if "pattern" in fields:  # DuoAttention: the head pattern's heads, sink and recent sizes
@@ -342,7 +341,7 @@ class Evaluator:
                 probe = probe.replace(recent=max(1, rows - p.sink_size))
         return probe.for_tokenizer(self.tokenizer)  # KVzip: the repeat instruction
 
-    def own_scores(self, policy: kvfn.Policy, tokens: Sequence[int], states, memo: dict,
+    def own_scores(self, policy: kvfn.policies.BasePolicy, tokens: Sequence[int], states, memo: dict,
                    moments=None) -> tuple:  # fmt: skip
         """A policy's own scores of ``states`` of the prompt ``tokens`` (KVzip's reconstruction
         pass; Expected Attention's, from the context's query ``moments``; None for the others)

@@ -208,7 +208,8 @@ class Duo(Policy):
     def _snapkv(self) -> SnapKV:
         return SnapKV(budget=self.budget, window=self.window, sink_tokens=self.sink_tokens)
 
-    def check_states(self, n_kv_heads: tuple, *, batch: int, prompt_length: int) -> None:
+    def check_states(self, n_kv_heads: tuple, *, batch: int, prompt_length: int,
+                     plan=None) -> None:  # fmt: skip
         want = [len(r) for r in self.heads]
         if len(want) != len(n_kv_heads) or any(
             h is not None and h != w for h, w in zip(n_kv_heads, want)
@@ -223,7 +224,7 @@ class Duo(Policy):
         raise TypeError("duo keeps ragged per-head rows: use kvfn.compact (compact_layer)")
 
     def compact_layer(self, state: kv.State, scores: Optional[mx.array], *, prompt_length: int,
-                      layer: int, reserve: int, group=None):  # fmt: skip
+                      layer: int, reserve: int, group=None, plan=None):  # fmt: skip
         if group is not None and group.size() > 1:
             raise ValueError("duo on a tensor-parallel model is not supported yet")
         P = prompt_length

@@ -1,17 +1,23 @@
 """The one contract every eviction policy follows, and the parser from names to policies.
 
-A policy is a small frozen dataclass holding its settings. It scores the rows of a prompt
-(``row_scores``: higher is kept first, from the observation window's attention scores or from
-nothing); the base does the rest once for all: the "keep the whole prompt when it fits" rule,
-the attention sinks and the observation window (always kept), the budget, and the top-k that
-makes the keep indices sorted and unique by construction. Everything is traceable for a static
-budget and prompt length, so ``kvfn.compact`` runs it inside one compiled transformation.
+A policy is a small frozen dataclass holding its settings, in one of two parts that compose
+(as kvpress's scorer presses and their wrappers, or Optax's transformations): a scorer
+(``Policy``) scores the rows of a prompt (``row_scores``: higher is kept first, from the
+observation window's attention scores, a pass of its own, or nothing) and keeps its top rows
+the same way in every layer and head; an allocation (``kvfn.policies.allocation``: ``Pyramid``,
+``AcrossHeads``, ``AcrossLayers``) wraps a scorer and shares its rows out otherwise. The scorer
+base does the rest once for all: the "keep the whole prompt when it fits" rule, the attention
+sinks and the observation window (always kept), the budget, and the top-k that makes the keep
+indices sorted and unique by construction. Everything is traceable for a static budget and
+prompt length, so ``kvfn.compact`` runs it inside one compiled transformation.
 
     @dataclass(frozen=True)
     class KeyNorm(kvfn.Policy):          # a policy of your own
         name: ClassVar[str] = "keynorm"
         def row_scores(self, scores, *, prompt_length, n_kv_heads, batch, layer):
             ...                          # (batch, n_kv_heads or 1, prompt_length)
+
+    AcrossHeads(KeyNorm(budget=512))     # its rows shared out among a layer's heads (Ada-KV)
 """
 
 import dataclasses
@@ -28,15 +34,93 @@ POLICIES: dict[str, type] = {}
 
 def register_policy(cls: type) -> type:
     """Make ``parse_policy`` know ``cls`` by its ``name`` (usable as a class decorator)."""
-    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+    if not (isinstance(cls, type) and issubclass(cls, BasePolicy)):
         raise TypeError(f"register_policy takes a Policy subclass, got {cls!r}")
     POLICIES[cls.name] = cls
     return cls
 
 
+class BasePolicy:
+    """What every policy is, scorer or allocation: a ``name`` (registered for ``parse_policy``,
+    reported in usage) whose option ``words`` and ``numbers`` set fields; what compaction calls
+    of it is ``Policy``'s methods (an allocation has its scorer's for what it does not own)."""
+
+    name: ClassVar[str] = "policy"
+    # option word -> field values, for names like "snapkv-avg-layer"
+    words: ClassVar[dict] = {}
+    # option prefix -> int field, for names like "snapkv-k15"
+    numbers: ClassVar[dict] = {}
+
+    def check_ints(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            optional = f.type in (Optional[int], "Optional[int]")
+            if optional and value is None:
+                continue
+            if (optional or f.type in (int, "int")) and (type(value) is not int or value < 0):
+                raise ValueError(f"{self.name} {f.name} must be a non-negative int, got {value!r}")
+
+    @classmethod
+    def settings(cls) -> dict:
+        """The keywords its constructor takes (what ``parse_policy`` and the server pass), each
+        to its default (``dataclasses.MISSING``: none)."""
+        return {f.name: f.default for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def options(cls, parts: list[str]) -> dict:
+        """Field values from the option words of a name (see ``words`` and ``numbers``)."""
+        out, said = {}, {}
+        for word in parts:
+            prefix, digits = word[:1], word[1:]
+            if word in cls.words:
+                got = cls.words[word]
+            elif prefix in cls.numbers and digits.isascii() and digits.isdecimal():
+                got = {cls.numbers[prefix]: int(digits)}
+            else:
+                known = [*cls.words, *(f"{p}<N>" for p in cls.numbers)]
+                raise ValueError(
+                    f"unknown option {word!r} for policy {cls.name!r} "
+                    f"(options: {', '.join(known) or 'none'})"
+                )
+            for field in got:
+                if field in said:
+                    raise ValueError(f"options {said[field]!r} and {word!r} of policy "
+                                     f"{cls.name!r} both set its {field}")  # fmt: skip
+                said[field] = word
+            out.update(got)
+        return out
+
+
+def _counts(values, least: int = 0) -> bool:
+    return isinstance(values, tuple) and all(type(v) is int and v >= least for v in values)
+
+
 @dataclass(frozen=True)
-class Policy:
-    """Settings shared by every policy; ``validate`` raises a ValueError naming a bad value.
+class Plan:
+    """What a policy decided for one prompt's layers on the host, before tracing (``plan``),
+    given to every layer's ``compact_layer``: per layer, the rows a KV head stores
+    (``budgets``; empty: the policy's budget) and the rows each sequence keeps over its heads
+    (``totals``, a tuple a layer, a count a sequence; empty: ``budget x n_kv_heads``)."""
+
+    budgets: tuple = ()
+    totals: tuple = ()
+
+    def __post_init__(self):
+        if not _counts(self.budgets, least=1):
+            raise ValueError(f"a plan's budgets must be a tuple of ints >= 1, got {self.budgets!r}")
+        if not (isinstance(self.totals, tuple) and all(_counts(t) for t in self.totals)):
+            raise ValueError(f"a plan's totals must be tuples of ints >= 0, got {self.totals!r}")
+
+    def layer(self, i: int) -> tuple[Optional[int], Optional[tuple]]:
+        """Layer ``i``'s budget and totals (None where the plan leaves them to the policy)."""
+        return (self.budgets[i] if self.budgets else None, self.totals[i] if self.totals else None)
+
+
+@dataclass(frozen=True)
+class Policy(BasePolicy):
+    """A scorer and the uniform allocation: its top rows in every layer and KV head. The
+    settings every scorer shares (an allocation has its scorer's); ``validate`` raises a
+    ValueError naming a bad value.
 
     budget: rows kept per layer and KV head (sinks and window included).
     window: the observation window: the last ``window`` prompt rows are always kept, and their
@@ -50,7 +134,6 @@ class Policy:
     sink_tokens: int = 4
     min_tokens: int = 0
 
-    name: ClassVar[str] = "policy"
     needs_scores: ClassVar[bool] = False
     # what the prefill gathers of the observation window's queries (kvfn.QuerySlice): their
     # "attention" over every key, or their "moments" (mean and covariance before RoPE)
@@ -74,10 +157,6 @@ class Policy:
     # True when, evicting while prefilling, it scores the rows it holds by a pass of its own
     # (``held_score_steps``: KVzip's reconstruction) instead of a window of the prefill's queries
     scores_held: ClassVar[bool] = False
-    # option word -> field values, for names like "snapkv-avg-layer"
-    words: ClassVar[dict] = {}
-    # option prefix -> int field, for names like "snapkv-k15"
-    numbers: ClassVar[dict] = {}
 
     def __post_init__(self):
         self.validate()
@@ -85,15 +164,6 @@ class Policy:
     def validate(self) -> None:
         self.check_ints()
         self.check_budget()
-
-    def check_ints(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            optional = f.type in (Optional[int], "Optional[int]")
-            if optional and value is None:
-                continue
-            if (optional or f.type in (int, "int")) and (type(value) is not int or value < 0):
-                raise ValueError(f"{self.name} {f.name} must be a non-negative int, got {value!r}")
 
     def check_budget(self) -> None:
         if self.budget < 1:
@@ -221,8 +291,8 @@ class Policy:
         return prompt_length if self.keeps_whole(prompt_length) else self.budget
 
     def for_layer(self, layer: int, n_layers: int) -> "Policy":
-        """The policy that compacts layer ``layer`` of ``n_layers`` (itself; PyramidKV gives
-        each layer its own budget)."""
+        """The policy that compacts layer ``layer`` of ``n_layers`` (itself; ``Pyramid`` gives
+        each layer its scorer with a budget of its own)."""
         return self
 
     def head_groups(self, layer: int, n_kv_heads: int) -> Optional[tuple]:
@@ -232,24 +302,26 @@ class Policy:
         when every layer is one plain state (the base)."""
         return None
 
-    def planned(self, scores, *, prompt_length: int, n_kv_heads: tuple) -> "Policy":
-        """The policy that compacts these scores' layers (itself; a policy that shares one
-        budget across layers sets each layer's here, on the host, before tracing). It returns
-        itself where its settings already hold a plan, so ``check_states`` runs after it."""
-        return self
+    def plan(self, scores, *, prompt_length: int, n_kv_heads: tuple) -> Optional[Plan]:
+        """What this prompt's scores decide for every layer, on the host before tracing (None,
+        the base: nothing; ``AcrossLayers`` shares one budget across layers here). ``scores``
+        and ``n_kv_heads`` a layer, as ``check_states`` takes them."""
+        return None
 
     def check_states(self, n_kv_heads: tuple[Optional[int], ...], *, batch: int,
-                     prompt_length: int) -> None:  # fmt: skip
+                     prompt_length: int, plan: Optional[Plan] = None) -> None:  # fmt: skip
         """Raise a ValueError if the policy cannot compact prefilled states of these shapes: a
         KV-head count per layer (None for a sliding-window layer), ``batch`` sequences of
-        ``prompt_length`` rows; called before tracing."""
+        ``prompt_length`` rows, under ``plan`` (the one ``plan`` made or one given); called
+        before tracing."""
 
     def compact_layer(self, state: kv.State, scores: Optional[mx.array], *, prompt_length: int,
-                      layer: int, reserve: int, group=None):  # fmt: skip
+                      layer: int, reserve: int, group=None, plan: Optional[Plan] = None):  # fmt: skip
         """A freshly prefilled full-attention layer (``prompt_length`` rows) compacted, with
         room for ``reserve`` more rows. Traceable. The base keeps ``keep_indices``; a policy
         that stores heads differently (``kvfn.Duo``) returns another state type. ``group``: the
-        state holds this rank's heads of a tensor-parallel model (``kvfn.distributed``)."""
+        state holds this rank's heads of a tensor-parallel model (``kvfn.distributed``).
+        ``plan``: the prompt's ``plan`` (the base has none)."""
         P = prompt_length
         B, H = state.keys.shape[:2]
         if not self.keeps_whole(P):
@@ -259,32 +331,8 @@ class Policy:
         rows = self.rows_after(P)
         return kv.fitted(state.replace(max_rows=rows), rows + reserve)
 
-    @classmethod
-    def options(cls, parts: list[str]) -> dict:
-        """Field values from the option words of a name (see ``words`` and ``numbers``)."""
-        out, said = {}, {}
-        for word in parts:
-            prefix, digits = word[:1], word[1:]
-            if word in cls.words:
-                got = cls.words[word]
-            elif prefix in cls.numbers and digits.isascii() and digits.isdecimal():
-                got = {cls.numbers[prefix]: int(digits)}
-            else:
-                known = [*cls.words, *(f"{p}<N>" for p in cls.numbers)]
-                raise ValueError(
-                    f"unknown option {word!r} for policy {cls.name!r} "
-                    f"(options: {', '.join(known) or 'none'})"
-                )
-            for field in got:
-                if field in said:
-                    raise ValueError(f"options {said[field]!r} and {word!r} of policy "
-                                     f"{cls.name!r} both set its {field}")  # fmt: skip
-                said[field] = word
-            out.update(got)
-        return out
 
-
-def parse_policy(spec: str, **settings) -> Policy:
+def parse_policy(spec: str, **settings) -> BasePolicy:
     """A policy from its name and options, e.g. ``parse_policy("snapkv-k15-avg-layer",
     budget=512)``; ``settings`` are the fields the name does not give (budget, window, ...)."""
     if not isinstance(spec, str) or not spec:
@@ -293,8 +341,7 @@ def parse_policy(spec: str, **settings) -> Policy:
     cls = POLICIES.get(head)
     if cls is None:
         raise ValueError(f"unknown policy {spec!r} (known: {', '.join(sorted(POLICIES))})")
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(settings) - fields)
+    unknown = sorted(set(settings) - set(cls.settings()))
     if unknown:
         raise ValueError(f"policy {head!r} has no setting {', '.join(unknown)}")
     return cls(**{**settings, **cls.options(parts)})

@@ -2,13 +2,12 @@
 policy they name: one flag group and one reading of it, so both take and refuse alike."""
 
 import argparse
-import dataclasses
 import math
 from typing import Optional
 
 from ..decoding import check_generating
 from ..policies.duo import HeadPattern
-from ..policies.policy import POLICIES, Policy, parse_policy
+from ..policies.policy import POLICIES, BasePolicy, parse_policy
 
 
 def positive_int(text: str) -> int:
@@ -88,7 +87,7 @@ DUO_FLAGS = ("kv_head_pattern", "kv_retrieval_ratio", "kv_sink_size", "kv_recent
 
 def takes_pattern(cls) -> bool:
     """Whether a policy class takes a DuoAttention head pattern."""
-    return "pattern" in {f.name for f in dataclasses.fields(cls)}
+    return "pattern" in cls.settings()
 
 
 def head_pattern_settings(args: argparse.Namespace) -> Optional[dict]:
@@ -105,7 +104,7 @@ def head_pattern_settings(args: argparse.Namespace) -> Optional[dict]:
 
 
 def make_policy(name: str, budget: int, window: int, sink_tokens: int, min_tokens: int,
-                duo: Optional[dict] = None) -> Optional[Policy]:  # fmt: skip
+                duo: Optional[dict] = None) -> Optional[BasePolicy]:  # fmt: skip
     """The policy for a ``--kv-eviction`` name (None for "none"); ``duo``: a DuoAttention
     policy's settings (``head_pattern_settings``). A ValueError names a bad value."""
     if not isinstance(name, str) or not name:
@@ -119,8 +118,7 @@ def make_policy(name: str, budget: int, window: int, sink_tokens: int, min_token
     settings = dict(budget=budget, window=window, sink_tokens=sink_tokens, min_tokens=min_tokens)
     cls = POLICIES.get(name.split("-")[0])
     if cls is not None:  # a policy without a window (or sinks) takes only its own settings
-        fields = {f.name for f in dataclasses.fields(cls)}
-        settings = {k: v for k, v in settings.items() if k in fields}
+        settings = {k: v for k, v in settings.items() if k in cls.settings()}
     if cls is not None and takes_pattern(cls):
         if not duo:
             raise ValueError(f"{cls.name} needs a head pattern: start with --kv-head-pattern "

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import BatchKVCache
 from typeguard import typechecked
 
 from ..decoding import check_bounded_decode
-from ..policies.policy import Policy
+from ..policies.policy import BasePolicy
 from ..scores import window_attention_scores
 from ..states import cache as kv
 from ..states import layout
@@ -369,7 +369,7 @@ class Evicting:
     ``policy.window`` queries, which the model hands the cache through ``attend`` when it runs
     as ``kvfn.wrapper.attending_copy(model)``). ``layer`` of ``layers``: the policy's layer."""
 
-    def __init__(self, policy: Policy, interval: int, layer: int, layers: int):
+    def __init__(self, policy: BasePolicy, interval: int, layer: int, layers: int):
         self.policy, self.interval = policy.for_layer(layer, layers), interval
         self.layer, self.cap = layer, policy.budget + interval
         self.scores, self.unseen = None, False
@@ -432,7 +432,9 @@ def register() -> None:
 
 
 @typechecked
-def to_mlx_cache(states: Sequence, *, policy: Optional[Policy] = None, interval: int = 512) -> list:
+def to_mlx_cache(
+    states: Sequence, *, policy: Optional[BasePolicy] = None, interval: int = 512
+) -> list:
     """mlx-lm cache objects for the given layer states (batch size 1, rows without holes).
 
     A layer of a per-head kind (ragged rows, head groups, slots) keeps a row count per head,
