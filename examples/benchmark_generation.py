@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
+from benchmark_memory import above_weights  # noqa: E402
 from benchmark_shapes import SHAPES, random_model  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache  # noqa: E402
@@ -51,38 +52,49 @@ def prefilled(model, ids, cache):
     return cache
 
 
+def bounded_run(fm, ids, states, policy, args) -> dict:
+    gen = kvfn.bounded_decode(fm, mx.array([[ids[-1]]]), states, policy, steps=args.new_tokens,
+                              interval=args.interval)  # fmt: skip
+    next(gen).item()
+    first = time.perf_counter()
+    try:
+        while True:
+            last = next(gen)
+    except StopIteration as end:
+        last.item()
+        done, states = time.perf_counter(), end.value
+    held = sum(a.nbytes for a in kvfn.tree.arrays(states))
+    return {"decode_tps": (args.new_tokens - 1) / (done - first), "most_rows": args.rows,
+            "kv_held_gb": held / 1e9}  # fmt: skip
+
+
 def run(config: str, model, ids, args) -> dict:
+    """One config's decode; its peak above what was held before it (the weights and, for kvfn,
+    the compacted prompt; mlx-lm's caches prefill the prompt inside it)."""
     fm = kvfn.FunctionalModel(model)
     policy = kvfn.SnapKV(budget=args.rows - args.interval, window=args.window)
-    if config.startswith("kvfn") or config.endswith("evicting"):
-        states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=1)
-    mx.clear_cache()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
     if config == "mlx-lm full":
-        out = mlx_lm_run(model, ids, prefilled(model, ids, make_prompt_cache(model)), args)
-    elif config == "mlx-lm rotating":
+        return above_weights(lambda: mlx_lm_run(
+            model, ids, prefilled(model, ids, make_prompt_cache(model)), args))  # fmt: skip
+    if config == "mlx-lm rotating":
         cache = [RotatingKVCache(max_size=args.rows, keep=4) for _ in model.layers]
-        out = mlx_lm_run(model, ids, prefilled(model, ids, cache), args)
-    elif config == "kvfn bounded_decode":
-        gen = kvfn.bounded_decode(fm, mx.array([[ids[-1]]]), states, policy,
-                                  steps=args.new_tokens, interval=args.interval)  # fmt: skip
-        next(gen).item()
-        first = time.perf_counter()
-        try:
-            while True:
-                last = next(gen)
-        except StopIteration as end:
-            last.item()
-            done, states = time.perf_counter(), end.value
-        out = {"decode_tps": (args.new_tokens - 1) / (done - first),
-               "most_rows": args.rows, "kv_held_gb": sum(a.nbytes for a in
-                                                         kvfn.tree.arrays(states)) / 1e9}  # fmt: skip
-    else:
-        caches = kvfn.to_mlx_cache(states, policy=policy, interval=args.interval)
-        out = mlx_lm_run(attending_copy(model), ids, caches, args)
-    out["peak_above_weights_gb"] = (mx.get_peak_memory() - base) / 1e9
-    return out
+        return above_weights(lambda: mlx_lm_run(model, ids, prefilled(model, ids, cache), args))
+    states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=1)
+    if config == "kvfn bounded_decode":
+        return above_weights(lambda: bounded_run(fm, ids, states, policy, args))
+    caches = kvfn.to_mlx_cache(states, policy=policy, interval=args.interval)
+    return above_weights(lambda: mlx_lm_run(attending_copy(model), ids, caches, args))
+
+
+def check_cap(p: argparse.ArgumentParser, args, known: tuple = CONFIGS) -> list:
+    """The ``known`` configs asked for, and a cap whose budget holds the sinks and the window;
+    else ``p.error`` naming what is wrong."""
+    configs = args.configs.split(",")
+    if any(c not in known for c in configs):
+        p.error(f"--configs: each one of {', '.join(known)}, got {args.configs}")
+    if not args.window < args.interval < args.rows - args.window - 4:
+        p.error("need window < interval < rows - window - 4 (a budget of at least window + 4)")
+    return configs
 
 
 def main(argv=None) -> list:
@@ -97,11 +109,7 @@ def main(argv=None) -> list:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    configs = args.configs.split(",")
-    if any(c not in CONFIGS for c in configs):
-        p.error(f"--configs: each one of {', '.join(CONFIGS)}, got {args.configs}")
-    if not args.window < args.interval < args.rows - args.window - 4:
-        p.error("need window < interval < rows - window - 4 (a budget of at least window + 4)")
+    configs = check_cap(p, args)
     if not 2 <= args.prompt_tokens <= args.rows - args.interval or args.new_tokens <= args.rows:
         p.error("need 2 <= prompt tokens <= the budget (rows - interval), new tokens > rows")
     model = random_model(args.shape, getattr(mx, args.dtype))

@@ -62,16 +62,23 @@ def kvfn_run(model, ids, args, bounded: bool) -> dict:
             "kv_held_gb": held / 1e9, "peak_rows": result.peak_rows}  # fmt: skip
 
 
-def run(config: str, model, ids, args) -> dict:
+def above_weights(measure) -> dict:
+    """``measure()``'s results and ``peak_above_weights_gb``: the peak memory it reached above
+    what was held before it (the weights, and anything made for it beforehand)."""
     mx.clear_cache()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
-    if config.startswith("mlx-lm"):
-        out = mlx_lm_run(model, ids, args, rotating=config.endswith("rotating"))
-    else:
-        out = kvfn_run(model, ids, args, bounded=config.endswith("bounded"))
+    out = measure()
     out["peak_above_weights_gb"] = (mx.get_peak_memory() - base) / 1e9
     return out
+
+
+def run(config: str, model, ids, args) -> dict:
+    if config.startswith("mlx-lm"):
+        return above_weights(
+            lambda: mlx_lm_run(model, ids, args, rotating=config.endswith("rotating"))
+        )
+    return above_weights(lambda: kvfn_run(model, ids, args, bounded=config.endswith("bounded")))
 
 
 def main(argv=None) -> list:

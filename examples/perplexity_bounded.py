@@ -17,10 +17,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import kvfn_models  # noqa: E402
 import mlx.core as mx  # noqa: E402
+from benchmark_generation import check_cap  # noqa: E402
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache  # noqa: E402
 
 from kvfn.wrapper import attending_copy  # noqa: E402
@@ -63,11 +65,7 @@ def main(argv=None) -> list:
     p.add_argument("--window", type=int, default=32)
     p.add_argument("--configs", default=",".join(CONFIGS))
     args = p.parse_args(argv)
-    configs = args.configs.split(",")
-    if any(c not in CONFIGS for c in configs):
-        p.error(f"--configs: each one of {', '.join(CONFIGS)}, got {args.configs}")
-    if not args.window < args.interval < args.rows - args.window - 4:
-        p.error("need window < interval < rows - window - 4 (a budget of at least window + 4)")
+    configs = check_cap(p, args, CONFIGS)
     if args.tokens <= args.rows:
         p.error(f"--tokens must be above --rows {args.rows}, got {args.tokens}")
     model, tokenizer = kvfn_models.load(args.model) if args.model else kvfn_models.load()

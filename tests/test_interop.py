@@ -186,14 +186,10 @@ def test_per_head_states_are_refused_by_name():
 # -- evicting while mlx-lm generates -------------------------------------------------------------
 def bounded_run(fm, ids, states, policy, steps, interval):
     from kvfn import bounded_decode
+    from tests.test_bounded import run
 
-    gen = bounded_decode(fm, mx.array([[ids[-1]]]), states, policy, steps=steps, interval=interval)
-    tokens = []
-    while True:
-        try:
-            tokens.append(next(gen).item())
-        except StopIteration as end:
-            return tokens, end.value
+    return run(bounded_decode(fm, mx.array([[ids[-1]]]), states, policy, steps=steps,
+                              interval=interval))  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -1051,46 +1051,37 @@ class KVAPIHandler(APIHandler):
         request.kv_decode_interval = self.kv_decode_interval = self.decode_interval_of(policy)
 
     def max_rows_of(self, policy):
-        """The body's ``kv_max_rows`` (optional; null: none), checked; else the server's flag
-        where the request's policy and budget can take it (else no cap)."""
-        cli = self.response_generator.cli_args
-        fm = self.response_generator.model_provider.functional_model()
-        if "kv_max_rows" not in self.body:  # the server's cap, where this request's policy can
-            if cli.kv_max_rows is None or policy is None:
-                return None
-            try:
-                check_bounded(fm.sliding_windows, policy, cli.kv_max_rows, cli.prefill_step_size)
-            except ValueError:  # a policy (or a budget) of the request's own that cannot
-                return None
-            return cli.kv_max_rows
-        max_rows = self.body["kv_max_rows"]
-        if max_rows is None:
-            return None
-        if policy is None:
-            raise ValueError("kv_max_rows needs a kv_eviction policy")
-        check_bounded(fm.sliding_windows, policy, max_rows, cli.prefill_step_size)
-        return max_rows
+        """The body's ``kv_max_rows``, else the server's ``--kv-max-rows`` (``setting_of``)."""
+        step = self.response_generator.cli_args.prefill_step_size
+        windows = self.response_generator.model_provider.functional_model().sliding_windows
+        check = lambda rows: check_bounded(windows, policy, rows, step)  # noqa: E731
+        return self.setting_of(policy, "kv_max_rows", check)
 
     def decode_interval_of(self, policy):
-        """The body's ``kv_decode_interval`` (optional; null: none), checked; else the server's
-        flag where the request's policy can take it (else none)."""
-        cli = self.response_generator.cli_args
+        """The body's ``kv_decode_interval``, else the server's ``--kv-decode-interval``."""
         windows = self.response_generator.model_provider.functional_model().sliding_windows
-        if "kv_decode_interval" not in self.body:
-            if cli.kv_decode_interval is None or policy is None:
+        check = lambda interval: check_generating(policy, interval, windows)  # noqa: E731
+        return self.setting_of(policy, "kv_decode_interval", check)
+
+    def setting_of(self, policy, field: str, check):
+        """The body's ``field`` (optional; null: none), ``check``ed; else the server's flag of
+        that name where the request's policy (and budget) can take it, else none."""
+        flag = getattr(self.response_generator.cli_args, field)
+        if field not in self.body:
+            if flag is None or policy is None:
                 return None
             try:
-                check_generating(policy, cli.kv_decode_interval, windows)
-            except ValueError:
+                check(flag)
+            except ValueError:  # a policy (or a budget) of the request's own that cannot
                 return None
-            return cli.kv_decode_interval
-        interval = self.body["kv_decode_interval"]
-        if interval is None:
+            return flag
+        value = self.body[field]
+        if value is None:
             return None
         if policy is None:
-            raise ValueError("kv_decode_interval needs a kv_eviction policy")
-        check_generating(policy, interval, windows)
-        return interval
+            raise ValueError(f"{field} needs a kv_eviction policy")
+        check(value)
+        return value
 
     def kv_usage(self, usage: dict) -> dict:
         policy = getattr(self, "kv_policy_used", None)
