@@ -99,7 +99,8 @@ class CompactedKVCache(_TruePositions):
     # -- mlx-lm protocol ----------------------------------------------------------------------
     def update_and_fetch(self, keys, values):
         if self.evicting is not None and self.evicting.due(self.rows, False):
-            self.evicting.compact(self)
+            self.keys, self.values, self.positions = self.evicting.compact(self.to_state())
+            self.rows = self.positions.shape[2]
         n = keys.shape[2]
         self.keys, self.values, self.positions = self._grow(
             [self.keys, self.values, self.positions], n
@@ -118,7 +119,7 @@ class CompactedKVCache(_TruePositions):
         if self.evicting is not None:
             first = self.evicting.first_scored(self.rows, queries.shape[2])
             if first is not None:
-                self.evicting.observe(self, queries, scale, first)
+                self.evicting.observe(self.to_state(), queries, scale, first)
         return scaled_dot_product_attention(queries, keys, values, self, scale, mask, sinks)
 
     @property
@@ -276,18 +277,26 @@ class BatchCompactedKVCache(BatchKVCache):
         return [s - p.shape[2] for s, p in zip(stored, self.prefix_positions)]
 
     def extract(self, idx: int) -> CompactedKVCache:
-        padding = self.left_padding.tolist()[idx]
-        offset = int(self.offset[idx].item())
+        s = self.sequence(idx, self.left_padding.tolist()[idx])
+        keys, values = mx.contiguous(s.keys), mx.contiguous(s.values)
+        return CompactedKVCache(keys, values, s.positions, int(s.offset.item()),
+                                evicting=self.evicting[idx])  # fmt: skip
+
+    def sequence(self, idx: int, padding: int) -> kv.State:
+        """Sequence ``idx``'s rows (after its left ``padding``) as a packed state, its true
+        positions rebuilt (its prefix's, then a run ending at its offset) from arrays: nothing
+        is read on the host."""
         prefix = self.prefix_positions[idx]
-        keys = mx.contiguous(self.keys[idx : idx + 1, :, padding : self._idx])
-        values = mx.contiguous(self.values[idx : idx + 1, :, padding : self._idx])
-        new = keys.shape[2] - prefix.shape[2]
-        tail = mx.arange(offset - new, offset, dtype=mx.int32)
+        keys = self.keys[idx : idx + 1, :, padding : self._idx]
+        rows, offset = keys.shape[2], self.offset[idx : idx + 1].astype(mx.int32)
+        new = rows - prefix.shape[2]
+        tail = offset[:, None, None] - new + mx.arange(new, dtype=mx.int32)
         tail = mx.broadcast_to(tail, (1, keys.shape[1], new))
         if prefix.shape[1] != keys.shape[1]:
             prefix = mx.broadcast_to(prefix, (1, keys.shape[1], prefix.shape[2]))
-        positions = mx.concatenate([prefix, tail], axis=2)
-        return CompactedKVCache(keys, values, positions, offset, evicting=self.evicting[idx])
+        return kv.State(keys=keys, values=self.values[idx : idx + 1, :, padding : self._idx],
+                        positions=mx.concatenate([prefix, tail], axis=2), offset=offset,
+                        rows=mx.array(rows, mx.int32), max_rows=rows, packed=True)  # fmt: skip
 
     def filter(self, batch_indices):
         self.prefix_positions = [self.prefix_positions[i] for i in batch_indices]
@@ -312,21 +321,21 @@ class BatchCompactedKVCache(BatchKVCache):
         end of the batch's rows (the slots before them become its left padding), then drops the
         padding every sequence has (the buffer then holds no more than the longest's rows)."""
         padding = self.left_padding.tolist()
-        for i, e in enumerate(self.evicting):
-            if e is None or not e.due(self._idx - padding[i], True):
-                continue
-            one = self.extract(i)
-            e.compact(one)
-            padding[i] = start = self._idx - one.rows
-            self.keys[i : i + 1, :, start : self._idx] = one.keys
-            self.values[i : i + 1, :, start : self._idx] = one.values
-            self.prefix_positions[i] = one.positions
-        self.left_padding = mx.array(padding)
+        due = [i for i, e in enumerate(self.evicting)
+               if e is not None and e.due(self._idx - padding[i], True)]  # fmt: skip
+        if not due:
+            return
+        for i in due:
+            keys, values, positions = self.evicting[i].compact(self.sequence(i, padding[i]))
+            padding[i] = start = self._idx - positions.shape[2]
+            self.keys[i : i + 1, :, start : self._idx] = keys
+            self.values[i : i + 1, :, start : self._idx] = values
+            self.prefix_positions[i] = positions
         common = min(padding)
         if common:
             self.keys, self.values = (x[..., common:, :] for x in (self.keys, self.values))
             self._idx -= common
-            self.left_padding = self.left_padding - common
+        self.left_padding = mx.array([p - common for p in padding])
 
     def trim(self, n: int) -> int:
         """Drop up to ``n`` of the rows appended in this batch (never a compacted prefix)."""
@@ -349,7 +358,7 @@ class BatchCompactedKVCache(BatchKVCache):
         for i, e in enumerate(self.evicting):
             first = None if e is None else e.first_scored(self._idx - padding[i], queries.shape[2])
             if first is not None:
-                e.observe(self.extract(i), queries[i : i + 1], scale, first)
+                e.observe(self.sequence(i, padding[i]), queries[i : i + 1], scale, first)
 
     @property
     def nbytes(self) -> int:
@@ -395,12 +404,12 @@ class Evicting:
         first = max(0, self.cap - self.policy.window - (rows - n))  # a query's rows before it
         return first if self.policy.needs_scores and first < n else None
 
-    def observe(self, cache: "CompactedKVCache", queries: mx.array, scale, first: int) -> None:
+    def observe(self, state: kv.State, queries: mx.array, scale, first: int) -> None:
         """Adds the attention of ``queries[:, :, first:]`` (after RoPE, the last at ``offset -
-        1``) over the rows held."""
-        n, r = queries.shape[2], cache.rows
-        qpos = mx.arange(cache.offset - n + first, cache.offset, dtype=mx.int32)[None]
-        got = window_attention_scores(queries[:, :, first:], qpos, cache.to_state(), scale)
+        1``) over the rows ``state`` holds (all of its slots)."""
+        n, r = queries.shape[2], state.max_rows
+        qpos = state.offset[:, None] - n + mx.arange(first, n, dtype=mx.int32)[None]
+        got = window_attention_scores(queries[:, :, first:], qpos, state, scale)
         if self.scores is not None:
             width = max(r, self.scores.shape[-1])
             got = widened(got, width) + widened(self.scores, width)
@@ -409,17 +418,15 @@ class Evicting:
         # compaction (the window's steps, each a buffer a layer)
         mx.async_eval(self.scores)
 
-    def compact(self, cache: "CompactedKVCache") -> None:
-        r = cache.rows
-        state = cache.to_state().replace(packed=True)
+    def compact(self, state: kv.State) -> tuple:
+        """The keys, values and positions of the rows the policy keeps of ``state`` (its
+        ``max_rows`` rows, all of its slots), scored by what ``observe`` added."""
+        r = state.max_rows
         scores = None if self.scores is None else self.scores[..., :r]
-        new = self.policy.compact_layer(state, scores, prompt_length=r, layer=self.layer,
-                                        reserve=self.interval)  # fmt: skip
-        kept = self.policy.rows_after(r)
-        cache.keys, cache.values, cache.positions = (
-            x[:, :, :kept] for x in (new.keys, new.values, new.positions)
-        )
-        cache.rows, self.scores = kept, None
+        new = self.policy.compact_layer(state.replace(packed=True), scores, prompt_length=r,
+                                        layer=self.layer, reserve=0)  # fmt: skip
+        self.scores = None
+        return new.keys, new.values, new.positions
 
 
 def register() -> None:
@@ -465,9 +472,18 @@ def to_mlx_cache(
                 f"layer {i}: the state has empty rows among its first {r} (after a prefix trim); "
                 "mlx-lm builds one mask for all layers, so it cannot take them"
             )
-        evicting = None if policy is None else Evicting(policy, interval, i, len(states))
         caches.append(CompactedKVCache(s.keys[:, :, :r], s.values[:, :, :r], positions,
-                                       int(s.offset.item()), s.sliding_window, evicting))  # fmt: skip
+                                       int(s.offset.item()), s.sliding_window))  # fmt: skip
+    return evicting(caches, policy, interval)
+
+
+def evicting(caches: list, policy: Optional[BasePolicy], interval: Optional[int]) -> list:
+    """``CompactedKVCache`` layers made to evict while generating (each layer an ``Evicting``
+    of ``policy`` every ``interval`` tokens), or not to (``policy`` or ``interval`` None); the
+    caller has checked that the policy can (``kvfn.decoding.check_generating``)."""
+    off = policy is None or interval is None
+    for i, c in enumerate(caches):
+        c.evicting = None if off else Evicting(policy, interval, i, len(caches))
     return caches
 
 

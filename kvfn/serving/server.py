@@ -103,7 +103,7 @@ from .flags import (
     positive_int,
     probability,
 )
-from .interop import CompactedKVCache, Evicting, QuantizedCompactedKVCache, to_mlx_cache
+from .interop import CompactedKVCache, QuantizedCompactedKVCache, evicting, to_mlx_cache
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
@@ -455,17 +455,7 @@ class EvictingPromptCache(LRUPromptCache):
             caches = to_mlx_cache(fm.init_states(1, 0))
         else:
             caches = [as_kvfn_cache(c) for c in cache]
-        return self.evicting(caches, policy, self.decode_interval), rest
-
-    def evicting(self, caches: list, policy, interval=None) -> list:
-        """A request's caches, made to evict while generating every ``interval`` tokens (its
-        ``kv_decode_interval``; None: not): each layer an ``Evicting`` of its ``policy``. A job
-        passes the request's own, taken when it was made: ``self.decode_interval`` is the latest
-        request's by the time the job ends."""
-        for i, c in enumerate(caches):
-            off = policy is None or interval is None
-            c.evicting = None if off else Evicting(policy, interval, i, len(caches))
-        return caches
+        return evicting(caches, policy, self.decode_interval), rest
 
     def compaction(self, tokens, policy):
         """The compaction of all but the last of ``tokens``: a ``PendingCompaction``, or its
@@ -598,12 +588,14 @@ class EvictingPromptCache(LRUPromptCache):
     def as_mlx_caches(self, states, policy, interval=None) -> list:
         """mlx-lm caches of one sequence's states: with a per-head policy, ragged layers
         (``RaggedLayerCache``, a plain state's heads each keeping all its rows) or per-head
-        caches in the server's head groups; else ``kvfn.to_mlx_cache``'s."""
+        caches in the server's head groups; else ``kvfn.to_mlx_cache``'s, evicting every
+        ``interval`` tokens where the request asks (a job passes its request's own, taken when it
+        was made: ``self.decode_interval`` is the latest request's by the time the job ends)."""
         if self.provider.ragged:
             return [RaggedLayerCache.from_state(s) for s in states]
         groups = self.provider.head_groups
         if groups is None:
-            return self.evicting(to_mlx_cache(states), policy, interval)
+            return evicting(to_mlx_cache(states), policy, interval)
         return [HeadGroupsKVCache.from_state(s, g) for s, g in zip(states, groups)]
 
     def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):

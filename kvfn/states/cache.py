@@ -389,6 +389,7 @@ def fitted(state: State, capacity: int) -> State:
                          positions=cut(state.positions))  # fmt: skip
 
 
+@typechecked
 def reserve(state: State, capacity: int) -> State:
     """The same state with room for ``capacity`` rows (free slots added at the end)."""
     extra = capacity - state.capacity
