@@ -41,6 +41,10 @@ N_KV_HEADS_NAMES = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
 _current = contextvars.ContextVar("kvfn_layer_adapter", default=None)
 
 
+# a decode pads per-head states (a ragged layer's slots, which its allocation sets) to the sizes
+# of a trace the model has made, where they hold at most this much more memory
+TRACE_SLACK = 0.25
+KNOWN_SIZES = 64  # the decode traces' sizes remembered for it, per batch and kinds of layers
 STATISTICS = ("attention", "max_attention", "moments", "reconstruction", "queries")
 
 
@@ -322,6 +326,7 @@ class FunctionalModel:
         self._model = _own_copy(model, self._wrap_layer)
         self._compiled: dict = {}
         self._traces = 0
+        self._sizes: dict = {}  # the sizes decode traces were made for (``_traced_sizes``)
         self._dtype = None
         self.vocab_size = vocab_size(model)
 
@@ -518,7 +523,37 @@ class FunctionalModel:
     def _step(self, tokens, states, check_ids: bool, bucket_rows: bool) -> tuple:
         tokens, states = self._prepare(tokens, states, check_ids, eager=False,
                                        bucket_rows=bucket_rows)  # fmt: skip
+        if bucket_rows:
+            states = self._traced_sizes(tokens, states)
         return self._compiled_call(tokens, states)[:2]
+
+    def _traced_sizes(self, tokens, states) -> tuple:
+        """States whose kind has a ``Layout.size`` (a ragged layer's slots, set by its prompt's
+        allocation: the layers of a new prompt seldom all fall in the buckets of an earlier
+        one) padded to the sizes of a decode this model has traced: the cheapest of those at
+        least its own that hold at most ``TRACE_SLACK`` more bytes. Else to the layer by layer largest
+        of its own and the latest such trace's, within the same slack, so that the next prompt
+        finds the trace this one makes; else its own. The rows kept are the same."""
+        layouts = [layout.of(s) for s in states]
+        sizes = tuple(lay.size(s) for lay, s in zip(layouts, states))
+        if all(z is None for z in sizes):
+            return states
+        per_size = tuple(0 if z is None else lay.unit_bytes(s)
+                         for lay, s, z in zip(layouts, states, sizes))  # fmt: skip
+        cost = lambda zs: sum(z * b for z, b in zip(zs, per_size) if z is not None)  # noqa: E731
+        key = (tokens.shape, tuple(map(type, states)), per_size)
+        known, limit = self._sizes.setdefault(key, []), (1 + TRACE_SLACK) * cost(sizes)
+        above = lambda zs: all(a is None or a >= b for a, b in zip(zs, sizes))  # noqa: E731
+        target = min((zs for zs in known if above(zs) and cost(zs) <= limit), key=cost,
+                     default=None)  # fmt: skip
+        if target is None:
+            widened = (tuple(None if a is None else max(a, b) for a, b in zip(zs, sizes))
+                       for zs in reversed(known))  # fmt: skip
+            target = next((zs for zs in widened if cost(zs) <= limit), sizes)
+            known.append(target)
+            del known[:-KNOWN_SIZES]
+        return tuple(s if z == t else lay.padded(s, t)
+                     for lay, s, z, t in zip(layouts, states, sizes, target))  # fmt: skip
 
     def decode(self, tokens, states) -> tuple:
         """``step`` for one new token per sequence: tokens (B, 1), each state's capacity first

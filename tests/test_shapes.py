@@ -270,3 +270,45 @@ def test_every_policy_compacts_a_padded_prefill_as_an_unpadded_one(fm, name, mon
         assert x.shape == y.shape
         if mx.issubdtype(x.dtype, mx.integer):
             assert mx.array_equal(x, y).item()
+
+
+def test_a_decode_pads_ragged_layers_to_the_sizes_of_a_trace_it_has():
+    """A ragged layer's slots follow its prompt's allocation, so a new prompt's layers seldom
+    all fall in an earlier prompt's buckets. Decode pads them to a trace's sizes the model has
+    made when those cost at most ``TRACE_SLACK`` more bytes (else to the layer by layer largest
+    of its own and the latest trace's, within the same slack): the same logits and rows, fewer
+    traces. A trace's sizes are what the model has decoded at, so the cases run in order."""
+    from kvfn.states import ragged
+    from kvfn.wrapper import TRACE_SLACK
+
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    prefilled = kvfn.prefill(fm, mx.array([[1 + (7 * i) % 90 for i in range(40)]]))
+    token = mx.array([[5]])
+
+    def sized(slots):
+        return tuple(
+            ragged.padded(ragged.as_ragged(s, room=8), z) for s, z in zip(prefilled, slots)
+        )
+
+    assert TRACE_SLACK == 0.25  # the cases below: every layer's slot takes the same bytes
+    expected = {  # own slots: (traces, slots decoded in)
+        (1024, 1280, 1024): (1, (1024, 1280, 1024)),  # the first: its own
+        (1280, 1024, 1024): (1, (1280, 1280, 1024)),  # widened to both: 3584 <= 1.25 x 3328
+        (1024, 1024, 1024): (0, (1024, 1280, 1024)),  # the cheaper of the two traces it fits
+        (256, 256, 256): (1, (256, 256, 256)),  # any trace would cost more than the slack
+        (256, 512, 256): (1, (256, 512, 256)),  # widened: its own is the largest of both
+        (256, 256, 512): (1, (256, 512, 512)),  # widened: 1280 <= 1.25 x 1024
+    }
+    for own, (traces, slots) in expected.items():
+        states = sized(own)
+        before = fm.traces
+        logits, out = fm.decode(token, states)
+        eager, plain = fm.forward(token, states)
+        assert (fm.traces - before, tuple(s.slots for s in out)) == (traces, slots), own
+        assert mx.allclose(logits, eager[:, -1], atol=1e-5).item()
+        for a, b in zip(out, plain):
+            assert mx.array_equal(a.lengths, b.lengths).item()
+            assert mx.array_equal(a.starts, b.starts).item()
+            for h in range(a.n_kv_heads):
+                for x, y in zip(ragged.head_rows(a, 0, h), ragged.head_rows(b, 0, h)):
+                    assert mx.array_equal(x, y).item()

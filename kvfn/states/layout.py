@@ -64,6 +64,23 @@ class Layout:
         raise NotImplementedError
 
     @staticmethod
+    def size(state) -> Optional[int]:
+        """The one buffer size, beyond the array shapes every layer of its kind shares, that a
+        trace of this state is specialised to and ``padded`` can raise without changing what the
+        state holds (a ragged layer's slots, which its allocation sets); None: none such."""
+        return None
+
+    @staticmethod
+    def unit_bytes(state) -> int:
+        """The bytes one unit of ``size`` takes."""
+        raise TypeError("this kind's buffers are not padded to a size")
+
+    @staticmethod
+    def padded(state, size: int):
+        """``state`` in a buffer of ``size`` (at least ``size(state)``), holding the same rows."""
+        raise TypeError("this kind's buffers are not padded to a size")
+
+    @staticmethod
     def kept(state) -> tuple[int, int]:
         """Rows a KV head stores (the mean over heads) and bytes stored."""
         raise NotImplementedError

@@ -284,7 +284,8 @@ def reserve(state: RaggedKVCache, room: int) -> RaggedKVCache:
 def padded(state: RaggedKVCache, slots: int) -> RaggedKVCache:
     """The same rows in a buffer of ``slots`` slots (at least ``state.slots``): the new slots
     are the last head's free slots, so every head's room is what it was. A decode loop pads its
-    states to a bucket so that prompts of different allocations share a trace."""
+    states to a bucket, and to the sizes of a trace it already has (``FunctionalModel.decode``),
+    so that prompts of different allocations share a trace."""
     extra = slots - state.slots
     if extra < 0:
         raise ValueError(f"padded takes slots >= the state's {state.slots}, got {slots}")
@@ -310,19 +311,6 @@ def _free(state: RaggedKVCache, ends: Optional[mx.array] = None) -> mx.array:
 ARRAY_FIELDS = ("keys", "values", "positions", "starts", "lengths", "offset")
 
 
-def _padded(state: RaggedKVCache, slots: int) -> RaggedKVCache:
-    """``state``'s buffer padded to ``slots`` (the last head's free room grows)."""
-    extra = slots - state.slots
-    if extra < 0:
-        raise ValueError(f"cannot shrink a ragged layer of {state.slots} slots to {slots}")
-    if extra == 0:
-        return state
-    B = state.keys.shape[0]
-    pad = lambda x: mx.concatenate([x, mx.zeros((B, extra, *x.shape[2:]), x.dtype)], axis=1)  # noqa
-    positions = _free_positions(pad(state.positions), state.starts, state.lengths, state.offset)
-    return state.replace(keys=pad(state.keys), values=pad(state.values), positions=positions)
-
-
 def stack(states: list) -> RaggedKVCache:
     """One batch from ragged layers of several sequences (e.g. one prompt compacted by several
     policies), each buffer grown to the longest; each sequence keeps its own ranges."""
@@ -332,7 +320,7 @@ def stack(states: list) -> RaggedKVCache:
     if len(shapes) > 1:
         raise ValueError(f"cannot stack ragged layers of different heads or dtypes: {shapes}")
     slots = max(s.slots for s in states)
-    states = [_padded(s, slots) for s in states]
+    states = [padded(s, slots) for s in states]
     rooms = [s.room for s in states]
     kept = {s.kept for s in states}
     joined = {f: mx.concatenate([getattr(s, f) for s in states]) for f in ARRAY_FIELDS}
@@ -415,6 +403,15 @@ class Layout(layout.Layout):
     grown = staticmethod(grown)
     kept = staticmethod(kept)
     head_groups = staticmethod(head_groups)
+    padded = staticmethod(padded)
+
+    @staticmethod
+    def size(state):
+        return state.slots
+
+    @staticmethod
+    def unit_bytes(state):
+        return sum(x.nbytes // state.slots for x in (state.keys, state.values, state.positions))
 
     @staticmethod
     def host(state):
