@@ -25,13 +25,7 @@ R=/tmp/r-$TAG; mkdir -p $R
 (while true; do echo "$(( $(date +%s) - T0 )) $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader) | $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"; sleep 10; done) > $R/smi.log 2>&1 &
 SMI=$!
 [ -e $HOME/pp/kvfn_models ] || ln -s $PWD/models $HOME/pp/kvfn_models  # no install there
-prepare() {  # SHIP SHORT: join the chunks and convert the GGUF to a bf16 folder, once
-  [ -d $HOME/conv/$2/model ] && return 0
-  python3 examples/ship_model.py --join $HOME/ship/$1 --out $HOME/models/$2 --no-check || return 1
-  python3 examples/ship_model.py $HOME/models/$2/*.gguf --dtype bfloat16 --out $HOME/conv/$2 \
-    --keep-folder > $R/convert-$2.log 2>&1 || return 1
-  echo "$2 ready at $(( $(date +%s) - T0 )) s"
-}
+source examples/prepare_model.sh  # prepare SHIP SHORT
 launch() {  # SHORT HEADS GROUPS EXTRA OUTNAME
   local short=$1 heads=$2 groups=$3 extra=$4 name=$5 g=0
   IFS=';' read -ra gs <<< "$groups"

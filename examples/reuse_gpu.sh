@@ -5,7 +5,7 @@
 # (examples/ship_model.py qwen2.5-coder-0.5b --as-is, each chunk copied to
 # $HOME/ship/qwen2.5-coder-0.5b-gguf; the 1.5B's to $HOME/ship/qwen2.5-coder-1.5b-gguf), as
 # examples/qwen_grid.sh's header says. The first call on a machine joins and converts each model
-# to a bf16 folder, $HOME/conv/SHORT/model (qwen_grid.sh's prepare, the same folders: a machine
+# to a bf16 folder, $HOME/conv/SHORT/model (examples/prepare_model.sh, as qwen_grid.sh: the same folders: a machine
 # that ran the grid has them); later calls reuse it. Then, per model and length, one run of
 # benchmark_reuse.py --task niah_multikey: kvfn-server with $POLICY at $BUDGET of each context
 # and the same server without eviction (mlx-lm's prompt cache), both up at once, $K contexts of
@@ -31,14 +31,7 @@ mkdir -p /tmp/pp && ln -sfn $PWD/models /tmp/pp/kvfn_models  # no install there
 export PYTHONPATH=/tmp/pp:$PWD${PYTHONPATH:+:$PYTHONPATH}
 R=/tmp/reuse-logs; mkdir -p $R
 now() { echo $(( $(date +%s) - T0 )); }
-prepare() {  # SHIP SHORT: join the chunks and convert the GGUF to a bf16 folder, once
-  # (examples/qwen_grid.sh's prepare, which that script runs inline: not sourceable)
-  [ -d $HOME/conv/$2/model ] && return 0
-  python3 examples/ship_model.py --join $HOME/ship/$1 --out $HOME/models/$2 --no-check || return 1
-  python3 examples/ship_model.py $HOME/models/$2/*.gguf --dtype bfloat16 --out $HOME/conv/$2 \
-    --keep-folder > $R/convert-$2.log 2>&1 || return 1
-  echo "$2 ready at $(now) s"
-}
+source examples/prepare_model.sh  # prepare SHIP SHORT
 weight() {  # SHORT LENGTH: a run's share of the time (its servers' start, then its contexts)
   case $1 in q1.5b) echo $(( 3 * $2 / 1024 + 8 ));; *) echo $(( $2 / 1024 + 8 ));; esac
 }
