@@ -5,8 +5,8 @@
 # (examples/ship_model.py qwen2.5-coder-0.5b --as-is, each chunk copied to
 # $HOME/ship/qwen2.5-coder-0.5b-gguf; the 1.5B's to $HOME/ship/qwen2.5-coder-1.5b-gguf), as
 # examples/qwen_grid.sh's header says. The first call on a machine joins and converts each model
-# to a bf16 folder, $HOME/conv/SHORT/model (examples/prepare_model.sh, as qwen_grid.sh: the same folders: a machine
-# that ran the grid has them); later calls reuse it. Then, per model and length, one run of
+# to a bf16 folder, $HOME/conv/SHORT/model (examples/prepare_model.sh, which qwen_grid.sh uses
+# too: a machine that ran the grid has them); later calls reuse it. Then, per model and length, one run of
 # benchmark_reuse.py --task niah_multikey: kvfn-server with $POLICY at $BUDGET of each context
 # and the same server without eviction (mlx-lm's prompt cache), both up at once, $K contexts of
 # $Q questions sent to each in turn. Results: $OUT/reuse-SHORT-LENGTH.json (every turn and the
