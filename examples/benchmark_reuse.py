@@ -36,6 +36,7 @@ python examples/benchmark_reuse.py --model M --task niah_multikey --tokens 8192 
 import argparse
 import dataclasses
 import gzip
+import importlib.util
 import json
 import random
 import re
@@ -461,6 +462,9 @@ def evaluation(parser, args) -> dict:
     from kvfn_eval import answers
 
     t0 = time.perf_counter()
+    if importlib.util.find_spec("pybible") is None:  # the haystack's text, read in the first sample
+        parser.error(f"argument --task {args.task}: the evaluation's haystack needs the "
+                     f"`pybible` package (pip install 'kvfn[eval]')")  # fmt: skip
     try:
         tokenizer = load_tokenizer(args.model)
     except (FileNotFoundError, ValueError, OSError) as e:
@@ -468,7 +472,9 @@ def evaluation(parser, args) -> dict:
     count = token_counter(tokenizer)
 
     def sample(seed: int) -> Context:
-        made = tasks.generate(args.task, seed=seed, target_tokens=args.tokens,
+        # the answer's tokens come on top of the prompt: --tokens is the whole request's, as a
+        # model's context bounds it (a 32,768-token context takes a 32,756-token prompt)
+        made = tasks.generate(args.task, seed=seed, target_tokens=args.tokens - args.max_tokens,
                               count_tokens=count, n_questions=args.questions)  # fmt: skip
         ctx = make_context(tokenizer, made, args.budget)
         why = check_context(ctx, args.policy)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # examples/benchmark_reuse.py on the GPU machine (issue 54, item 4), one device call:
 #   bash examples/reuse_gpu.sh END
-# after the staging calls (../shared/device/stage.sh --no-model) and one call per model chunk
+# after the staging calls (../shared/device/stage.sh --no-model; the evaluation's pybible copied
+# to $HOME/pp: carry .venv/lib/python3.11/site-packages/pybible) and one call per model chunk
 # (examples/ship_model.py qwen2.5-coder-0.5b --as-is, each chunk copied to
 # $HOME/ship/qwen2.5-coder-0.5b-gguf; the 1.5B's to $HOME/ship/qwen2.5-coder-1.5b-gguf), as
 # examples/qwen_grid.sh's header says. The first call on a machine joins and converts each model
@@ -28,7 +29,7 @@ POLICY=${POLICY:-adakvzip-global} BUDGET=${BUDGET:-0.125}
 T0=$(date +%s)
 source $HOME/mlx-env.sh
 mkdir -p /tmp/pp && ln -sfn $PWD/models /tmp/pp/kvfn_models  # no install there
-export PYTHONPATH=/tmp/pp:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=/tmp/pp:$HOME/pp:$PWD${PYTHONPATH:+:$PYTHONPATH}
 R=/tmp/reuse-logs; mkdir -p $R
 now() { echo $(( $(date +%s) - T0 )); }
 source examples/prepare_model.sh  # prepare SHIP SHORT

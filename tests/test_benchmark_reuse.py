@@ -26,6 +26,7 @@ def test_the_evaluations_contexts_are_reused_and_scored_by_its_scorer(capsys, tm
         assert t["score"] == answers.match_all(t["answer"], t["references"])
         assert 0 <= t["score"] <= 1 and t["prompt_tokens"] == t["local_tokens"]
         assert t["context_tokens"] >= t["head_tokens"] - 2 > 500
+        assert t["prompt_tokens"] + result["config"]["max_tokens"] <= 640  # the answer fits too
     for t in (t for t in turns if t["server"] == "streaming"):
         assert t["rows"] == round(0.125 * t["head_tokens"])
         if t["question"] == 0:  # compacts the context and keeps it
