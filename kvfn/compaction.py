@@ -204,12 +204,12 @@ def _compaction(fmodel, context, policy, prefill, scored, reserve, compiled, set
     return new, (dataclasses.replace(result, peak_rows=peak[0]) if peak else result)
 
 
-def check_bounded(windows: Sequence, policy: BasePolicy, max_rows, step: int,
+def check_bounded(sliding_windows: Sequence, policy: BasePolicy, max_rows, step: int,
                   during: str = "prefilling") -> None:  # fmt: skip
     """Refuses, by name and reason, what cannot evict while prefilling (or generating) a
-    model whose layers have these sliding ``windows`` (None: full attention)."""
+    model whose layers have these ``sliding_windows`` (None: full attention)."""
     policy.check_max_rows(max_rows, during)
-    if any(w is not None for w in windows):
+    if any(w is not None for w in sliding_windows):
         raise ValueError(f"this model has sliding-window layers, whose rows are kept apart; "
                          f"evicting while {during} takes full-attention layers")  # fmt: skip
     if step <= 0:

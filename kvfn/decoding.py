@@ -23,10 +23,10 @@ def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1)[:, None]
 
 
-def check_generating(policy: BasePolicy, interval, windows=()) -> None:
+def check_generating(policy: BasePolicy, interval, sliding_windows=()) -> None:
     """Refuses, by name and reason, a policy that cannot evict every ``interval`` generated
-    tokens, or a model whose layers have sliding ``windows``."""
-    check_bounded(windows, policy, policy.budget, 1, during="generating")
+    tokens, or a model whose layers have these ``sliding_windows``."""
+    check_bounded(sliding_windows, policy, policy.budget, 1, during="generating")
     if type(interval) is not int or interval <= policy.window:
         raise ValueError(f"interval must be an int > the policy's window {policy.window}, "
                          f"got {interval!r}")  # fmt: skip

@@ -185,23 +185,23 @@ def _attention_name(layer: nn.Module, index: int) -> str:
     )
 
 
-def layer_windows(model: nn.Module) -> tuple[Optional[int], ...]:
+def sliding_windows_of(model: nn.Module) -> tuple[Optional[int], ...]:
     """Per layer: None for full attention, the window for a sliding-window layer."""
     caches = (
         model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
     )
-    windows = []
+    out = []
     for i, c in enumerate(caches):
         if type(c) is KVCache:
-            windows.append(None)
+            out.append(None)
         elif type(c) is RotatingKVCache and c.keep == 0:
-            windows.append(c.max_size)
+            out.append(c.max_size)
         else:
             raise TypeError(
                 f"kvfn cannot thread {type(model).__module__}: layer {i} uses "
                 f"{type(c).__name__}, which kvfn does not support"
             )
-    return tuple(windows)
+    return tuple(out)
 
 
 def _path_to(module: nn.Module, first, path=()) -> Optional[tuple]:
@@ -304,7 +304,7 @@ class FunctionalModel:
         self.compile_after = compile_after
         self._calls: dict = {}  # calls a layout and shapes have had, while compile_after holds
         self.model = model
-        self.sliding_windows = layer_windows(model)
+        self.sliding_windows = sliding_windows_of(model)
         self._attn_names = [_attention_name(l, i) for i, l in enumerate(model.layers)]
         attn = [getattr(l, n) for l, n in zip(model.layers, self._attn_names)]
         for i, a in enumerate(attn):

@@ -158,8 +158,8 @@ def test_duo_batched_decode_equals_kvfn_decode(smol):
         entries.append((head_groups(policy, states), ids[-1:]))
         want.append(tokens)
     # the streaming groups of the compacted prompts hold sinks + recent rows, the short one all
-    assert entries[0][0][1].groups[0].rows == 44 and entries[0][0][1].windows == [(4, 40)]
-    assert entries[2][0][1].windows == [None]
+    assert entries[0][0][1].groups[0].rows == 44 and entries[0][0][1].rings == [(4, 40)]
+    assert entries[2][0][1].rings == [None]
     full = kvfn.prefill(fm, mx.array([prompts[0][:-1]]))
     assert entries[0][0][2].nbytes < 0.5 * kvfn.to_mlx_cache(full)[2].nbytes
     got, finals = batched(attending_copy(model), entries)
@@ -185,7 +185,7 @@ def test_duo_batched_logits_equal_kvfn(smol, windowed):
     caches = [head_groups(policy, states) for _, _, states in runs]
     if not windowed:
         for c in (c for layers in caches for c in layers):
-            c.windows = [None] * len(c.windows)
+            c.rings = [None] * len(c.rings)
     batch = [BatchHeadGroupsKVCache.merge(list(layer)) for layer in zip(*caches)]
     copy_ = attending_copy(model)
     last = [prompt(tokenizer, n, t)[-1] for n, t in ((30, "ships"), (12, "birds"))]

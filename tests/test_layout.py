@@ -162,7 +162,7 @@ def test_a_new_kind_forms_kvfn_servers_head_groups(setup):
     heads = ((0,), tuple(range(1, plain[0].keys.shape[1])))
     a = HeadGroupsKVCache.from_state(halves[0], heads)
     b = HeadGroupsKVCache.from_state(plain[0], heads)
-    assert a.heads == b.heads == heads and a.windows == b.windows == [None, None]
+    assert a.heads == b.heads == heads and a.rings == b.rings == [None, None]
     for x, y in zip(a.groups, b.groups):
         assert (x.offset, x.rows) == (y.offset, y.rows) and x.rows > 0
         for f in ("keys", "values", "positions"):

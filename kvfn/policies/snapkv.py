@@ -29,8 +29,8 @@ def pool1d(x: mx.array, kernel_size: int, kind: str) -> mx.array:
     pad = mx.full((*x.shape[:-1], half), fill, x.dtype)
     padded = mx.concatenate([pad, x, pad], axis=-1)
     n = x.shape[-1]
-    windows = mx.stack([padded[..., i : i + n] for i in range(kernel_size)], axis=0)
-    return mx.max(windows, axis=0) if kind == "max" else mx.sum(windows, axis=0) / kernel_size
+    shifted = mx.stack([padded[..., i : i + n] for i in range(kernel_size)], axis=0)
+    return mx.max(shifted, axis=0) if kind == "max" else mx.sum(shifted, axis=0) / kernel_size
 
 
 @register_policy

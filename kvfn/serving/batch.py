@@ -17,20 +17,20 @@ from .interop import BatchCompactedKVCache, to_mlx_cache
 class HeadGroupsKVCache:
     """One sequence's layer of a per-head state (``kvfn.HeadPartitionedKVCache``) as mlx-lm's
     ``BatchGenerator`` takes it: one ``CompactedKVCache`` per head group, ``heads[g]`` naming
-    its KV heads, and ``windows[g]`` = (sink, recent) for a group of streaming heads that sees
+    its KV heads, and ``rings[g]`` = (sink, recent) for a group of streaming heads that sees
     only its sinks and recent rows, else None. It is only merged into a batch
     (``BatchHeadGroupsKVCache``) or extracted from one; it never runs a model itself."""
 
-    def __init__(self, groups, heads, windows):
-        if not (len(groups) == len(heads) == len(windows)) or not groups:
+    def __init__(self, groups, heads, rings):
+        if not (len(groups) == len(heads) == len(rings)) or not groups:
             raise ValueError(
-                f"need one head list and window per group, got {len(groups)} groups, "
-                f"{len(heads)} head lists, {len(windows)} windows"
+                f"need one head list and ring per group, got {len(groups)} groups, "
+                f"{len(heads)} head lists, {len(rings)} rings"
             )
-        self.groups, self.heads, self.windows = (
+        self.groups, self.heads, self.rings = (
             list(groups),
             tuple(map(tuple, heads)),
-            list(windows),
+            list(rings),
         )
 
     @classmethod
@@ -38,7 +38,7 @@ class HeadGroupsKVCache:
         """From one layer's kvfn state (batch 1) as the groups ``heads`` (e.g. the policy's
         ``head_groups``): a plain state (a prompt kept whole, or any plain policy's) is split
         into them; a ``HeadPartitionedKVCache`` must hold each of them inside one of its groups.
-        A streaming ring's group keeps its window."""
+        A streaming ring's group keeps its (sink, recent)."""
         heads = tuple(tuple(h) for h in heads)
         groups = layout.of(state).head_groups(state, heads)
         return cls([to_mlx_cache([g])[0] for g, _ in groups], heads, [w for _, w in groups])
@@ -72,30 +72,30 @@ class BatchHeadGroupsKVCache:
     The model must call ``attend`` (``kvfn.wrapper.attending_copy``): each group attends over
     its own rows with its own mask and the outputs go back in query-head order, so no union of
     the groups' rows is stored or read. A streaming group's new rows are appended; a sequence
-    whose group has a window masks its rows between the sinks and the last ``recent``
+    whose group is a ring masks its rows between the sinks and the last ``recent``
     positions, which is what its ring would hold (exact; the masked rows stay in memory until
     the sequence leaves the batch, at most the tokens it generates)."""
 
-    def __init__(self, groups, heads, windows):
+    def __init__(self, groups, heads, rings):
         self.groups, self.heads = groups, heads
-        self.windows = windows  # setting it rebuilds the window arrays (once per membership)
+        self.rings = rings  # setting it rebuilds the ring arrays (once per membership)
         self._pending = None
 
     @property
-    def windows(self) -> list:
-        return self._windows
+    def rings(self) -> list:
+        return self._rings
 
-    @windows.setter
-    def windows(self, windows: list) -> None:
+    @rings.setter
+    def rings(self, rings: list) -> None:
         """Per group, per sequence (sink, recent) or None; kept as (limited, sink, recent)
-        arrays of shape (B, 1, 1, 1) for the mask, or None for a group without windows."""
-        self._windows = windows
+        arrays of shape (B, 1, 1, 1) for the mask, or None for a group of no ring."""
+        self._rings = rings
         expand = lambda x: mx.array(x)[:, None, None, None]  # noqa: E731
         self._limits = [
             None if all(w is None for w in ws) else
             (expand([w is not None for w in ws]), expand([w[0] if w else 0 for w in ws]),
              expand([w[1] if w else 0 for w in ws]))
-            for ws in windows
+            for ws in rings
         ]  # fmt: skip
 
     @classmethod
@@ -111,8 +111,8 @@ class BatchHeadGroupsKVCache:
                 )
         groups = [BatchCompactedKVCache.merge([c.groups[g] for c in caches])
                   for g in range(len(caches[0].groups))]  # fmt: skip
-        windows = [[c.windows[g] for c in caches] for g in range(len(groups))]
-        return cls(groups, caches[0].heads, windows)
+        rings = [[c.rings[g] for c in caches] for g in range(len(groups))]
+        return cls(groups, caches[0].heads, rings)
 
     # -- mlx-lm protocol ----------------------------------------------------------------------
     @property
@@ -122,9 +122,9 @@ class BatchHeadGroupsKVCache:
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
         return None  # every layer is a per-head cache, and ``attend`` builds each group's mask
 
-    def _window_mask(self, g: int, mask: mx.array, n: int) -> mx.array:
-        """``mask`` (B, 1, n, T) of group g's rows, less the rows a windowed sequence's ring
-        would no longer hold: past its sinks and at or before the query's storage index minus
+    def _ring_mask(self, g: int, mask: mx.array, n: int) -> mx.array:
+        """``mask`` (B, 1, n, T) of group g's rows, less the rows a sequence's ring would no
+        longer hold: past its sinks and at or before the query's storage index minus
         ``recent``."""
         if self._limits[g] is None:
             return mask
@@ -143,7 +143,7 @@ class BatchHeadGroupsKVCache:
         for g, (group, new_keys, new_values) in enumerate(rows):
             mask = group.make_mask(n, return_array=True)
             k, v = group.update_and_fetch(new_keys, new_values)
-            pending.append((k, v, self._window_mask(g, mask, n)))
+            pending.append((k, v, self._ring_mask(g, mask, n)))
         for group in self.groups[1:]:  # only the first group's offset is read (by RoPE)
             group.offset = mx.array(self.groups[0].offset)  # a handle of its own, one node
         self._pending = pending
@@ -192,18 +192,18 @@ class BatchHeadGroupsKVCache:
     def filter(self, batch_indices):
         for g in self.groups:
             g.filter(batch_indices)
-        self.windows = [[w[i] for i in batch_indices] for w in self.windows]
+        self.rings = [[w[i] for i in batch_indices] for w in self.rings]
 
     def extend(self, other):
         if not isinstance(other, BatchHeadGroupsKVCache) or other.heads != self.heads:
             raise TypeError(f"cannot extend a per-head batch cache with {type(other).__name__}")
         for g, o in zip(self.groups, other.groups):
             g.extend(o)
-        self.windows = [a + b for a, b in zip(self.windows, other.windows)]
+        self.rings = [a + b for a, b in zip(self.rings, other.rings)]
 
     def extract(self, idx: int) -> HeadGroupsKVCache:
         return HeadGroupsKVCache([g.extract(idx) for g in self.groups], self.heads,
-                                 [w[idx] for w in self.windows])  # fmt: skip
+                                 [w[idx] for w in self.rings])  # fmt: skip
 
 
 # -- ragged states (Ada-KV, AdaKVzip) ------------------------------------------------------------

@@ -1045,14 +1045,14 @@ class KVAPIHandler(APIHandler):
     def max_rows_of(self, policy):
         """The body's ``kv_max_rows``, else the server's ``--kv-max-rows`` (``setting_of``)."""
         step = self.response_generator.cli_args.prefill_step_size
-        windows = self.response_generator.model_provider.functional_model().sliding_windows
-        check = lambda rows: check_bounded(windows, policy, rows, step)  # noqa: E731
+        sliding = self.response_generator.model_provider.functional_model().sliding_windows
+        check = lambda rows: check_bounded(sliding, policy, rows, step)  # noqa: E731
         return self.setting_of(policy, "kv_max_rows", check)
 
     def decode_interval_of(self, policy):
         """The body's ``kv_decode_interval``, else the server's ``--kv-decode-interval``."""
-        windows = self.response_generator.model_provider.functional_model().sliding_windows
-        check = lambda interval: check_generating(policy, interval, windows)  # noqa: E731
+        sliding = self.response_generator.model_provider.functional_model().sliding_windows
+        check = lambda interval: check_generating(policy, interval, sliding)  # noqa: E731
         return self.setting_of(policy, "kv_decode_interval", check)
 
     def setting_of(self, policy, field: str, check):

@@ -501,10 +501,10 @@ def stack(states: list[State]) -> State:
     compacted alone). Shorter ones get EMPTY slots, so all write their next row at one slot."""
     if not states:
         raise ValueError("stack needs at least one state")
-    windows = {s.sliding_window for s in states}
-    if len(windows) > 1:
+    sliding = {s.sliding_window for s in states}
+    if len(sliding) > 1:
         raise ValueError(
-            f"cannot stack layers with different sliding windows {sorted(windows, key=str)}"
+            f"cannot stack layers with different sliding windows {sorted(sliding, key=str)}"
         )
     dtypes = {s.keys.dtype for s in states}
     if len(dtypes) > 1:

@@ -109,7 +109,7 @@ class Layout:
     @classmethod
     def head_groups(cls, state, heads: tuple) -> list:
         """One sequence's layer as the KV head groups ``heads``: per group a plain state of
-        its rows and, for a group of streaming heads, its (sink, recent) window (else None).
+        its rows and, for a group of streaming heads, its ring's (sink, recent) (else None).
         kvfn-server batches per-head layers in this form."""
         raise TypeError(f"{cls.__name__} layers do not split into head groups")
 
