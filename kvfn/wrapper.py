@@ -530,10 +530,11 @@ class FunctionalModel:
     def _traced_sizes(self, tokens, states) -> tuple:
         """States whose kind has a ``Layout.size`` (a ragged layer's slots, set by its prompt's
         allocation: the layers of a new prompt seldom all fall in the buckets of an earlier
-        one) padded to the sizes of a decode this model has traced: the cheapest of those at
-        least its own that hold at most ``TRACE_SLACK`` more bytes. Else to the layer by layer largest
-        of its own and the latest such trace's, within the same slack, so that the next prompt
-        finds the trace this one makes; else its own. The rows kept are the same."""
+        one) padded to the sizes of a decode this model has traced for the same kinds and
+        other layers' shapes: the cheapest of those at least its own that hold at most
+        ``TRACE_SLACK`` more bytes. Else to the layer by layer largest of its own and the latest
+        such trace's, within the same slack, so that the next prompt finds the trace this one
+        makes; else its own. The rows kept are the same."""
         layouts = [layout.of(s) for s in states]
         sizes = tuple(lay.size(s) for lay, s in zip(layouts, states))
         if all(z is None for z in sizes):
@@ -541,7 +542,12 @@ class FunctionalModel:
         per_size = tuple(0 if z is None else lay.unit_bytes(s)
                          for lay, s, z in zip(layouts, states, sizes))  # fmt: skip
         cost = lambda zs: sum(z * b for z, b in zip(zs, per_size) if z is not None)  # noqa: E731
-        key = (tokens.shape, tuple(map(type, states)), per_size)
+        shapes = lambda s: tuple((k, a.shape) for k, a in tree_flatten(tree.flatten(s)[0]))  # noqa
+        # a trace's sizes are for the same kinds and the other layers' shapes
+        fixed = tuple(
+            type(s) if z is not None else (type(s), shapes(s)) for s, z in zip(states, sizes)
+        )
+        key = (tokens.shape, fixed, per_size)
         known, limit = self._sizes.setdefault(key, []), (1 + TRACE_SLACK) * cost(sizes)
         above = lambda zs: all(a is None or a >= b for a, b in zip(zs, sizes))  # noqa: E731
         target = min((zs for zs in known if above(zs) and cost(zs) <= limit), key=cost,
