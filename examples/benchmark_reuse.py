@@ -39,8 +39,6 @@ import gzip
 import importlib.util
 import json
 import random
-import re
-import subprocess
 import sys
 import time
 import urllib.error
@@ -54,7 +52,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
-from benchmark_server import ROOT, start  # noqa: E402
+from benchmark_server import address, spawn, start  # noqa: E402
 
 import kvfn  # noqa: E402,F401  (puts OpenBLAS in front before mlx loads)
 
@@ -251,34 +249,6 @@ def load_tokenizer(model: Optional[str]):
     return tokenizer_from_gguf(read_header(path))
 
 
-def token_counter(tokenizer):
-    """``kvfn_eval.evaluator.token_counter``'s count, made once for the head and once for the
-    tails: a sample's questions share its head (the context), and a tail (the question, the
-    template's end, the answer prefix) does not depend on the context."""
-    from kvfn_eval.evaluator import prompt_tokens
-
-    def count(sample) -> int:
-        one = dataclasses.replace(sample, questions=sample.questions[:1], needles=())
-        head = prompt_tokens(tokenizer, one, sample.questions[0]).head
-        bare = dataclasses.replace(sample, context="", needles=())
-        return len(head) + max(len(prompt_tokens(tokenizer, bare, q).tail)
-                               for q in sample.questions)  # fmt: skip
-
-    return count
-
-
-def prompt_text(tokenizer, sample, question) -> str:
-    """The evaluation's prompt of ``question`` as text (``kvfn_eval.evaluator.prompt_tokens``
-    tokenizes it in two parts, its head and its tail: this is the two together), which the
-    server tokenizes whole."""
-    body, ask = sample.instruction + sample.context, "\n\n" + question.text
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": body + ask}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return text + question.answer_prefix
-    return body + ask + "\n" + question.answer_prefix
-
-
 @dataclasses.dataclass
 class Context:
     """A sample as the servers get it: each question's prompt text and token count (as the
@@ -295,11 +265,12 @@ class Context:
 
 
 def make_context(tokenizer, sample, budget_arg) -> Context:
-    from kvfn_eval.evaluator import Evaluator, prompt_tokens
+    from kvfn_eval.evaluator import Evaluator, prompt_texts, prompt_tokens
 
     head = prompt_tokens(tokenizer, dataclasses.replace(sample, needles=()),
                          sample.questions[0]).head  # fmt: skip
-    texts = [prompt_text(tokenizer, sample, q) for q in sample.questions]
+    # the server tokenizes each prompt whole
+    texts = ["".join(prompt_texts(tokenizer, sample, q)) for q in sample.questions]
     ids = [tokenizer.encode(t) for t in texts]  # the server's tokenization (mlx-lm's)
     shared = [next((i for i, (a, b) in enumerate(zip(head, x)) if a != b), len(head)) for x in ids]
     # a budget in rows as the grid gives it: Evaluator.rows over the head's tokens
@@ -309,42 +280,22 @@ def make_context(tokenizer, sample, budget_arg) -> Context:
 
 
 def check_context(ctx: Context, policy: str) -> Optional[str]:
-    """Why the server would not reuse this context (None: it does; kvfn.serving.server's
-    EvictingPromptCache.reuses)."""
+    """Why the server would not reuse this context (None: it does; its rule,
+    ``kvfn.serving.server.reuses``)."""
     from kvfn.serving.flags import make_policy
+    from kvfn.serving.server import reuses
 
     if ctx.n < max(2, ctx.head - 4):
         return (f"the server's tokens of the prompt differ from the evaluation's head at token "
                 f"{ctx.n} of {ctx.head}")  # fmt: skip
-    rest = max(ctx.lengths) - ctx.n
-    if rest > ctx.rows:
-        return (f"{ctx.rows} rows a context, fewer than the {rest} tokens of a question after "
-                f"its context: the server compacts such a prompt whole, reusing none")  # fmt: skip
-    if make_policy(policy, ctx.rows, WINDOW, SINK_TOKENS, 0).keeps_whole(ctx.n - 1):
+    made = make_policy(policy, ctx.rows, WINDOW, SINK_TOKENS, 0)
+    if all(reuses(made, n, ctx.n, None) for n in ctx.lengths):
+        return None
+    if made.keeps_whole(ctx.n - 1):
         return f"{ctx.rows} rows keep the whole {ctx.n}-token context: nothing is compacted"
-    return None
-
-
-def spawn(flags: list, log: Optional[str]) -> subprocess.Popen:
-    """A kvfn-server process on a free port (``benchmark_server.start``'s), its stderr appended
-    to ``log`` (where given); ``address`` waits for it."""
-    err = open(log, "ab") if log else subprocess.DEVNULL
-    command = [sys.executable, "-m", "kvfn.serving.server", "--port", "0", "--log-level", "ERROR"]
-    proc = subprocess.Popen([*command, *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
-                            text=True)  # fmt: skip
-    if log:
-        err.close()  # the child holds its own
-    proc.flags, proc.log = flags, log
-    return proc
-
-
-def address(proc: subprocess.Popen) -> str:
-    for line in proc.stdout:  # a warm-up line (on the GPU), then the port
-        match = re.search(r"listening on http://[^:]+:(\d+)", line)
-        if match:
-            return f"http://127.0.0.1:{match.group(1)}"
-    where = f" (its stderr: {proc.log})" if proc.log else " (--log FILE keeps its stderr)"
-    raise SystemExit(f"kvfn-server {' '.join(proc.flags)} did not start{where}")
+    return (f"{ctx.rows} rows a context, fewer than the {max(ctx.lengths) - ctx.n} tokens of a "
+            f"question after its context: the server compacts such a prompt whole, reusing "
+            f"none")  # fmt: skip
 
 
 def turn(url: str, ctx: Context, q: int, evicting: bool, max_tokens: int) -> dict:
@@ -460,6 +411,7 @@ def print_table(args, rows: list, grid: list, model: str) -> None:
 def evaluation(parser, args) -> dict:
     import kvfn_eval.tasks as tasks
     from kvfn_eval import answers
+    from kvfn_eval.evaluator import token_counter
 
     t0 = time.perf_counter()
     if importlib.util.find_spec("pybible") is None:  # the haystack's text, read in the first sample

@@ -41,6 +41,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -73,17 +74,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def start(flags: list[str]):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvfn.serving.server", "--port", "0", "--log-level", "ERROR", *flags],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+def spawn(flags: list, log: Optional[str] = None) -> subprocess.Popen:
+    """A kvfn-server process on a free port, its stderr appended to ``log`` (where given);
+    ``address`` waits for it, so several can load at once."""
+    err = open(log, "ab") if log else subprocess.DEVNULL
+    command = [sys.executable, "-m", "kvfn.serving.server", "--port", "0", "--log-level", "ERROR"]
+    proc = subprocess.Popen([*command, *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
+                            text=True)  # fmt: skip
+    if log:
+        err.close()  # the child holds its own
+    proc.flags, proc.log = flags, log
+    return proc
+
+
+def address(proc: subprocess.Popen) -> str:
+    """The URL of a ``spawn``'d server, once it listens."""
     for line in proc.stdout:  # a warm-up line (on the GPU), then the port
         match = re.search(r"listening on http://[^:]+:(\d+)", line)
         if match:
-            return proc, f"http://127.0.0.1:{match.group(1)}"
+            return f"http://127.0.0.1:{match.group(1)}"
     proc.kill()
-    raise SystemExit("kvfn-server did not start")
+    where = f" (its stderr: {proc.log})" if proc.log else " (a log file keeps its stderr)"
+    raise SystemExit(f"kvfn-server {' '.join(proc.flags)} did not start{where}")
+
+
+def start(flags: list[str], log: Optional[str] = None):
+    proc = spawn(flags, log)
+    return proc, address(proc)
 
 
 def prompt(tag: str, n_tokens: int) -> str:

@@ -548,7 +548,10 @@ class FunctionalModel:
             type(s) if z is not None else (type(s), shapes(s)) for s, z in zip(states, sizes)
         )
         key = (tokens.shape, fixed, per_size)
-        known, limit = self._sizes.setdefault(key, []), (1 + TRACE_SLACK) * cost(sizes)
+        known = self._sizes.setdefault(key, [])
+        if sizes in known:  # a decode loop's every step after its first
+            return states
+        limit = (1 + TRACE_SLACK) * cost(sizes)
         above = lambda zs: all(a is None or a >= b for a, b in zip(zs, sizes))  # noqa: E731
         target = min((zs for zs in known if above(zs) and cost(zs) <= limit), key=cost,
                      default=None)  # fmt: skip

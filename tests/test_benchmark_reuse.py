@@ -55,17 +55,6 @@ def test_the_evaluations_contexts_are_reused_and_scored_by_its_scorer(capsys, tm
     assert "q2-N / full prefill" in printed and "\nstreaming " in printed and "\nnone " in printed
 
 
-def test_the_fast_counter_counts_as_the_evaluation_does():
-    import kvfn_eval.tasks as tasks
-    from kvfn_eval.evaluator import token_counter
-
-    tokenizer = benchmark_reuse.load_tokenizer(None)
-    for seed in (0, 1):
-        sample = tasks.generate("niah_multikey", seed=seed, target_tokens=400, n_questions=4,
-                                count_tokens=token_counter(tokenizer))  # fmt: skip
-        assert benchmark_reuse.token_counter(tokenizer)(sample) == token_counter(tokenizer)(sample)
-
-
 def test_the_grids_row_for_a_policy_budget_and_length():
     rows = benchmark_reuse.grid_rows("examples/results/qwen05-gpu.json.gz", "adakvzip-global",
                                      0.125, 8192, "niah_multikey")  # fmt: skip

@@ -487,3 +487,20 @@ def test_a_deadline_counts_from_the_start_and_binds_every_worker(tmp_path, capfd
     assert sorted(j for share in shares for j in share) == sorted(
         evaluate_example.jobs(evaluate_example.parse(argv))
     )
+
+
+@pytest.mark.parametrize("task", ["niah_multikey", "variable_tracking", "niah_single"])
+def test_the_token_counter_counts_a_samples_longest_prompt(task):
+    """``token_counter`` tokenizes the head once and the tails without the context: the same
+    count as every question's prompt in full (``prompt_tokens``)."""
+    from examples.benchmark_reuse import load_tokenizer
+    from kvfn_eval import tasks
+    from kvfn_eval.evaluator import prompt_tokens, token_counter
+
+    tokenizer = load_tokenizer(None)
+    count = token_counter(tokenizer)
+    for seed in (0, 1):
+        sample = tasks.generate(task, seed=seed, target_tokens=500, count_tokens=count,
+                                n_questions=1 if task == "niah_single" else 3)  # fmt: skip
+        prompts = [prompt_tokens(tokenizer, sample, q) for q in sample.questions]
+        assert count(sample) == max(len(p.head) + len(p.tail) for p in prompts) <= 500

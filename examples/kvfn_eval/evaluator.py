@@ -16,7 +16,7 @@ states stacked with other cells' (``Evaluator.answers``).
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable, Iterable, Optional, Sequence, Union
 
@@ -128,6 +128,8 @@ class Cell:
 
 def _needle_tokens(tokenizer, text: str, start: int, spans, special: bool) -> tuple:
     """Token indices of ``text`` overlapping each character span (shifted by ``start``)."""
+    if not spans:
+        return ()
     fast = getattr(tokenizer, "_tokenizer", None)
     try:
         offsets = fast(text, return_offsets_mapping=True, add_special_tokens=special)
@@ -140,34 +142,42 @@ def _needle_tokens(tokenizer, text: str, start: int, spans, special: bool) -> tu
     )
 
 
-def prompt_tokens(tokenizer, sample: Sample, question: Question) -> Prompt:
-    """Chat template when the tokenizer has one (else plain text), answer prefix after it. The
-    head ends where the question starts, so every question shares the context's tokens."""
+def prompt_texts(tokenizer, sample: Sample, question: Question) -> tuple[str, str]:
+    """The prompt of ``question`` as text, cut where the question starts: (head, tail). Chat
+    template when the tokenizer has one (else plain text), answer prefix after it."""
     body = sample.instruction + sample.context
     ask = "\n\n" + question.text
+    if not getattr(tokenizer, "chat_template", None):
+        return body, ask + "\n" + question.answer_prefix
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": body + ask}], add_generation_prompt=True, tokenize=False
+    )
+    cut = text.rindex(ask)
+    return text[:cut], text[cut:] + question.answer_prefix
+
+
+def prompt_tokens(tokenizer, sample: Sample, question: Question) -> Prompt:
+    """``prompt_texts`` tokenized. The head ends where the question starts, so every question
+    shares the context's tokens."""
     templated = bool(getattr(tokenizer, "chat_template", None))
-    if templated:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": body + ask}], add_generation_prompt=True, tokenize=False
-        )
-        cut = text.rindex(ask)
-        head_text, tail_text = text[:cut], text[cut:] + question.answer_prefix
-    else:
-        head_text, tail_text = body, ask + "\n" + question.answer_prefix
+    head_text, tail_text = prompt_texts(tokenizer, sample, question)
     head = tokenizer.encode(head_text, add_special_tokens=not templated)
-    start = head_text.rindex(body) + len(sample.instruction)
+    start = head_text.rindex(sample.instruction + sample.context) + len(sample.instruction)
     needles = _needle_tokens(tokenizer, head_text, start, sample.needles, not templated)
     return Prompt(head, tokenizer.encode(tail_text, add_special_tokens=False), needles)
 
 
 def token_counter(tokenizer) -> Callable[[Sample], int]:
-    """``count_tokens`` for ``kvfn_eval.tasks.generate``: a sample's longest prompt."""
+    """``count_tokens`` for ``kvfn_eval.tasks.generate``: a sample's longest prompt. The head
+    (instruction and context) is every question's, and a tail (the question, the template's
+    end, the answer prefix) does not depend on the context, so each is tokenized once."""
 
     def count(sample: Sample) -> int:
-        return max(
-            len(p.head) + len(p.tail)
-            for p in (prompt_tokens(tokenizer, sample, q) for q in sample.questions)
-        )
+        bare = replace(sample, needles=())
+        head = prompt_tokens(tokenizer, bare, sample.questions[0]).head
+        no_context = replace(bare, context="")
+        tails = (prompt_tokens(tokenizer, no_context, q).tail for q in sample.questions)
+        return len(head) + max(map(len, tails))
 
     return count
 

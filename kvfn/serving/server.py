@@ -381,6 +381,15 @@ def prefill_bytes(fm, n: int) -> int:
     return sum(a.nbytes for a in tree.arrays(fm.init_states(1, n)))
 
 
+def reuses(policy, tokens: int, n: int, max_rows: Optional[int]) -> bool:
+    """Whether a prompt of ``tokens`` tokens takes rule 5: a shared context of its first ``n``
+    tokens longer than ``policy`` keeps whole, and a rest short enough that holding it whole
+    keeps the policy's bounds (at most its budget, and within ``max_rows``)."""
+    rest = tokens - n
+    fits = max_rows is None or policy.budget + rest <= max_rows
+    return n > 0 and not policy.keeps_whole(n - 1) and rest <= policy.budget and fits
+
+
 class EvictingPromptCache(LRUPromptCache):
     """mlx-lm's ``LRUPromptCache`` holding the reuse rule (module docstring) and the compaction.
 
@@ -425,7 +434,7 @@ class EvictingPromptCache(LRUPromptCache):
         if policy is not None and policy.keeps_whole(len(tokens) - 1):
             self.note_kept_whole(policy, tokens)
         n = self.context_tokens
-        if policy is not None and self.reuses(policy, tokens, n):
+        if policy is not None and reuses(policy, len(tokens), n, self.max_rows):
             return self.reuse(tokens, policy, n), tokens[-1:]
         if self.provider.per_head:  # rule 4
             if policy is None or policy.keeps_whole(len(tokens) - 1):
@@ -468,14 +477,6 @@ class EvictingPromptCache(LRUPromptCache):
         job = PendingCompaction(self._caches_after(steps, policy, tokens, self.decode_interval),
                                 prefill_bytes(fm, bucket(len(tokens) - 1)), self.gone)  # fmt: skip
         return job if self.interleave else job.finish()
-
-    def reuses(self, policy, tokens, n: int) -> bool:
-        """Whether this prompt takes rule 5: a shared context of ``n`` tokens longer than the
-        policy keeps whole, and a rest short enough that holding it whole keeps the policy's
-        bounds (at most its budget, and within ``max_rows``)."""
-        rest = len(tokens) - n
-        fits = self.max_rows is None or policy.budget + rest <= self.max_rows
-        return n > 0 and not policy.keeps_whole(n - 1) and rest <= policy.budget and fits
 
     def reuse(self, tokens, policy, n: int):
         """The caches of a prompt whose first ``n`` tokens are a shared context (rule 5): that
