@@ -320,3 +320,37 @@ def test_a_decode_pads_ragged_layers_to_the_sizes_of_a_trace_it_has():
             for h in range(a.n_kv_heads):
                 for x, y in zip(ragged.head_rows(a, 0, h), ragged.head_rows(b, 0, h)):
                     assert mx.array_equal(x, y).item()
+
+
+@pytest.mark.parametrize("name", LIBRARY)
+def test_a_question_over_a_compacted_context_attends_with_an_additive_mask_on_cuda(fm, name,
+                                                                                monkeypatch):  # fmt: skip
+    """A prefill over compacted states (a question after a reused context) masks its queries
+    per row: on CUDA the mask reaches SDPA as an additive one (a boolean one has no fused kernel
+    there and built kernels for each new question length, ~1 s a question on an H100), for
+    every kind of state the registry makes, and the states and logits are the boolean mask's."""
+    policy = policy_of(name, fm)
+    ids = [(5 * j) % 90 + 3 for j in range(150)]
+    context, _ = kvfn.compact(fm, ids, policy, max_new_tokens=0, prefill_step_size=64)
+    question = mx.array([[(3 * j) % 80 + 7 for j in range(9)]])
+    sdpa, masks = mx.fast.scaled_dot_product_attention, []
+
+    def recorded(q, k, v, **kwargs):
+        mask = kwargs.get("mask")
+        if q.shape[2] > 1 and isinstance(mask, mx.array):
+            masks.append(mask.dtype)
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recorded)
+    runs = {}
+    for cuda in (True, False):
+        monkeypatch.setattr(kvfn.kernels, "additive_masks", lambda: cuda)
+        masks.clear()
+        states = kvfn.prefill(fm, question, states=context, prefill_step_size=64, padded=False)
+        logits, _ = fm.forward(mx.array([[5]]), states)
+        runs[cuda] = kvfn.tree.arrays(states), logits, list(masks)
+    (a, logits_a, masks_a), (b, logits_b, masks_b) = runs[True], runs[False]
+    assert masks_a and mx.bool_ not in masks_a  # every layer's masked attention saw one
+    assert masks_b and set(masks_b) == {mx.bool_}
+    assert len(a) == len(b) and all(mx.array_equal(x, y).item() for x, y in zip(a, b))
+    assert mx.array_equal(logits_a, logits_b).item()

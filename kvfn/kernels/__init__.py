@@ -580,6 +580,29 @@ def on_cuda() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
+def sdpa_mask(mask, queries: mx.array):
+    """``mask`` as ``mx.fast.scaled_dot_product_attention`` runs it best for ``queries``: on
+    CUDA a boolean array over several queries becomes additive (0 where seen, -inf where not,
+    in the queries' dtype); anything else as it is. MLX's CUDA backend has no fused kernel for a
+    boolean mask there: its fallback materializes the scores and builds kernels for every new
+    shape (about 40 ms a layer at a query count it has not seen, H100, MLX 0.32.4), while an
+    additive mask keeps cuDNN's fused kernel. The attention is the same (exp(-inf) = 0); a
+    query that sees no row gets NaN either way."""
+    if (
+        isinstance(mask, mx.array)
+        and mask.dtype == mx.bool_
+        and queries.shape[2] > 1
+        and additive_masks()
+    ):
+        return mx.where(mask, mx.array(0, queries.dtype), mx.array(-mx.inf, queries.dtype))
+    return mask
+
+
+def additive_masks() -> bool:
+    """Whether ``sdpa_mask`` makes a boolean mask additive: on CUDA."""
+    return on_cuda()
+
+
 def fused(q, k, v) -> bool:
     """Whether ``ragged_decode_attention`` runs the fused kernel for these arrays (MLX's CUDA
     backend, a supported dtype and head_dim); elsewhere it is the masked SDPA."""

@@ -6,6 +6,7 @@ batched as ``BatchRaggedKVCache``). A plain compacted cache's batch form is in `
 
 import mlx.core as mx
 
+from .. import kernels
 from ..states import layout
 from ..states import partitioned as part
 from ..states import ragged
@@ -156,7 +157,8 @@ class BatchHeadGroupsKVCache:
 
         def attend_group(g: int, q: mx.array) -> mx.array:
             k, v, m = pending[g]
-            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m)
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
+                                                        mask=kernels.sdpa_mask(m, q))  # fmt: skip
 
         return part.in_head_order(queries, self.heads, attend_group)
 

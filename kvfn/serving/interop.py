@@ -17,6 +17,7 @@ from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache
 from typeguard import typechecked
 
+from .. import kernels
 from ..decoding import check_bounded_decode
 from ..policies.policy import BasePolicy
 from ..scores import window_attention_scores
@@ -120,6 +121,7 @@ class CompactedKVCache(_TruePositions):
             first = self.evicting.first_scored(self.rows, queries.shape[2])
             if first is not None:
                 self.evicting.observe(self.to_state(), queries, scale, first)
+        mask = kernels.sdpa_mask(mask, queries)
         return scaled_dot_product_attention(queries, keys, values, self, scale, mask, sinks)
 
     @property
@@ -351,6 +353,7 @@ class BatchCompactedKVCache(BatchKVCache):
         if any(e is not None for e in self.evicting):
             self._observe(queries, scale)
         own = create_causal_mask(n, offset=self._idx - n, left_padding=self.left_padding)
+        own = kernels.sdpa_mask(own, queries)
         return scaled_dot_product_attention(queries, keys, values, self, scale, own, sinks)
 
     def _observe(self, queries, scale) -> None:

@@ -225,8 +225,9 @@ def attend(state: RaggedKVCache, queries: mx.array, scale: float) -> mx.array:
     if n_q != H:
         m = mx.repeat(m, n_q // H, axis=1)
     out = mx.fast.scaled_dot_product_attention(
-        queries, state.keys[:, None], state.values[:, None], scale=scale, mask=m
-    )
+        queries, state.keys[:, None], state.values[:, None], scale=scale,
+        mask=kernels.sdpa_mask(m, queries),
+    )  # fmt: skip
     seen = mx.any(m, axis=-1, keepdims=True)  # a query that sees no row gets zeros
     return mx.where(seen, out, mx.array(0, out.dtype))
 
