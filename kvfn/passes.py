@@ -12,6 +12,7 @@ from . import wrapper
 from .kernels import on_cuda
 from .scores import query_moments
 from .states import cache as kv
+from .states import layout
 from .states import tree
 from .states.layout import bucket
 from .wrapper import STATISTICS, FunctionalModel, QuerySlice
@@ -45,14 +46,27 @@ def with_room(state, n: int):
     return kv.reserve(state.replace(max_rows=r), max(state.capacity, r + n))
 
 
-def padding(states, start: int, stop: int, size: int) -> int:
-    """Token slots to append to a last chunk [start, stop) so that it takes ``size`` rows where
-    every state has the room (0 where one is not a plain dense state): its attention then has
-    the shape a full chunk at ``start`` has, whatever the prompt's length."""
-    if not all(isinstance(s, kv.State) and s.dense for s in states):
+def padding(states, start: int, stop: int, size: int, scored: bool = False) -> int:
+    """Token slots to append to a last chunk [start, stop) of at most ``size`` tokens, so that
+    its attention has a shape met before whatever the prompt's length. Over plain dense states
+    (a prompt's own prefill): ``size`` rows where every state has the room, the shape a full
+    chunk at ``start`` has. Over other states whose kind rolls appended rows back exactly
+    (``Layout.rollback``: a question prefilled after a compacted context; not a streaming
+    ring, which drops rows as it appends), unscored: the chunk's tokens rounded up to a
+    ``query_bucket``, so that the questions asked of one context share a few shapes. Else 0."""
+    n = stop - start
+    if all(isinstance(s, kv.State) and s.dense for s in states):
+        room = min(s.capacity for s in states) - start
+        return max(0, min(size, room) - n)
+    if scored or any(layout.of(s).rollback is None for s in states):
         return 0
-    room = min(s.capacity for s in states) - start
-    return max(0, min(size, room) - (stop - start))
+    return max(0, min(query_bucket(n), size) - n)
+
+
+def query_bucket(n: int) -> int:
+    """The tokens a chunk of ``n`` runs as over compacted states: the next power of two, at
+    least 16."""
+    return max(16, 1 << (n - 1).bit_length())
 
 
 def _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic="attention",
@@ -61,15 +75,18 @@ def _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic=
     ``(states, scores)``. ``first()`` makes the first (states, scores) here, so that no caller's
     frame holds them and the first chunk's writes can reuse their buffers (a held buffer must be
     copied). Every chunk but the last is evaluated before it yields (that bounds the graph); the
-    last stays lazy unless ``settle``. ``padded``: the last chunk runs as a full one (``padding``
-    slots of token 0 after it, trimmed again: no real query sees them); None: on CUDA only."""
+    last stays lazy unless ``settle``. ``padded``: the last chunk runs in a shape met before
+    (``padding`` slots of token 0 after it, trimmed again: no real query sees them); None: on
+    CUDA only."""
     states, scores = first()
     n = tokens.shape[1]
     parts = chunks(n, prefill_step_size)
     padded = on_cuda() if padded is None else padded
     for j, (start, stop) in enumerate(parts):
         last = j + 1 == len(parts)
-        pad = padding(states, start, stop, prefill_step_size) if padded and last else 0
+        pad = 0
+        if padded and last:
+            pad = padding(states, start, stop, prefill_step_size, scored=bool(window))
         chunk = tokens[:, start:stop]
         if pad:
             chunk = mx.concatenate([chunk, mx.zeros((chunk.shape[0], pad), chunk.dtype)], axis=1)
@@ -84,7 +101,7 @@ def _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic=
             # the next write could not reuse them
             states = step(chunk, states, check_ids=False)[1]
         if pad:
-            states = tuple(kv.trim(s, pad) for s in states)
+            states = tuple(layout.of(s).rollback(s, pad) for s in states)
         if settle or not last:
             mx.eval(tree.arrays(states), scores)
         yield stop, n

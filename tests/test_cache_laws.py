@@ -132,6 +132,26 @@ def test_trim_of_generated_rows_restores_the_compacted_state():
     assert trimmed.offset.item() == 8 and trimmed.rows.item() == 2 and tail_is_next(trimmed)
 
 
+@SETTINGS
+@given(dims, st.integers(1, 6))
+def test_rollback_gives_back_the_state_rows_were_appended_to(d, m):
+    """Compacted or whole, ``rollback`` of rows just appended is the state after the rows
+    before them, flags and bounds included (``trim`` leaves a compacted state unpacked)."""
+    B, H, N, n = d
+    whole = full_state(B, H, N, capacity=N + n + m)
+    keep = mx.broadcast_to(mx.arange(0, N, 2, dtype=mx.int32), (B, H, (N + 1) // 2))
+    compacted = kv.reserve(kv.evict(whole, keep), N + n + m)
+    for s in (whole, compacted):
+        k, extra = mx.random.normal((B, H, n, 4)), mx.random.normal((B, H, m, 4))
+        before = kv.update(s, k, k)
+        back = kv.rollback(kv.update(before, extra, extra), m)
+        assert logically_equal(back, before) and tail_is_next(back)
+        for f in ("rows", "offset", "positions"):
+            assert mx.array_equal(getattr(back, f), getattr(before, f)).item()
+        assert (back.max_rows, back.dense, back.packed) == (before.max_rows, before.dense,
+                                                            before.packed)  # fmt: skip
+
+
 def test_restrict_masks_exactly_the_evicted_slots():
     s = full_state(1, 2, 6)
     keep = mx.array([[[0, 4], [2, 5]]])

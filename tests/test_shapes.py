@@ -354,3 +354,45 @@ def test_a_question_over_a_compacted_context_attends_with_an_additive_mask_on_cu
     assert masks_b and set(masks_b) == {mx.bool_}
     assert len(a) == len(b) and all(mx.array_equal(x, y).item() for x, y in zip(a, b))
     assert mx.array_equal(logits_a, logits_b).item()
+
+
+@pytest.mark.parametrize("name", LIBRARY)
+def test_a_question_over_a_compacted_context_runs_in_a_query_bucket_and_changes_nothing(
+    fm, name, monkeypatch
+):
+    """``padded`` (CUDA's default) runs a question prefilled over compacted states (a reused
+    context's) as a chunk of ``query_bucket`` tokens, trimmed again: questions of different
+    lengths attend in one shape (MLX's CUDA backend builds kernels and attention graphs per
+    shape: ~1 s a question on an H100, per context), and the rows kept and what is decoded
+    after are the unpadded prefill's, for every kind of state the registry makes."""
+    policy = policy_of(name, fm)
+    ids = [(5 * j) % 90 + 3 for j in range(150)]
+    context, _ = kvfn.compact(fm, ids, policy, max_new_tokens=0, prefill_step_size=64)
+    sdpa, seen = mx.fast.scaled_dot_product_attention, set()
+
+    def recorded(q, k, v, **kwargs):
+        seen.add(q.shape[2])
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recorded)
+    for n in (9, 13):
+        question = mx.array([[(3 * j) % 80 + 7 for j in range(n)]])
+        runs = {}
+        for padded in (True, False):
+            seen.clear()
+            states = kvfn.prefill(fm, question, states=context, prefill_step_size=64,
+                                  padded=padded)  # fmt: skip
+            shapes = set(seen)
+            rows = [kvfn.eviction.kept(s)[0] for s in states]
+            token, steps = mx.array([[5]]), []
+            for _ in range(3):
+                logits, states = fm.forward(token, states)
+                token = mx.argmax(logits[:, -1], axis=-1)[:, None]
+                steps.append((logits, token.item()))
+            runs[padded] = shapes, rows, steps
+        (shapes_a, rows_a, steps_a), (shapes_b, rows_b, steps_b) = runs[True], runs[False]
+        rings = name == "duo"  # its streaming heads' ring drops rows as it appends: no padding
+        assert shapes_a - {1} == ({n} if rings else {16}) and shapes_b - {1} == {n}
+        assert rows_a == rows_b
+        for (la, ta), (lb, tb) in zip(steps_a, steps_b):
+            assert ta == tb and mx.allclose(la, lb, atol=1e-4).item()

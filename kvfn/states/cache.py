@@ -303,6 +303,21 @@ def prefix_trim(state: State, length) -> State:
     return out
 
 
+def rollback(state: State, n: int) -> State:
+    """``state`` before its last ``n`` appended rows (``update`` writes at ``rows``, so they
+    are its last ``n`` slots), its flags and bounds as they were; ``trim`` drops the last ``n``
+    tokens' rows wherever they are, and a compacted state it trims is no longer packed."""
+    if n < 0:
+        raise ValueError(f"rollback needs n >= 0, got {n}")
+    offset, rows = state.offset - n, state.rows - n
+    return state.replace(
+        positions=tail_positions(state.positions, offset, rows),
+        offset=offset,
+        rows=rows,
+        max_rows=None if state.max_rows is None else state.max_rows - n,
+    )
+
+
 @typechecked
 def trim(state: State, n: int) -> State:
     """Drop the last ``n`` tokens of every sequence (speculative rollback): a prefix trim to
@@ -574,6 +589,7 @@ class Layout(layout.Layout):
     flatten = staticmethod(flatten)
     stack = staticmethod(stack)
     grown = staticmethod(grown)
+    rollback = staticmethod(rollback)
 
     @staticmethod
     def host(state):

@@ -36,6 +36,7 @@ class Layout:
     saved_as: ClassVar[Optional[str]] = None  # saved as another kind: to_saved, from_saved
     ARRAY_FIELDS: ClassVar[tuple] = ()
     stack = None  # one batch from the same layer's states of several sequences, if they join
+    rollback = None  # (state, n): the state before its last n appended rows, where exact
 
     @staticmethod
     def flatten(state) -> tuple:

@@ -402,6 +402,7 @@ class Layout(layout.Layout):
     unflatten = staticmethod(unflatten)
     stack = staticmethod(stack)
     grown = staticmethod(grown)
+    rollback = staticmethod(trim)  # a head's appended rows are its last
     kept = staticmethod(kept)
     head_groups = staticmethod(head_groups)
     padded = staticmethod(padded)
