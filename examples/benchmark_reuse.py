@@ -298,6 +298,19 @@ def check_context(ctx: Context, policy: str) -> Optional[str]:
             f"none")  # fmt: skip
 
 
+def server_flags(args, rows: int) -> dict:
+    """The two servers' flags: kvfn-server with --policy at ``rows`` rows, keeping one
+    compacted context, and the same server without eviction keeping one entry a question."""
+    common = ["--prefill-step-size", str(args.prefill_step_size), "--max-tokens",
+              str(args.max_tokens), *(["--model", args.model] if args.model else [])]  # fmt: skip
+    return {
+        args.policy: [*common, "--kv-eviction", args.policy, "--kv-budget", str(rows),
+                      "--kv-window", str(WINDOW), "--kv-sink-tokens", str(SINK_TOKENS),
+                      "--prompt-cache-size", "1"],
+        NONE: [*common, "--prompt-cache-size", str(args.questions)],
+    }  # fmt: skip
+
+
 def turn(url: str, ctx: Context, q: int, evicting: bool, max_tokens: int) -> dict:
     body = {"prompt": ctx.texts[q], "max_tokens": max_tokens}
     if evicting:
@@ -439,16 +452,7 @@ def evaluation(parser, args) -> dict:
         first = sample(args.first_seed)
     except ValueError as e:  # a sample that does not fit --tokens
         parser.error(f"argument --tokens: {e}")
-    common = ["--prefill-step-size", str(args.prefill_step_size), "--max-tokens",
-              str(args.max_tokens)]  # fmt: skip
-    if args.model:
-        common += ["--model", args.model]
-    flags = {
-        args.policy: [*common, "--kv-eviction", args.policy, "--kv-budget", str(first.rows),
-                      "--kv-window", str(WINDOW), "--kv-sink-tokens", str(SINK_TOKENS),
-                      "--prompt-cache-size", "1"],
-        NONE: [*common, "--prompt-cache-size", str(args.questions)],
-    }  # fmt: skip
+    flags = server_flags(args, first.rows)
     names = list(flags)
     turns, held, warm, out = [], [], [], {}
     model = args.model or "embedded SmolLM2-135M"

@@ -24,8 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 import kvfn  # noqa: E402,F401  (puts OpenBLAS in front before mlx loads)
-from benchmark_reuse import NONE, SINK_TOKENS, WINDOW, load_tokenizer  # noqa: E402
-from benchmark_reuse import make_context, turn  # noqa: E402
+from benchmark_reuse import NONE, load_tokenizer, make_context, server_flags, turn  # noqa: E402
 
 OURS = ("/kvfn/", "/mlx_lm/", "/mlx/", "/examples/")
 
@@ -111,16 +110,8 @@ def main(argv=None) -> dict:
         return make_context(tokenizer, made, budget)
 
     warm, ctx = sample(-1), sample(0)
-    common = ["--prefill-step-size", str(args.prefill_step_size), "--max-tokens",
-              str(args.max_tokens), *(["--model", args.model] if args.model else [])]  # fmt: skip
-    flags = {
-        args.policy: [*common, "--kv-eviction", args.policy, "--kv-budget", str(ctx.rows),
-                      "--kv-window", str(WINDOW), "--kv-sink-tokens", str(SINK_TOKENS),
-                      "--prompt-cache-size", "1"],
-        NONE: [*common, "--prompt-cache-size", str(args.questions)],
-    }  # fmt: skip
     out = {}
-    for name, f in flags.items():
+    for name, f in server_flags(args, ctx.rows).items():
         httpd, generator, url = serve(f)
         sampler = Sampler(args.every)
         sampler.ident = generator._generation_thread.ident
