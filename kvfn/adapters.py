@@ -105,9 +105,7 @@ class LayerAdapter:
             and kernels.fused(queries, keys, values)
         ):  # one query over a packed state: the fused kernel reads slots [0, rows), no mask
             return kernels.ragged_decode_attention(queries, keys, values, s.rows, scale=scale)
-        return mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=scale, mask=kernels.sdpa_mask(mask, queries), sinks=sinks
-        )
+        return kernels.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def update_and_fetch(self, keys, values):
         before, r = self.state.offset, self.state.static_rows

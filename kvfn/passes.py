@@ -76,7 +76,7 @@ def _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic=
     frame holds them and the first chunk's writes can reuse their buffers (a held buffer must be
     copied). Every chunk but the last is evaluated before it yields (that bounds the graph); the
     last stays lazy unless ``settle``. ``padded``: the last chunk runs in a shape met before
-    (``padding`` slots of token 0 after it, trimmed again: no real query sees them); None: on
+    (``padding`` slots of token 0 after it, rolled back: no real query sees them); None: on
     CUDA only."""
     states, scores = first()
     n = tokens.shape[1]

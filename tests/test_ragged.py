@@ -191,9 +191,10 @@ def test_trim_and_prefix_trim_keep_exactly_the_earlier_rows():
     s = states[0]
     rows = mx.random.normal((1, 2, 4, 16))
     grown = ragged.update(s, rows, rows)
-    back = ragged.trim(grown, 4)
-    assert back.lengths.tolist() == s.lengths.tolist()
-    assert mx.array_equal(back.positions, s.positions) and int(back.offset.item()) == P
+    for back in (ragged.trim(grown, 4), ragged.rollback(grown, 4)):
+        assert back.lengths.tolist() == s.lengths.tolist()
+        assert mx.array_equal(back.positions, s.positions) and int(back.offset.item()) == P
+    assert grown.room is not None and ragged.rollback(grown, 4).room == grown.room + 4
     cut = ragged.prefix_trim(s, 20)
     for h in range(2):
         pos = np.array(ragged.head_rows(cut, 0, h)[2])

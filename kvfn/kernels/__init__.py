@@ -598,6 +598,14 @@ def sdpa_mask(mask, queries: mx.array):
     return mask
 
 
+def attention(queries, keys, values, *, scale, mask=None, sinks=None) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention`` with ``mask`` as ``sdpa_mask`` gives it: kvfn's
+    every masked attention over several queries."""
+    mask = sdpa_mask(mask, queries)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
+                                                sinks=sinks)  # fmt: skip
+
+
 def additive_masks() -> bool:
     """Whether ``sdpa_mask`` makes a boolean mask additive: on CUDA."""
     return on_cuda()

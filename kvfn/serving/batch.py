@@ -157,8 +157,7 @@ class BatchHeadGroupsKVCache:
 
         def attend_group(g: int, q: mx.array) -> mx.array:
             k, v, m = pending[g]
-            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
-                                                        mask=kernels.sdpa_mask(m, q))  # fmt: skip
+            return kernels.attention(q, k, v, scale=scale, mask=m)
 
         return part.in_head_order(queries, self.heads, attend_group)
 

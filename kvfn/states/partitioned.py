@@ -313,8 +313,7 @@ def attend(before: HeadPartitionedKVCache, after: HeadPartitionedKVCache, querie
         if m is not None and m.shape[1] > 1 and q.shape[1] > m.shape[1]:
             m = mx.repeat(m, q.shape[1] // m.shape[1], axis=1)
         # m None: a full ring, whose every slot one query sees
-        return mx.fast.scaled_dot_product_attention(q, gk, gv, scale=scale,
-                                                    mask=kernels.sdpa_mask(m, q))  # fmt: skip
+        return kernels.attention(q, gk, gv, scale=scale, mask=m)
 
     return in_head_order(queries, after.heads, attend_group)
 

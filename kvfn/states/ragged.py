@@ -224,10 +224,8 @@ def attend(state: RaggedKVCache, queries: mx.array, scale: float) -> mx.array:
     m = mask(state, n)
     if n_q != H:
         m = mx.repeat(m, n_q // H, axis=1)
-    out = mx.fast.scaled_dot_product_attention(
-        queries, state.keys[:, None], state.values[:, None], scale=scale,
-        mask=kernels.sdpa_mask(m, queries),
-    )  # fmt: skip
+    out = kernels.attention(queries, state.keys[:, None], state.values[:, None], scale=scale,
+                            mask=m)  # fmt: skip
     seen = mx.any(m, axis=-1, keepdims=True)  # a query that sees no row gets zeros
     return mx.where(seen, out, mx.array(0, out.dtype))
 
@@ -252,6 +250,20 @@ def trim(state: RaggedKVCache, n: int) -> RaggedKVCache:
     if n < 0:
         raise ValueError(f"trim needs n >= 0, got {n}")
     return prefix_trim(state, mx.maximum(state.offset - n, 0))
+
+
+def rollback(state: RaggedKVCache, n: int) -> RaggedKVCache:
+    """``state`` before its last ``n`` appended rows (each head's last ``n``), its room back."""
+    if n < 0:
+        raise ValueError(f"rollback needs n >= 0, got {n}")
+    lengths, offset = state.lengths - n, state.offset - n
+    return state.replace(
+        positions=_free_positions(state.positions, state.starts, lengths, offset),
+        lengths=lengths,
+        offset=offset,
+        room=None if state.room is None else state.room + n,
+        kept=None,
+    )
 
 
 def reserve(state: RaggedKVCache, room: int) -> RaggedKVCache:
@@ -402,7 +414,7 @@ class Layout(layout.Layout):
     unflatten = staticmethod(unflatten)
     stack = staticmethod(stack)
     grown = staticmethod(grown)
-    rollback = staticmethod(trim)  # a head's appended rows are its last
+    rollback = staticmethod(rollback)
     kept = staticmethod(kept)
     head_groups = staticmethod(head_groups)
     padded = staticmethod(padded)
