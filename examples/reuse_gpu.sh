@@ -18,6 +18,7 @@
 #   env LENGTHS: context tokens (default "8192 32768")
 #   env K: contexts a run (default 20); Q: questions a context (default 10)
 #   env POLICY / BUDGET: the evicting server's (default adakvzip-global / 0.125)
+#   env TAG: appended to the result files' names (two runs in one call keep both)
 # Each run gets a share of the time left (by weight: 8 for its servers' start, plus its length
 # in 1K tokens, x3 for the 1.5B; the last run all that is left): it starts no context past its
 # share less about one context's time (benchmark_reuse.py --deadline), and is killed at END (its
@@ -25,12 +26,12 @@
 set -u
 END=${1:?END}
 MODELS=${MODELS:-q0.5b} LENGTHS=${LENGTHS:-"8192 32768"} K=${K:-20} Q=${Q:-10}
-POLICY=${POLICY:-adakvzip-global} BUDGET=${BUDGET:-0.125}
+POLICY=${POLICY:-adakvzip-global} BUDGET=${BUDGET:-0.125} TAG=${TAG:-}
 T0=$(date +%s)
 source $HOME/mlx-env.sh
 mkdir -p /tmp/pp && ln -sfn $PWD/models /tmp/pp/kvfn_models  # no install there
 export PYTHONPATH=/tmp/pp:$HOME/pp:$PWD${PYTHONPATH:+:$PYTHONPATH}
-R=/tmp/reuse-logs; mkdir -p $R
+R=/tmp/reuse-logs$TAG; mkdir -p $R
 now() { echo $(( $(date +%s) - T0 )); }
 source examples/prepare_model.sh  # prepare SHIP SHORT
 weight() {  # SHORT LENGTH: a run's share of the time (its servers' start, then its contexts)
@@ -62,7 +63,7 @@ for run in $RUNS; do
   timeout -k 10 $left python3 examples/benchmark_reuse.py --model $HOME/conv/$m/model \
     --task niah_multikey --tokens $L --contexts $K --questions $Q --policy $POLICY \
     --budget $BUDGET --prefill-step-size 2048 --grid $grid --deadline $dl \
-    --out $OUT/reuse-$m-$L.json --log $R/servers-$m-$L.log > $R/$m-$L.log 2>&1
+    --out $OUT/reuse-$m-$L$TAG.json --log $R/servers-$m-$L.log > $R/$m-$L.log 2>&1
   echo "$m $L: exit $? at $(now) s"
 done
 echo "done at $(now) s"
@@ -75,5 +76,5 @@ for run in $RUNS; do
     tail -n 8 $R/$m-$L.log 2>/dev/null; tail -n 5 $R/servers-$m-$L.log 2>/dev/null
   fi
 done
-tar -C $R -czf $OUT/reuse-logs.tgz .
+tar -C $R -czf $OUT/reuse-logs$TAG.tgz .
 ls -la $OUT
