@@ -64,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--arrive", action="store_true",
                    help="a new request's first token and ITL beside a compaction")  # fmt: skip
     p.add_argument("--arrive-policy", default="kvzip", help="the long prompt's (--arrive)")
+    p.add_argument("--step-layers", type=int,
+                   help="the servers' --kv-step-layers (--stall, --arrive): layers a "
+                   "compaction step evaluates")  # fmt: skip
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.concurrency.split(",")]
     args.policies = [x for x in args.stall_policies.split(",") if x]
@@ -71,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--prompt-tokens >= 16, --max-tokens >= 1 and levels >= 1 are required")
     if args.prefill_step_size < 1 or args.decode_tokens < 8 or args.rounds < 1:
         p.error("--prefill-step-size >= 1, --decode-tokens >= 8 and --rounds >= 1 are required")
+    if args.step_layers is not None and args.step_layers < 1:
+        p.error(f"argument --step-layers: must be >= 1, got {args.step_layers}")
+    args.layer_flags = [] if args.step_layers is None else ["--kv-step-layers",
+                                                            str(args.step_layers)]  # fmt: skip
     return args
 
 
@@ -216,7 +223,7 @@ def stall(args) -> list:
     modes += [(p, ["--kv-eviction", p, "--kv-budget", str(args.kv_budget), "--kv-window",
                    str(args.kv_window)]) for p in args.policies]  # fmt: skip
     common = ["--prefill-step-size", str(args.prefill_step_size),
-              "--max-tokens", str(max(args.decode_tokens, args.max_tokens))]  # fmt: skip
+              "--max-tokens", str(max(args.decode_tokens, args.max_tokens)), *args.layer_flags]  # fmt: skip
     # every server up at once, the rounds taking the modes in turn (reversed every other
     # round), so that a slow spell of the machine falls on every mode alike
     servers = []
@@ -291,7 +298,7 @@ def compacting(url: str, text: str, policy: str, started: threading.Event) -> No
 def arrive(args) -> dict:
     flags = ["--kv-eviction", "snapkv", "--kv-budget", str(args.kv_budget), "--kv-window",
              str(args.kv_window), "--prefill-step-size", str(args.prefill_step_size),
-             "--max-tokens", str(max(args.decode_tokens, 8))]  # fmt: skip
+             "--max-tokens", str(max(args.decode_tokens, 8)), *args.layer_flags]  # fmt: skip
     proc, url = start(flags)
     alone, beside = [], []
     try:

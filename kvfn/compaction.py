@@ -15,7 +15,15 @@ import mlx.core as mx
 from typeguard import typechecked
 
 from .eviction import EvictionResult, result_of
-from .passes import _drain, _prefill_steps, _scored_steps, chunks
+from .passes import (
+    _drain,
+    _prefill_steps,
+    _scored_steps,
+    check_layer_steps,
+    chunks,
+    per_layer,
+    settling,
+)
 from .policies.policy import BasePolicy, Plan
 from .policies.snapkv import SnapKV
 from .states import cache as kv
@@ -144,6 +152,7 @@ def compact_steps(
     settle: bool = True,
     max_rows: Optional[int] = None,
     pass_step_size: Optional[int] = None,
+    layers_per_step: Optional[int] = None,
 ) -> Generator[tuple[int, int], None, tuple[tuple, EvictionResult]]:
     """``compact`` one step at a time, for a caller that interleaves other work between steps
     (kvfn-server's decode steps): a generator that yields ``(done, total)`` after each prefill
@@ -161,6 +170,8 @@ def compact_steps(
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if pass_step_size is not None and (type(pass_step_size) is not int or pass_step_size < 1):
         raise ValueError(f"pass_step_size must be an int >= 1 or None, got {pass_step_size!r}")
+    check_layer_steps(layers_per_step)
+    layers = layers_per_step if settle else None
     context = _prompt(prompt_tokens, fmodel.vocab_size)[:, :-1]
     kv.check_capacity(context.shape[1] + max_new_tokens + 1, "the prompt plus max_new_tokens")
     P = context.shape[1]
@@ -168,39 +179,47 @@ def compact_steps(
     if max_rows is not None:
         check_bounded(fmodel.sliding_windows, policy, max_rows, prefill_step_size)
         prefill = _bounded_steps(fmodel, context, policy, max_rows, prefill_step_size, dtype,
-                                 settle, pass_step_size)  # fmt: skip
+                                 settle, pass_step_size, layers)  # fmt: skip
         return _compaction(fmodel, context, policy, prefill, True, max_new_tokens + 1, compiled,
                            settle, own_pass=not policy.scores_held,
-                           pass_step_size=pass_step_size)  # fmt: skip
+                           pass_step_size=pass_step_size, layers=layers)  # fmt: skip
     window = policy.observation_window(P)
     kwargs = dict(states=None, capacity=None, prefill_step_size=prefill_step_size, dtype=dtype,
-                  compiled=False, settle=settle, check_ids=False)  # fmt: skip
+                  compiled=False, settle=settle, check_ids=False, layers=layers)  # fmt: skip
     if window:
         prefill = _scored_steps(fmodel, context, window=window, statistic=policy.statistic,
                                 **kwargs)  # fmt: skip
     else:
         prefill = _prefill_steps(fmodel, context, **kwargs)
     return _compaction(fmodel, context, policy, prefill, bool(window), max_new_tokens + 1,
-                       compiled, settle, pass_step_size=pass_step_size)  # fmt: skip
+                       compiled, settle, pass_step_size=pass_step_size, layers=layers)  # fmt: skip
+
+
+def _paced(step: Optional[int], layers: Optional[int]) -> dict:
+    """A policy pass's pace as its ``score_steps`` takes it (only what is set: a policy of
+    its own may take neither)."""
+    return {k: v for k, v in (("step", step), ("layers", layers)) if v is not None}
 
 
 def _compaction(fmodel, context, policy, prefill, scored, reserve, compiled, settle,
-                own_pass=True, pass_step_size=None):  # fmt: skip
+                own_pass=True, pass_step_size=None, layers=None):  # fmt: skip
     """``compact_steps``' generator, over the steps of its ``prefill`` (which returns the
     states, the scores and, evicting while it prefilled, the most rows it held), then the
     policy's own scoring pass unless the prefill scored what it holds."""
     P = context.shape[1]
     states, scores, *peak = yield from prefill
     scores = scores if scored else None
-    own = None
+    own, last = None, [(P, P)]
     if own_pass:
-        stepped = {} if pass_step_size is None else {"step": pass_step_size}
-        own = yield from _after(P, policy.score_steps(fmodel, context, states, scores, **stepped))
+        steps = policy.score_steps(fmodel, context, states, scores,
+                                   **_paced(pass_step_size, layers))  # fmt: skip
+        own = yield from _after(P, steps, last)
     scores = own if own is not None else scores
     new, result = compact_states(states, scores, policy, reserve=reserve, compiled=compiled,
                                  group=fmodel.group)  # fmt: skip
     if settle:
-        mx.eval(tree.arrays(new))
+        for _ in settling(per_layer(new), layers):
+            yield last[0]
     return new, (dataclasses.replace(result, peak_rows=peak[0]) if peak else result)
 
 
@@ -223,7 +242,8 @@ def bounded_chunks(P: int, step: int, window: int) -> list[tuple[int, int]]:
     return [(a, min(b, start)) for a, b in chunks(P, step) if a < start] + [(start, P)]
 
 
-def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_step=None):
+def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_step=None,
+                   layers=None):  # fmt: skip
     """The prefill of ``compact_steps(max_rows=...)``, a chunk a step: whenever the rows held
     pass ``max_rows`` before the last chunk, the states are compacted back to the policy's
     budget with what the chunk just read can score (its last ``window`` queries' attention over
@@ -236,10 +256,11 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
     states, scores, held, peak = None, None, 0, 0
     unscored, carried = 0, None  # a policy scoring what it holds: rows it has not scored yet
     for j, (start, stop) in enumerate(parts):
-        tokens, n = context[:, start:stop], stop - start
+        tokens, n, shown = context[:, start:stop], stop - start, start
         window = 0 if policy.scores_held else min(policy.observation_window(held + n), n)
-        kwargs = dict(states=states, capacity=n, prefill_step_size=n, dtype=dtype,
-                      compiled=False, settle=settle, check_ids=False)  # fmt: skip
+        # with ``layers`` the chunk stays lazy here and is evaluated below, layers a step
+        kwargs = dict(states=states, capacity=n, prefill_step_size=n, dtype=dtype, compiled=False,
+                      settle=settle and layers is None, check_ids=False)  # fmt: skip
         if window:
             states, scores = _drain(_scored_steps(fmodel, tokens, window=window,
                                                   statistic=policy.statistic, **kwargs), None)  # fmt: skip
@@ -249,11 +270,10 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
         peak = max(peak, held)
         last = j + 1 == len(parts)
         if policy.scores_held and (last or held > max_rows):
-            stepped = {} if pass_step is None else {"step": pass_step}
             steps = policy.held_score_steps(fmodel, context[:, :stop], states, unscored, carried,
-                                            **stepped)  # fmt: skip
+                                            **_paced(pass_step, layers))  # fmt: skip
             scores = yield from _as_progress(steps, stop, P)
-            unscored = stop
+            unscored, shown = stop, stop
         if held > max_rows and not last:
             room = parts[j + 1][1] - parts[j + 1][0]
             new = compact_states(states, scores, policy, reserve=room, group=fmodel.group)[0]
@@ -262,7 +282,9 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
                 carried = kept_scores(scores, states, new, kept)
             states, held = new, kept
         if settle or not last:  # a lazy graph of every chunk would hold them all
-            mx.eval(tree.arrays(states), scores or (), carried or ())
+            for _ in settling(per_layer(states, scores), layers):
+                yield shown, P
+            mx.eval(carried or ())
         yield stop, P
     return states, scores, peak
 
@@ -291,13 +313,16 @@ def kept_scores(scores: tuple, before: tuple, after: tuple, rows: int) -> tuple:
     return tuple(out)
 
 
-def _after(base: int, steps):
-    """``steps`` with ``base`` added to each ``(done, total)`` it yields; returns its value."""
+def _after(base: int, steps, last: Optional[list] = None):
+    """``steps`` with ``base`` added to each ``(done, total)`` it yields (the latest also in
+    ``last[0]``, where given); returns its value."""
     while True:
         try:
             done, total = next(steps)
         except StopIteration as end:
             return end.value
+        if last is not None:
+            last[0] = (base + done, base + total)
         yield base + done, base + total
 
 

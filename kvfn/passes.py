@@ -63,6 +63,30 @@ def padding(states, start: int, stop: int, size: int, scored: bool = False) -> i
     return max(0, min(query_bucket(n), size) - n)
 
 
+def settling(layers, per_step: Optional[int] = None):
+    """Evaluates ``layers`` (a forward's arrays, one entry a model layer, in layer order). With
+    ``per_step``, a generator step evaluates that many layers' entries at a time and yields
+    before the last group, so that a caller interleaving other work between steps waits at most
+    that share of the forward: the forward's graph is built once, a group computes only what
+    its layers' arrays need, and later groups reuse what earlier ones computed."""
+    n = len(layers)
+    for hi in range(per_step or n, n, per_step or n):
+        mx.eval(layers[hi - per_step : hi])
+        yield
+    mx.eval(layers)
+
+
+def check_layer_steps(layers: Optional[int]) -> None:
+    if layers is not None and (type(layers) is not int or layers < 1):
+        raise ValueError(f"layers_per_step must be an int >= 1 or None, got {layers!r}")
+
+
+def per_layer(states, scores=()) -> list:
+    """``states`` and their ``scores`` (a tuple a layer, or none) as ``settling`` takes them."""
+    scores = scores or ((),) * len(states)
+    return [(tree.arrays(s), sc) for s, sc in zip(states, scores)]
+
+
 def query_bucket(n: int) -> int:
     """The tokens a chunk of ``n`` runs as over compacted states: the next power of two, at
     least 16."""
@@ -70,14 +94,15 @@ def query_bucket(n: int) -> int:
 
 
 def _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic="attention",
-          settle=False, padded=None):  # fmt: skip
+          settle=False, padded=None, layers=None):  # fmt: skip
     """The chunk loop as a generator: it yields ``(done, n)`` after each chunk and returns
     ``(states, scores)``. ``first()`` makes the first (states, scores) here, so that no caller's
     frame holds them and the first chunk's writes can reuse their buffers (a held buffer must be
     copied). Every chunk but the last is evaluated before it yields (that bounds the graph); the
     last stays lazy unless ``settle``. ``padded``: the last chunk runs in a shape met before
     (``padding`` slots of token 0 after it, rolled back: no real query sees them); None: on
-    CUDA only."""
+    CUDA only. ``layers``: a chunk is evaluated that many layers a step (``settling``), each
+    step but its last yielding the chunk's start."""
     states, scores = first()
     n = tokens.shape[1]
     parts = chunks(n, prefill_step_size)
@@ -103,24 +128,25 @@ def _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic=
         if pad:
             states = tuple(layout.of(s).rollback(s, pad) for s in states)
         if settle or not last:
-            mx.eval(tree.arrays(states), scores)
+            for _ in settling(per_layer(states, scores), layers):
+                yield start, n
         yield stop, n
     return states, scores
 
 
 def _prefill_steps(fmodel, tokens, *, states, capacity, prefill_step_size, dtype, compiled,
-                   settle=False, check_ids=True, padded=None):  # fmt: skip
+                   settle=False, check_ids=True, padded=None, layers=None):  # fmt: skip
     """``prefill`` as ``_loop``'s generator (its arguments checked now, not when it first runs;
     ``check_ids``: the token ids too, unless the caller did)."""
     if prefill_step_size <= 0:
         raise ValueError(f"prefill_step_size must be positive, got {prefill_step_size}")
     first = lambda: (_start(fmodel, tokens, states, capacity, dtype, check_ids), ())  # noqa: E731
     return _loop(fmodel, tokens, first, 0, prefill_step_size, compiled, settle=settle,
-                 padded=padded)  # fmt: skip
+                 padded=padded, layers=layers)  # fmt: skip
 
 
 def _scored_steps(fmodel, tokens, *, window, states, capacity, prefill_step_size, dtype, compiled,
-                  statistic, settle=False, check_ids=True, padded=None):  # fmt: skip
+                  statistic, settle=False, check_ids=True, padded=None, layers=None):  # fmt: skip
     """``scored_prefill`` as ``_loop``'s generator (its arguments checked now)."""
     if not 1 <= window <= tokens.shape[1]:
         raise ValueError(f"window must be in [1, {tokens.shape[1]}] (the tokens), got {window}")
@@ -139,7 +165,7 @@ def _scored_steps(fmodel, tokens, *, window, states, capacity, prefill_step_size
         return made, tuple(zeros)
 
     return _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic, settle,
-                 padded)  # fmt: skip
+                 padded, layers)  # fmt: skip
 
 
 def _drain(steps, progress: Optional[Callable[[int, int], None]]):

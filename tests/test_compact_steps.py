@@ -94,3 +94,34 @@ def test_closed_midway_it_runs_no_further(fm):
     steps.close()
     with pytest.raises(StopIteration):
         next(steps)
+
+
+@pytest.mark.parametrize("name, max_rows", [
+    *((n, None) for n in ("snapkv", "streaming", "kvzip", "adakvzip-global", "pyramidkv")),
+    *((n, 24) for n in ("snapkv", "streaming", "kvzip")),  # evicting while prefilling
+])  # fmt: skip
+def test_layer_steps_split_each_forward_and_change_nothing(fm, name, max_rows, monkeypatch):
+    """``layers_per_step``: each settled forward (a prefill chunk, a piece of KVzip's pass, the
+    compacted states) is evaluated that many layers a step, in layer order, yielding between
+    groups; the states, the result and the steps' last progress are the unsplit job's."""
+    from tests.test_shapes import policy_of
+
+    policy = policy_of(name, fm)
+    layers = len(fm.n_heads)
+    kwargs = dict(max_new_tokens=4, prefill_step_size=16, pass_step_size=8, max_rows=max_rows)
+    whole, (want, want_result) = run(compact_steps(fm, IDS, policy, **kwargs))
+    groups, real_eval = [], mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: groups.append(len(a[0])) or real_eval(*a))
+    split, (states, result) = run(compact_steps(fm, IDS, policy, layers_per_step=2, **kwargs))
+    assert same_states(states, want) and result == want_result
+    assert len(split) > len(whole) and split[-1] == whole[-1]
+    assert all(a[0] <= b[0] for a, b in zip(split, split[1:]))  # progress never goes back
+    per_forward = [2] * ((layers - 1) // 2) + [layers]  # groups of 2, then the rest
+    assert groups[: len(per_forward)] == per_forward
+
+
+def test_layer_steps_must_be_a_positive_int(fm):
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError, match=f"layers_per_step must be an int >= 1 or None, "
+                                             f"got {bad!r}"):  # fmt: skip
+            compact_steps(fm, IDS, SnapKV(budget=16, window=4), layers_per_step=bad)

@@ -234,6 +234,19 @@ def test_a_request_caps_the_rows_held_while_prefilling(serve, loaded):
     assert server.get("/health")[1]["kv_settings"]["max_rows"] == 64
 
 
+def test_layer_steps_answer_as_kvfn_and_are_refused_below_one(serve, loaded):
+    """``--kv-step-layers``: a compaction's forwards are evaluated a few layers a step (the
+    other streams wait less a step); kvzip's and snapkv's answers are kvfn's own."""
+    for name in ("snapkv", "kvzip"):
+        flags = ["--kv-eviction", name, *BUDGET, "--kv-step-layers", "7"]
+        server = serve(flags)
+        policy = kv_server.parse_args([*COMMON, *flags]).policy
+        assert text(server.post(chat())) == own_answer(loaded, policy, DOC, 6), name
+    for bad in ("0", "-2", "1.5"):
+        with pytest.raises(SystemExit):
+            kv_server.parse_args([*COMMON, "--kv-eviction", "snapkv", "--kv-step-layers", bad])
+
+
 def test_a_request_evicts_while_generating(serve, loaded):
     """``kv_decode_interval`` (or ``--kv-decode-interval``): every N generated tokens the rows go
     back to the budget, and the answer is kvfn's own ``bounded_decode``'s, beside a request that

@@ -191,8 +191,9 @@ class Pyramid(Allocation):
     def score_prompt(self, fmodel, tokens, states, gathered=None):
         return self._scoring().score_prompt(fmodel, tokens, states, gathered)
 
-    def score_steps(self, fmodel, tokens, states, gathered=None, *, step=None):
-        return self._scoring().score_steps(fmodel, tokens, states, gathered, step=step)
+    def score_steps(self, fmodel, tokens, states, gathered=None, *, step=None, layers=None):
+        return self._scoring().score_steps(fmodel, tokens, states, gathered, step=step,
+                                           layers=layers)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import ClassVar, Optional, Sequence
 
 import mlx.core as mx
 
-from ..passes import _drain, chunks, with_room
+from ..passes import _drain, check_layer_steps, chunks, per_layer, settling, with_room
 from ..scores import reconstruction_attention
 from ..states import cache as kv
 from ..states import tree
@@ -88,13 +88,15 @@ def reconstruction_steps(
     overlap: int = 8,
     sink: int = 4,
     step: Optional[int] = None,
+    layers: Optional[int] = None,
 ):
     """``reconstruction_scores`` as a generator: it yields ``(done, total)`` context rows after
     each chunk (evaluated) and returns the scores as its StopIteration value, so a caller can
     interleave other work between chunks. ``step``: a chunk's input runs in forwards of at most
     ``step`` tokens, each a step of its own (the same scores, from every forward's queries at
-    the chunk's last; a caller's other work then waits at most one ``step``). The arguments are
-    checked when it is called."""
+    the chunk's last; a caller's other work then waits at most one ``step``). ``layers``: each
+    forward evaluated that many layers a step (``passes.settling``). The arguments are checked
+    when it is called."""
     if not isinstance(tokens, mx.array) or tokens.ndim != 2 or tokens.shape[1] < 1:
         shape = tuple(tokens.shape) if isinstance(tokens, mx.array) else type(tokens).__name__
         raise ValueError(f"reconstruction takes tokens of shape (batch, n >= 1), got {shape}")
@@ -117,13 +119,15 @@ def reconstruction_steps(
     if not all(s.dense for s in states):
         raise ValueError("the reconstruction pass needs the dense states of a plain prefill")
     prompt, resume, suffix = heads
+    check_layer_steps(layers)
     return held_reconstruction_steps(fmodel, tokens.astype(mx.int32), tuple(states), 0, None,
                                      prompt=prompt, resume=resume, suffix=suffix, chunk=chunk,
-                                     overlap=overlap, sink=sink, step=step)  # fmt: skip
+                                     overlap=overlap, sink=sink, step=step,
+                                     layers=layers)  # fmt: skip
 
 
 def held_reconstruction_steps(fmodel, context, states, start, carried, *, prompt, resume,
-                              suffix, chunk, overlap, sink, step=None):  # fmt: skip
+                              suffix, chunk, overlap, sink, step=None, layers=None):  # fmt: skip
     """KVzip's scores while evicting as it prefills: the context tokens ``context[:, start:]``
     are the last rows ``states`` hold (earlier rows compacted, keeping their true positions and
     the first ``sink`` rows), scored now as the pass scores them (chunks of ``chunk`` from the
@@ -131,7 +135,7 @@ def held_reconstruction_steps(fmodel, context, states, start, carried, *, prompt
     over the held slots) and appended to the earlier rows' ``carried`` scores. A generator,
     yielding after each chunk; it returns every held row's scores. With ``start`` 0 and nothing
     carried (a plain prefill held whole) it is the pass itself (``reconstruction_steps``).
-    ``step`` as there."""
+    ``step`` and ``layers`` as there."""
     B, stop = context.shape
     base = 0 if carried is None else carried[0].shape[-1]
     held = base + stop - start
@@ -147,15 +151,18 @@ def held_reconstruction_steps(fmodel, context, states, start, carried, *, prompt
         n = inputs.shape[1]
         rows = (sink, base + a - start, base + b - start, held)
         if step is not None and b - a > step:  # the chunk's own tokens: its head rides along
-            scores = yield from _stepped(fmodel, inputs, states, rows, step, a, b, stop)
+            scores, shown = yield from _stepped(fmodel, inputs, states, rows, step, a, b, stop,
+                                                layers)  # fmt: skip
         else:
+            shown = a
             zeros = tuple(mx.zeros((B, h, b - a), mx.float32) for h in fmodel.n_heads)
             # each chunk runs over its own copy of the states with room for its n rows, made and
             # freed layer by layer: the caller's states stay as they were and no second copy of
             # every layer is ever held (the states and their logits are dropped at once)
             scores = fmodel.scored_forward(inputs, tuple(with_room(s, n) for s in states), zeros,
                                            QuerySlice(0, n, "reconstruction", rows))[2]  # fmt: skip
-        mx.eval(scores)
+        for _ in settling(scores, layers):
+            yield shown, stop
         for kept, s in zip(done, scores):
             kept.append(s)
         del scores
@@ -163,10 +170,11 @@ def held_reconstruction_steps(fmodel, context, states, start, carried, *, prompt
     return tuple(mx.concatenate(kept, axis=-1) if len(kept) > 1 else kept[0] for kept in done)
 
 
-def _stepped(fmodel, inputs, states, rows, step, a, b, stop):
+def _stepped(fmodel, inputs, states, rows, step, a, b, stop, layers=None):
     """One chunk's input in forwards of at most ``step`` tokens over one copy of the states
     with room for all of it (held until the chunk's scores are made), each yielding; the
-    chunk's scores from every forward's queries at the last, as one forward's would be."""
+    chunk's scores from every forward's queries at the last, as one forward's would be, and the
+    progress it yielded last."""
     B, n = inputs.shape
     held = tuple(with_room(s, n) for s in states)
     queries = [[] for _ in states]
@@ -179,15 +187,17 @@ def _stepped(fmodel, inputs, states, rows, step, a, b, stop):
         for kept, q in zip(queries, got):
             kept.append(q)
         if j < n:
-            mx.eval(tree.arrays(held), got)
+            for _ in settling(per_layer(held, got), layers):
+                yield a + (b - a) * i // n, stop
             yield a + (b - a) * j // n, stop
-    return tuple(
+    scores = tuple(
         reconstruction_attention(mx.concatenate(q, axis=2), s.keys, *rows, scale)
         if window is None
         else mx.zeros((B, h, b - a), mx.float32)
         for q, s, scale, window, h in zip(queries, held, fmodel.scales, fmodel.sliding_windows,
                                           fmodel.n_heads)  # fmt: skip
     )
+    return scores, a + (b - a) * i // n
 
 
 def _ids(ids: tuple, batch: int) -> mx.array:
@@ -286,15 +296,15 @@ class KVzip(Policy):
         if not self.keeps_whole(prompt_length):
             check_steps(prompt_length, self.chunk)
 
-    def score_steps(self, fmodel, tokens, states, gathered=None, *, step=None):
+    def score_steps(self, fmodel, tokens, states, gathered=None, *, step=None, layers=None):
         """The reconstruction pass (``reconstruction_steps``), a chunk a step (or ``step``
-        tokens a step); None without steps when the prompt is kept whole."""
+        tokens, ``layers`` layers a step); None without steps when the prompt is kept whole."""
         if self.keeps_whole(tokens.shape[1]):
             return None
         steps = reconstruction_steps(fmodel, tokens, states, prompt=self.prompt,
                                      resume=self.resume, suffix=self.suffix, chunk=self.chunk,
                                      overlap=self.overlap, sink=self.sink_tokens,
-                                     step=step)  # fmt: skip
+                                     step=step, layers=layers)  # fmt: skip
         return (yield from steps)
 
     def check_max_rows(self, max_rows, during: str = "prefilling") -> None:
@@ -304,12 +314,13 @@ class KVzip(Policy):
                              "queries")  # fmt: skip
         super().check_max_rows(max_rows, during)
 
-    def held_score_steps(self, fmodel, context, states, start, carried, *, step=None):
+    def held_score_steps(self, fmodel, context, states, start, carried, *, step=None,
+                         layers=None):  # fmt: skip
         return held_reconstruction_steps(fmodel, context, states, start, carried,
                                          prompt=self.prompt, resume=self.resume,
                                          suffix=self.suffix, chunk=self.chunk,
                                          overlap=self.overlap, sink=self.sink_tokens,
-                                         step=step)  # fmt: skip
+                                         step=step, layers=layers)  # fmt: skip
 
     def score_prompt(self, fmodel, tokens, states, gathered=None) -> Optional[tuple]:
         return _drain(self.score_steps(fmodel, tokens, states, gathered), None)

@@ -213,21 +213,24 @@ class Policy(BasePolicy):
         return None
 
     def score_steps(self, fmodel, tokens: mx.array, states: tuple,
-                    gathered: Optional[tuple] = None, *, step: Optional[int] = None):  # fmt: skip
+                    gathered: Optional[tuple] = None, *, step: Optional[int] = None,
+                    layers: Optional[int] = None):  # fmt: skip
         """``score_prompt`` as a generator: it yields ``(done, total)`` after each step of a
         pass of its own (KVzip's chunks), so a caller can interleave other work (the server's
         decode steps), and returns what ``score_prompt`` returns. ``step``: a pass's forwards
-        take at most this many tokens each, a step apiece (None: the pass's own steps). The
+        take at most this many tokens each, a step apiece (None: the pass's own steps);
+        ``layers``: each forward evaluated that many layers a step (``passes.settling``). The
         default runs ``score_prompt`` in one step."""
         return self.score_prompt(fmodel, tokens, states, gathered)
         yield  # noqa: unreachable: makes this a generator
 
     def held_score_steps(self, fmodel, context: mx.array, states: tuple, start: int,
-                         carried: Optional[tuple], *, step: Optional[int] = None):  # fmt: skip
+                         carried: Optional[tuple], *, step: Optional[int] = None,
+                         layers: Optional[int] = None):  # fmt: skip
         """Evicting while prefilling, where ``scores_held``: a generator of the scores of every
         row ``states`` hold, yielding after each step of its pass. The last rows are those of
         the context tokens ``context[:, start:]``, not scored yet; ``carried`` holds the earlier
-        rows' scores (None: there are none). ``step`` as in ``score_steps``."""
+        rows' scores (None: there are none). ``step`` and ``layers`` as in ``score_steps``."""
         raise NotImplementedError(f"{type(self).__name__} scores by the prefill's window")
         yield  # noqa: unreachable: makes this a generator
 

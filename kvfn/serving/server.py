@@ -406,6 +406,7 @@ class EvictingPromptCache(LRUPromptCache):
         self.policy = provider.cli_args.policy  # set per request by the response generator
         self.max_rows = provider.cli_args.kv_max_rows  # so is this
         self.decode_interval = provider.cli_args.kv_decode_interval  # and this
+        self.step_layers = getattr(provider.cli_args, "kv_step_layers", None)
         self.context_tokens = 0  # and this: the shared context a query-agnostic policy reuses
         # (policy, max_rows, context tokens) -> (states, result, bytes)
         self.contexts = OrderedDict()
@@ -473,7 +474,8 @@ class EvictingPromptCache(LRUPromptCache):
         step = self.provider.cli_args.prefill_step_size
         tokenized = policy.for_tokenizer(self.provider.tokenizer)  # KVzip's repeat instruction
         steps = compact_steps(fm, tokens, tokenized, max_new_tokens=1, prefill_step_size=step,
-                              max_rows=self.max_rows, pass_step_size=step)  # fmt: skip
+                              max_rows=self.max_rows, pass_step_size=step,
+                              layers_per_step=self.step_layers)  # fmt: skip
         job = PendingCompaction(self._caches_after(steps, policy, tokens, self.decode_interval),
                                 prefill_bytes(fm, bucket(len(tokens) - 1)), self.gone)  # fmt: skip
         return job if self.interleave else job.finish()
@@ -505,7 +507,8 @@ class EvictingPromptCache(LRUPromptCache):
                 states, result = yield from compact_steps(fm, tokens[:n], tokenized,
                                                           max_new_tokens=0, prefill_step_size=step,
                                                           max_rows=max_rows,
-                                                          pass_step_size=step)  # fmt: skip
+                                                          pass_step_size=step,
+                                                          layers_per_step=self.step_layers)  # fmt: skip
             finally:
                 self.compacting.discard(key)
             self.keep_context(key, states, result)
@@ -513,7 +516,8 @@ class EvictingPromptCache(LRUPromptCache):
         step = self.provider.cli_args.prefill_step_size
         rest, _ = yield from _prefill_steps(fm, mx.array([tokens[n - 1 : -1]]), states=states,
                                             capacity=None, prefill_step_size=step, dtype=None,
-                                            compiled=False, settle=True)  # fmt: skip
+                                            compiled=False, settle=True,
+                                            layers=self.step_layers)  # fmt: skip
         held = [kept(s) for s in rest]  # the context's kept rows and the rest's, per layer
         whole = (len(tokens) - 1) / max(n - 1, 1)
         self.note(policy, tokens, {
