@@ -21,7 +21,6 @@ import mlx.core as mx
 from ..passes import _drain, check_layer_steps, chunks, per_layer, settling, with_room
 from ..scores import reconstruction_attention
 from ..states import cache as kv
-from ..states import tree
 from ..wrapper import FunctionalModel, QuerySlice
 from .policy import Policy, register_policy
 from .snapkv import check_kernel, pool1d
