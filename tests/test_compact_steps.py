@@ -1,5 +1,6 @@
 """``compact_steps``: ``compact`` one step at a time (kvfn-server interleaves its steps)."""
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -9,6 +10,7 @@ import pytest
 
 import kvfn
 from kvfn import FunctionalModel, SnapKV, StreamingLLM, compact_steps
+from tests.test_shapes import LIBRARY, policy_of
 from tests.tiny import tiny_model
 
 IDS = np.random.default_rng(3).integers(1, 97, 50).tolist()  # 49 context tokens
@@ -96,20 +98,23 @@ def test_closed_midway_it_runs_no_further(fm):
         next(steps)
 
 
-@pytest.mark.parametrize("name, max_rows", [
-    *((n, None) for n in ("snapkv", "streaming", "kvzip", "adakvzip-global", "pyramidkv")),
-    *((n, 24) for n in ("snapkv", "streaming", "kvzip")),  # evicting while prefilling
-])  # fmt: skip
+@pytest.mark.parametrize("max_rows", [None, 24])
+@pytest.mark.parametrize("name", LIBRARY)
 def test_layer_steps_split_each_forward_and_change_nothing(fm, name, max_rows, monkeypatch):
     """``layers_per_step``: each settled forward (a prefill chunk, a piece of KVzip's pass, the
     compacted states) is evaluated that many layers a step, in layer order, yielding between
-    groups; the states, the result and the steps' last progress are the unsplit job's."""
-    from tests.test_shapes import policy_of
-
+    groups; the states, the result and the steps' last progress are the unsplit job's, for
+    every library policy, evicting while prefilling too where the policy can (where it cannot,
+    the refusal is the same)."""
     policy = policy_of(name, fm)
     layers = len(fm.n_heads)
     kwargs = dict(max_new_tokens=4, prefill_step_size=16, pass_step_size=8, max_rows=max_rows)
-    whole, (want, want_result) = run(compact_steps(fm, IDS, policy, **kwargs))
+    try:
+        whole, (want, want_result) = run(compact_steps(fm, IDS, policy, **kwargs))
+    except ValueError as refused:
+        with pytest.raises(ValueError, match=re.escape(str(refused))):
+            compact_steps(fm, IDS, policy, layers_per_step=2, **kwargs)
+        return
     groups, real_eval = [], mx.eval
     monkeypatch.setattr(mx, "eval", lambda *a: groups.append(len(a[0])) or real_eval(*a))
     split, (states, result) = run(compact_steps(fm, IDS, policy, layers_per_step=2, **kwargs))

@@ -68,10 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser, eviction_help: str) -> None:
     kv.add_argument("--kv-decode-interval", type=positive_int, metavar="N",
                     help="evict while generating: every N generated tokens compact back to "
                     "--kv-budget (at most budget + N rows a head; kvfn.bounded_decode's)")  # fmt: skip
-    kv.add_argument("--kv-step-layers", type=positive_int, metavar="N",
-                    help="a compaction step evaluates at most N layers of its forward, so the "
-                    "other streams wait about N/layers of a prefill chunk a step (default: the "
-                    "whole forward; kvfn.compact_steps' layers_per_step)")  # fmt: skip
     duo = parser.add_argument_group(
         "DuoAttention (--kv-eviction duo; duo-snapkv compresses retrieval heads to --kv-budget)"
     )

@@ -178,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the compaction and the batch decode), so the CUDA kernels and compiled "
                    "functions a first request builds are built before the port serves "
                    "(default: on where MLX's default device is the GPU)")  # fmt: skip
+    p.add_argument("--kv-step-layers", type=positive_int, metavar="N",
+                   help="a compaction step evaluates at most N layers of its forward, so the "
+                   "other streams wait about N/layers of a prefill chunk a step (default: the "
+                   "whole forward; kvfn.compact_steps' layers_per_step)")  # fmt: skip
     flags.add_arguments(p, "none, or a policy: chunkkv (recommended: a request's prompt ends "
                         "with its question, and chunkkv kept the full cache's answers at 12.5%% "
                         "of the rows there: Qwen2.5-Coder-0.5B 87-88 of 89-90 at 4K-16K tokens, "
@@ -406,7 +410,7 @@ class EvictingPromptCache(LRUPromptCache):
         self.policy = provider.cli_args.policy  # set per request by the response generator
         self.max_rows = provider.cli_args.kv_max_rows  # so is this
         self.decode_interval = provider.cli_args.kv_decode_interval  # and this
-        self.step_layers = getattr(provider.cli_args, "kv_step_layers", None)
+        self.step_layers = provider.cli_args.kv_step_layers
         self.context_tokens = 0  # and this: the shared context a query-agnostic policy reuses
         # (policy, max_rows, context tokens) -> (states, result, bytes)
         self.contexts = OrderedDict()
