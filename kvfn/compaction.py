@@ -19,7 +19,7 @@ from .passes import (
     _drain,
     _prefill_steps,
     _scored_steps,
-    check_layer_steps,
+    check_step,
     chunks,
     per_layer,
     settling,
@@ -168,9 +168,8 @@ def compact_steps(
     The arguments are checked when it is called."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if pass_step_size is not None and (type(pass_step_size) is not int or pass_step_size < 1):
-        raise ValueError(f"pass_step_size must be an int >= 1 or None, got {pass_step_size!r}")
-    check_layer_steps(layers_per_step)
+    check_step("pass_step_size", pass_step_size)
+    check_step("layers_per_step", layers_per_step)
     layers = layers_per_step if settle else None
     context = _prompt(prompt_tokens, fmodel.vocab_size)[:, :-1]
     kv.check_capacity(context.shape[1] + max_new_tokens + 1, "the prompt plus max_new_tokens")

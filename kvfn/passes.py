@@ -76,9 +76,10 @@ def settling(layers, per_step: Optional[int] = None):
     mx.eval(layers)
 
 
-def check_layer_steps(layers: Optional[int]) -> None:
-    if layers is not None and (type(layers) is not int or layers < 1):
-        raise ValueError(f"layers_per_step must be an int >= 1 or None, got {layers!r}")
+def check_step(name: str, value: Optional[int]) -> None:
+    """A step setting (``pass_step_size``, ``layers_per_step``): a positive int, or None."""
+    if value is not None and (type(value) is not int or value < 1):
+        raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
 
 
 def per_layer(states, scores=()) -> list:

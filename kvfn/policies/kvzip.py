@@ -18,7 +18,7 @@ from typing import ClassVar, Optional, Sequence
 
 import mlx.core as mx
 
-from ..passes import _drain, check_layer_steps, chunks, per_layer, settling, with_room
+from ..passes import _drain, check_step, chunks, per_layer, settling, with_room
 from ..scores import reconstruction_attention
 from ..states import cache as kv
 from ..wrapper import FunctionalModel, QuerySlice
@@ -118,7 +118,7 @@ def reconstruction_steps(
     if not all(s.dense for s in states):
         raise ValueError("the reconstruction pass needs the dense states of a plain prefill")
     prompt, resume, suffix = heads
-    check_layer_steps(layers)
+    check_step("layers", layers)
     return held_reconstruction_steps(fmodel, tokens.astype(mx.int32), tuple(states), 0, None,
                                      prompt=prompt, resume=resume, suffix=suffix, chunk=chunk,
                                      overlap=overlap, sink=sink, step=step,
@@ -178,7 +178,7 @@ def _stepped(fmodel, inputs, states, rows, step, a, b, stop, layers=None):
     held = tuple(with_room(s, n) for s in states)
     queries = [[] for _ in states]
     for i in range(0, n, step):
-        j = min(i + step, n)
+        j, shown = min(i + step, n), a + (b - a) * i // n
         zeros = tuple(mx.zeros((B, h, j - i, d), mx.float32)
                       for h, d in zip(fmodel.n_heads, fmodel.head_dims))  # fmt: skip
         _, held, got = fmodel.scored_forward(inputs[:, i:j], held, zeros,
@@ -187,7 +187,7 @@ def _stepped(fmodel, inputs, states, rows, step, a, b, stop, layers=None):
             kept.append(q)
         if j < n:
             for _ in settling(per_layer(held, got), layers):
-                yield a + (b - a) * i // n, stop
+                yield shown, stop
             yield a + (b - a) * j // n, stop
     scores = tuple(
         reconstruction_attention(mx.concatenate(q, axis=2), s.keys, *rows, scale)
@@ -196,7 +196,7 @@ def _stepped(fmodel, inputs, states, rows, step, a, b, stop, layers=None):
         for q, s, scale, window, h in zip(queries, held, fmodel.scales, fmodel.sliding_windows,
                                           fmodel.n_heads)  # fmt: skip
     )
-    return scores, a + (b - a) * i // n
+    return scores, shown
 
 
 def _ids(ids: tuple, batch: int) -> mx.array:
