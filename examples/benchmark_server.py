@@ -295,6 +295,9 @@ def compacting(url: str, text: str, policy: str, started: threading.Event) -> No
     started.set()
 
 
+ARRIVE_STRIDE = 37  # --arrive: tokens between the long prompts' lengths
+
+
 def arrive(args) -> dict:
     flags = ["--kv-eviction", "snapkv", "--kv-budget", str(args.kv_budget), "--kv-window",
              str(args.kv_window), "--prefill-step-size", str(args.prefill_step_size),
@@ -302,22 +305,27 @@ def arrive(args) -> dict:
     proc, url = start(flags)
     alone, beside = [], []
     try:
-        for r in range(args.rounds + 1):  # the first: warm-up (traces, kernel builds)
+        # the first round is the server's first (traces, kernel builds); each long prompt has a
+        # length of its own (a user's prompts differ), ARRIVE_STRIDE tokens apart
+        for r in range(args.rounds + 1):
             solo = counted(url, args.decode_tokens)
             started = threading.Event()
+            n = args.prompt_tokens + ARRIVE_STRIDE * r
             with ThreadPoolExecutor(1) as pool:
-                long = pool.submit(compacting, url, prompt(f"a{r}", args.prompt_tokens),
-                                   args.arrive_policy, started)  # fmt: skip
+                long = pool.submit(compacting, url, prompt(f"a{r}", n), args.arrive_policy,
+                                   started)  # fmt: skip
                 started.wait()
                 new = counted(url, args.decode_tokens)
                 long.result()
-            if r:
-                alone.append(solo)
-                beside.append(new)
+            alone.append(solo)
+            beside.append(new)
     finally:
         proc.terminate()
         proc.wait(60)
-    row = {"policy": args.arrive_policy, "prompt_tokens": args.prompt_tokens}
+    row = {"policy": args.arrive_policy, "prompt_tokens": args.prompt_tokens,
+           "stride": ARRIVE_STRIDE}  # fmt: skip
+    first = {"alone": alone.pop(0), "beside": beside.pop(0)}
+    row["first_round_ttft_x"] = round(first["beside"]["ttft"] / first["alone"]["ttft"], 2)
     for name, runs in (("alone", alone), ("beside", beside)):
         gaps = 1e3 * np.array([g for x in runs for g in x["gaps"]])
         row[f"{name}_ttft_ms"] = round(1e3 * float(np.mean([x["ttft"] for x in runs])), 1)
