@@ -7,6 +7,10 @@ above the weights and the KV bytes held after.
 
 python examples/benchmark_memory.py                                        # tiny shape, CPU
 python examples/benchmark_memory.py --shape 8b --prompt-tokens 131072 --dtype bfloat16 --bits 4
+
+``--ballast-gb G`` holds G GB of the device's memory before the first config, so that the
+device itself has too little left for a config (mlx-lm's full cache at a long prompt) and its
+allocation fails; a config that fails is reported with its error and the next one runs.
 """
 
 import argparse
@@ -74,6 +78,14 @@ def above_weights(measure) -> dict:
 
 
 def run(config: str, model, ids, args) -> dict:
+    try:
+        return measured(config, model, ids, args)
+    except Exception as e:  # an allocation the device cannot make (under --ballast-gb)
+        mx.clear_cache()
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def measured(config: str, model, ids, args) -> dict:
     if config.startswith("mlx-lm"):
         return above_weights(
             lambda: mlx_lm_run(model, ids, args, rotating=config.endswith("rotating"))
@@ -93,7 +105,14 @@ def main(argv=None) -> list:
     p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2, help="the first is a warm-up")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, run in order")
+    p.add_argument("--ballast-gb", type=float, default=0.0,
+                   help="device memory held before the first config")  # fmt: skip
     args = p.parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or not configs:
+        p.error(f"--configs: unknown {unknown or configs}; choose from {list(CONFIGS)}")
     if args.rows < args.window + 4 or args.prompt_tokens <= args.rows or args.rounds < 2:
         p.error("need rows >= window + 4, prompt tokens > rows and at least 2 rounds")
     model = random_model(args.shape, getattr(mx, args.dtype))
@@ -104,9 +123,11 @@ def main(argv=None) -> list:
     ids = np.random.default_rng(args.seed).integers(0, vocab, size=args.prompt_tokens).tolist()
     # every round its own prompt length (a user's prompts all differ): the first a warm-up
     lengths = [args.prompt_tokens - 37 * r for r in range(args.rounds)]
-    rows = {c: [] for c in CONFIGS}
+    ballast = mx.zeros((int(args.ballast_gb * 1e9) // 4,), mx.float32)
+    mx.eval(ballast)
+    rows = {c: [] for c in configs}
     for r, n in enumerate(lengths):
-        for c in CONFIGS:
+        for c in configs:
             got = run(c, model, ids[:n], args)
             print(json.dumps({"round": r, "tokens": n, "config": c, **got}), flush=True)
             if r:
@@ -115,10 +136,16 @@ def main(argv=None) -> list:
     print(f"\n{args.shape} {args.dtype}{f' {args.bits}-bit' if args.bits else ''}, "
           f"prompts of {lengths[1:]} tokens (each new; {lengths[0]} warmed up), "
           f"{args.new_tokens} new tokens, {args.rows} rows, "
-          f"prefill chunks of {args.prefill_step_size}; mean of {args.rounds - 1} rounds")  # fmt: skip
+          f"prefill chunks of {args.prefill_step_size}; mean of {args.rounds - 1} rounds"
+          f"{f'; {args.ballast_gb} GB of the device held' if args.ballast_gb else ''}")  # fmt: skip
     print(f"{'config':<22}{'first token s':>14}{'decode tok/s':>13}{'peak above weights GB':>23}"
           f"{'KV held after GB':>18}{'peak rows':>10}")  # fmt: skip
-    for c in CONFIGS:
+    for c in configs:
+        failed = [x["error"] for x in rows[c] if "error" in x]
+        if failed:
+            out.append({"config": c, "error": failed[0]})
+            print(f"{c:<22}failed: {failed[0][:120]}")
+            continue
         mean = {k: float(np.mean([x[k] for x in rows[c]])) for k in rows[c][0] if k != "peak_rows"}
         peak = rows[c][0].get("peak_rows")
         out.append({"config": c, **{k: round(v, 4) for k, v in mean.items()}, "peak_rows": peak})
