@@ -135,14 +135,18 @@ def brute_force(model, module, monkeypatch, context, chunk, prompt=(), resume=()
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("chunk", [6, 16, 37, 50])  # a last partial chunk, one chunk, > P
 @pytest.mark.parametrize("instructed", [False, True], ids=["bare", "instructed"])
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
 def test_each_chunk_scores_its_rows_as_mlx_lm_attends_in_its_own_pass(family, chunk, instructed,
-                                                                      monkeypatch):  # fmt: skip
+                                                                      padded, monkeypatch):  # fmt: skip
+    """``padded`` (CUDA's default): each chunk's tokens rounded up to a query bucket over a
+    copy of the states in a capacity bucket; the scores are the same."""
     model = tiny_model(family)
     fm = kvfn.FunctionalModel(model)
     context = np.random.default_rng(3).integers(0, 97, 37).tolist()
     heads = dict(prompt=(5, 11, 2), resume=(7, 8), suffix=(9, 4, 1)) if instructed else {}
     states = kvfn.prefill(fm, mx.array([context]), prefill_step_size=16)
-    got = reconstruction_scores(fm, mx.array([context]), states, chunk=chunk, **heads)
+    got = reconstruction_scores(fm, mx.array([context]), states, chunk=chunk, padded=padded,
+                                **heads)  # fmt: skip
     want = brute_force(model, MODULES[family], monkeypatch, context, chunk, **heads)
     assert len(got) == len(want)
     for g, w in zip(got, want):
@@ -152,16 +156,19 @@ def test_each_chunk_scores_its_rows_as_mlx_lm_attends_in_its_own_pass(family, ch
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("step", [1, 5, 16])
-def test_a_chunk_in_steps_scores_as_mlx_lm_attends_in_its_own_pass(family, step, monkeypatch):
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
+def test_a_chunk_in_steps_scores_as_mlx_lm_attends_in_its_own_pass(family, step, padded,
+                                                                   monkeypatch):  # fmt: skip
     """``step``: each chunk's input (its head and 16 context tokens) in forwards of ``step``
-    tokens, a step each; the scores are still those of mlx-lm's one forward of the input."""
+    tokens, a step each; the scores are still those of mlx-lm's one forward of the input (and
+    padded: no forward runs padding alone)."""
     model = tiny_model(family)
     fm = kvfn.FunctionalModel(model)
     context = np.random.default_rng(3).integers(0, 97, 37).tolist()
     heads = dict(prompt=(5, 11, 2), resume=(7, 8), suffix=(9, 4, 1))
     states = kvfn.prefill(fm, mx.array([context]), prefill_step_size=16)
     done, got = run(reconstruction_steps(fm, mx.array([context]), states, chunk=16, step=step,
-                                         **heads))  # fmt: skip
+                                         padded=padded, **heads))  # fmt: skip
     assert done[-1] == (37, 37) and [d for d, _ in done] == sorted(d for d, _ in done)
     # chunks [0, 16), [16, 32), [32, 37) after heads of 3, 13 and 13 tokens: a chunk of more
     # than ``step`` context tokens takes a step a piece of its input, any other one step
@@ -170,6 +177,57 @@ def test_a_chunk_in_steps_scores_as_mlx_lm_attends_in_its_own_pass(family, step,
     want = brute_force(model, MODULES[family], monkeypatch, context, 16, **heads)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.array(g[0]), w, rtol=1e-4, atol=1e-6)
+
+
+def test_a_padded_pass_attends_in_a_few_shapes_whatever_the_length(monkeypatch):
+    """Padded, the pass over 20 contexts of distinct lengths in one capacity bucket attends in
+    the shapes of its two heads times the query buckets up to a chunk, every one over the
+    bucket's keys; unpadded, every length has shapes of its own. The scores are the same."""
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    heads = dict(prompt=(5, 11, 2), resume=(7, 8), suffix=(9, 4, 1))
+    seen = []
+    sdpa = mx.fast.scaled_dot_product_attention
+
+    def recorded(q, k, v, **kwargs):
+        seen.append((q.shape[2], k.shape[2]))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recorded)
+    shapes = {True: set(), False: set()}
+    lengths = range(262, 302, 2)  # 20 lengths; with a chunk's input, one bucket (512)
+    for P in lengths:
+        context = mx.array([np.random.default_rng(P).integers(0, 97, P).tolist()])
+        states = kvfn.prefill(fm, context, prefill_step_size=64)
+        got = {}
+        for padded in (True, False):
+            seen.clear()
+            got[padded] = reconstruction_scores(fm, context, states, chunk=64, padded=padded,
+                                                **heads)  # fmt: skip
+            shapes[padded] |= set(seen)
+        for a, b in zip(got[True], got[False]):
+            assert mx.allclose(a, b, atol=1e-6).item()
+    inputs = {3 + 64} | {13 + q for q in (16, 32, 64)}  # the first head, a later one's
+    assert shapes[True] <= {(n, 512) for n in inputs}, shapes[True]
+    assert len({k for _, k in shapes[False]}) >= len(lengths)
+
+
+def test_every_kvzip_policy_compacts_as_before_with_its_pass_padded(monkeypatch):
+    """The pass padded (as on CUDA) keeps the rows it keeps unpadded: after the prefill, while
+    prefilling (the held rows' pass) and in steps."""
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(8).integers(0, 97, 150).tolist()
+    names = ("kvzip", "kvzip-layer", "adakvzip", "adakvzip-global")
+    cases = [(n, None, None) for n in names] + [("kvzip", 64, None), ("kvzip", None, 8)]
+    for name, max_rows, step in cases:
+        policy = parse_policy(name, budget=24, window=4, sink_tokens=2, chunk=40)
+        kept = {}
+        for padded in (False, True):
+            monkeypatch.setattr("kvfn.policies.kvzip.on_cuda", lambda: padded)
+            _, (states, _) = run(kvfn.compact_steps(fm, ids, policy, prefill_step_size=32,
+                                                    max_rows=max_rows,
+                                                    pass_step_size=step))  # fmt: skip
+            kept[padded] = [np.array(a) for s in states for a in kvfn.tree.arrays(s)]
+        assert all(np.array_equal(a, b) for a, b in zip(kept[False], kept[True])), name
 
 
 @pytest.mark.parametrize("max_rows", [None, 48])

@@ -18,9 +18,11 @@ from typing import ClassVar, Optional, Sequence
 
 import mlx.core as mx
 
-from ..passes import _drain, check_step, chunks, per_layer, settling, with_room
+from ..kernels import on_cuda
+from ..passes import _drain, check_step, chunks, per_layer, query_bucket, settling, with_room
 from ..scores import reconstruction_attention
 from ..states import cache as kv
+from ..states.layout import bucket
 from ..wrapper import FunctionalModel, QuerySlice
 from .policy import Policy, register_policy
 from .snapkv import check_kernel, pool1d
@@ -88,14 +90,18 @@ def reconstruction_steps(
     sink: int = 4,
     step: Optional[int] = None,
     layers: Optional[int] = None,
+    padded: Optional[bool] = None,
 ):
     """``reconstruction_scores`` as a generator: it yields ``(done, total)`` context rows after
     each chunk (evaluated) and returns the scores as its StopIteration value, so a caller can
     interleave other work between chunks. ``step``: a chunk's input runs in forwards of at most
     ``step`` tokens, each a step of its own (the same scores, from every forward's queries at
     the chunk's last; a caller's other work then waits at most one ``step``). ``layers``: each
-    forward evaluated that many layers a step (``passes.settling``). The arguments are checked
-    when it is called."""
+    forward evaluated that many layers a step (``passes.settling``). ``padded`` (None: on CUDA
+    only): a chunk's tokens run rounded up to a ``query_bucket`` (at most ``chunk``; the padding
+    after every real query) over a copy of the states in a capacity ``bucket``, so that
+    prompts of other lengths in a bucket attend in the shapes it met: the same scores. The
+    arguments are checked when it is called."""
     if not isinstance(tokens, mx.array) or tokens.ndim != 2 or tokens.shape[1] < 1:
         shape = tuple(tokens.shape) if isinstance(tokens, mx.array) else type(tokens).__name__
         raise ValueError(f"reconstruction takes tokens of shape (batch, n >= 1), got {shape}")
@@ -121,12 +127,13 @@ def reconstruction_steps(
     check_step("layers", layers)
     return held_reconstruction_steps(fmodel, tokens.astype(mx.int32), tuple(states), 0, None,
                                      prompt=prompt, resume=resume, suffix=suffix, chunk=chunk,
-                                     overlap=overlap, sink=sink, step=step,
-                                     layers=layers)  # fmt: skip
+                                     overlap=overlap, sink=sink, step=step, layers=layers,
+                                     padded=padded)  # fmt: skip
 
 
 def held_reconstruction_steps(fmodel, context, states, start, carried, *, prompt, resume,
-                              suffix, chunk, overlap, sink, step=None, layers=None):  # fmt: skip
+                              suffix, chunk, overlap, sink, step=None, layers=None,
+                              padded=None):  # fmt: skip
     """KVzip's scores while evicting as it prefills: the context tokens ``context[:, start:]``
     are the last rows ``states`` hold (earlier rows compacted, keeping their true positions and
     the first ``sink`` rows), scored now as the pass scores them (chunks of ``chunk`` from the
@@ -134,12 +141,13 @@ def held_reconstruction_steps(fmodel, context, states, start, carried, *, prompt
     over the held slots) and appended to the earlier rows' ``carried`` scores. A generator,
     yielding after each chunk; it returns every held row's scores. With ``start`` 0 and nothing
     carried (a plain prefill held whole) it is the pass itself (``reconstruction_steps``).
-    ``step`` and ``layers`` as there."""
+    ``step``, ``layers`` and ``padded`` as there."""
     B, stop = context.shape
     base = 0 if carried is None else carried[0].shape[-1]
     held = base + stop - start
     parts = [(max(a, start), b) for a, b in chunks(stop, chunk) if b > start]
     done = [[] if carried is None else [c] for c in (carried or states)]
+    padded = on_cuda() if padded is None else padded
     for a, b in parts:
         if a == 0:
             head = _ids(prompt, B)
@@ -148,18 +156,22 @@ def held_reconstruction_steps(fmodel, context, states, start, carried, *, prompt
             head = mx.concatenate([_ids(resume, B), tail, _ids(suffix, B)], axis=1)
         inputs = mx.concatenate([head, context[:, a:b]], axis=1)
         n = inputs.shape[1]
+        pad = min(chunk, query_bucket(b - a)) - (b - a) if padded else 0
+        if pad:  # after every real query: none of them sees these tokens
+            inputs = mx.concatenate([inputs, mx.zeros((B, pad), inputs.dtype)], axis=1)
+        room = _padded_room if padded else with_room
         rows = (sink, base + a - start, base + b - start, held)
         if step is not None and b - a > step:  # the chunk's own tokens: its head rides along
             scores, shown = yield from _stepped(fmodel, inputs, states, rows, step, a, b, stop,
-                                                layers)  # fmt: skip
+                                                layers, n, room)  # fmt: skip
         else:
             shown = a
             zeros = tuple(mx.zeros((B, h, b - a), mx.float32) for h in fmodel.n_heads)
-            # each chunk runs over its own copy of the states with room for its n rows, made and
+            # each chunk runs over its own copy of the states with room for its input, made and
             # freed layer by layer: the caller's states stay as they were and no second copy of
             # every layer is ever held (the states and their logits are dropped at once)
-            scores = fmodel.scored_forward(inputs, tuple(with_room(s, n) for s in states), zeros,
-                                           QuerySlice(0, n, "reconstruction", rows))[2]  # fmt: skip
+            scores = fmodel.scored_forward(inputs, tuple(room(s, inputs.shape[1]) for s in states),
+                                           zeros, QuerySlice(0, n, "reconstruction", rows))[2]  # fmt: skip
         for _ in settling(scores, layers):
             yield shown, stop
         for kept, s in zip(done, scores):
@@ -169,28 +181,41 @@ def held_reconstruction_steps(fmodel, context, states, start, carried, *, prompt
     return tuple(mx.concatenate(kept, axis=-1) if len(kept) > 1 else kept[0] for kept in done)
 
 
-def _stepped(fmodel, inputs, states, rows, step, a, b, stop, layers=None):
+def _padded_room(state, n: int):
+    """A copy of a plain ``state`` with room for ``n`` more rows in a capacity ``bucket``,
+    attended as a packed state (every slot, the free ones masked): a chunk of the pass attends
+    in a shape that prompts of other lengths in the bucket meet too."""
+    if not isinstance(state, kv.State):
+        return state
+    r = state.max_rows if state.max_rows is not None else int(state.rows.item())
+    packed = state.replace(max_rows=r, packed=state.packed or state.dense, dense=False)
+    return kv.reserve(packed, max(state.capacity, bucket(r + n)))
+
+
+def _stepped(fmodel, inputs, states, rows, step, a, b, stop, layers=None, real=None,
+             room=with_room):  # fmt: skip
     """One chunk's input in forwards of at most ``step`` tokens over one copy of the states
-    with room for all of it (held until the chunk's scores are made), each yielding; the
-    chunk's scores from every forward's queries at the last, as one forward's would be, and the
-    progress it yielded last."""
+    with room for all of it (``room``; held until the chunk's scores are made), each yielding;
+    the chunk's scores from the queries of its first ``real`` tokens (all) at the last, as one
+    forward's would be, and the progress it yielded last."""
     B, n = inputs.shape
-    held = tuple(with_room(s, n) for s in states)
+    real = n if real is None else real
+    held = tuple(room(s, n) for s in states)
     queries = [[] for _ in states]
-    for i in range(0, n, step):
-        j, shown = min(i + step, n), a + (b - a) * i // n
+    for i in range(0, real, step):
+        j, shown = min(i + step, n), a + (b - a) * i // real
         zeros = tuple(mx.zeros((B, h, j - i, d), mx.float32)
                       for h, d in zip(fmodel.n_heads, fmodel.head_dims))  # fmt: skip
         _, held, got = fmodel.scored_forward(inputs[:, i:j], held, zeros,
                                              QuerySlice(0, j - i, "queries"))  # fmt: skip
         for kept, q in zip(queries, got):
             kept.append(q)
-        if j < n:
+        if j < real:
             for _ in settling(per_layer(held, got), layers):
                 yield shown, stop
-            yield a + (b - a) * j // n, stop
+            yield a + (b - a) * j // real, stop
     scores = tuple(
-        reconstruction_attention(mx.concatenate(q, axis=2), s.keys, *rows, scale)
+        reconstruction_attention(mx.concatenate(q, axis=2)[:, :, :real], s.keys, *rows, scale)
         if window is None
         else mx.zeros((B, h, b - a), mx.float32)
         for q, s, scale, window, h in zip(queries, held, fmodel.scales, fmodel.sliding_windows,
@@ -214,6 +239,7 @@ def reconstruction_scores(
     chunk: int = 2048,
     overlap: int = 8,
     sink: int = 4,
+    padded: Optional[bool] = None,
 ) -> tuple:
     """KVzip's scores of the P rows of ``states`` (the dense states of a plain prefill of
     ``tokens``, (B, P)): per layer (B, n_heads, P) float32, zeros for sliding-window layers.
@@ -223,9 +249,10 @@ def reconstruction_scores(
     weight any query of that input gives it in a softmax over rows [0, min(sink, start)),
     [start, end) and the input's own (causally; ``kvfn.scores.reconstruction_attention``).
     Without a tokenizer's ids the head is just the overlap (nothing for the first chunk).
-    ``states`` are left as they were."""
+    ``states`` are left as they were. ``padded`` as in ``reconstruction_steps``."""
     steps = reconstruction_steps(fmodel, tokens, states, prompt=prompt, resume=resume,
-                                 suffix=suffix, chunk=chunk, overlap=overlap, sink=sink)  # fmt: skip
+                                 suffix=suffix, chunk=chunk, overlap=overlap, sink=sink,
+                                 padded=padded)  # fmt: skip
     return _drain(steps, None)
 
 
