@@ -213,9 +213,9 @@ def mlx_lm_stream(model, tokenizer, prompt, args, sampler, **extra):
 
 
 def layouts(states) -> set:
-    """The layouts among ``states``: "slots" (``kvfn.slots``), "groups" (per-head groups),
+    """The layouts among ``states``: "slots" (``kvfn.slots``), "parts" (KV heads in parts),
     "plain" (one state for every head)."""
-    kinds = {kvfn.HeadSlotsKVCache: "slots", kvfn.HeadPartitionedKVCache: "groups"}
+    kinds = {kvfn.HeadSlotsKVCache: "slots", kvfn.HeadPartitionedKVCache: "parts"}
     return {kinds.get(type(s), "plain") for s in states}
 
 

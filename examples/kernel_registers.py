@@ -24,7 +24,7 @@ from examples.benchmark_kernels import load_kernels  # noqa: E402
 
 KERNELS = {  # source name: (the kernel's inputs after q, its own template entries)
     "SPLIT_SOURCE": (["k", "v", "lengths"], ["HKV", "LSB", "LSH"]),
-    "TWO_GROUP_SOURCE": (["k0", "v0", "k1", "v1", "lengths", "hmap"], ["H0", "H1", "HKV", "LSB"]),
+    "TWO_PART_SOURCE": (["k0", "v0", "k1", "v1", "lengths", "hmap"], ["H0", "H1", "HKV", "LSB"]),
     "SLOTS_SOURCE": (["k", "v", "lengths", "hmap"], ["HKV", "LSB"]),
     "MMA_SPLIT_SOURCE": (["k", "v", "lengths"], ["HKV", "LSB", "LSH"]),
 }  # fmt: skip

@@ -69,17 +69,17 @@ def main(argv=None):
             outs = []
             for x, (k0, v0), (k1, v1) in zip(q, ret, ring):
 
-                def attend_group(g, qg):
+                def attend_part(g, qg):
                     if g == 0:
                         return kernels.ragged_decode_attention(qg, k0, v0, rows, scale=scale)
                     return mx.fast.scaled_dot_product_attention(qg, k1, v1, scale=scale)
 
-                outs.append(partitioned.in_head_order(x, heads, attend_group))
+                outs.append(partitioned.in_head_order(x, heads, attend_part))
             return outs
 
         def fused(q, ret, ring, rows):
             hmap = partitioned._head_map(heads)
-            return [kernels.two_group_decode_attention(x, k0, v0, rows, k1, v1, args.ring, hmap,
+            return [kernels.two_part_decode_attention(x, k0, v0, rows, k1, v1, args.ring, hmap,
                                                        scale=scale)  # fmt: skip
                     for x, (k0, v0), (k1, v1) in zip(q, ret, ring)]
 

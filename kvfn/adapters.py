@@ -40,16 +40,16 @@ class Call:
             self.shared[n] = (kv.appended(state, n), kv.packed_mask(state, n))
         return self.shared[n]
 
-    def group_derived(self, group, n: int):
-        """For a head group of a partitioned layer: what its append derives from its counters,
+    def part_derived(self, state, n: int):
+        """For a head part of a partitioned layer: what its append derives from its counters,
         shared by the layers in lockstep (``partitioned.update_split``); None to derive it
         alone."""
         if not self.lockstep:
             return None
-        return part.lockstep_derived(group, n, self.shared, self._plain_derived)
+        return part.lockstep_derived(state, n, self.shared, self._plain_derived)
 
-    def _plain_derived(self, group: kv.State, n: int):
-        return self.derived(group, n)[0] if self.in_lockstep(group) else None
+    def _plain_derived(self, state: kv.State, n: int):
+        return self.derived(state, n)[0] if self.in_lockstep(state) else None
 
     def slots_derived(self, state: sl.HeadSlotsKVCache):
         """``slots.appended`` for a slots layer, shared by the layers in lockstep (one ring
@@ -150,8 +150,8 @@ class LayerAdapter:
 
 class PartitionedAdapter:
     """mlx-lm's cache protocol over one ``HeadPartitionedKVCache`` layer: the update goes to
-    each head group, and attention (through the model's own attention code, which calls
-    ``_attend``) runs per group over the group's own rows."""
+    each head part, and attention (through the model's own attention code, which calls
+    ``_attend``) runs per part over the part's own rows."""
 
     def __init__(self, state, n_heads: int, call: Call, scale=None, scores=None, queries=None):
         self.state, self.before, self.rows, self.call = state, None, None, call
@@ -169,9 +169,9 @@ class PartitionedAdapter:
 
     def update_and_fetch(self, keys, values):
         self.rows = part.split_rows(self.state, keys, values)  # split once, for both
-        new = part.update_split(self.state, *self.rows, derived=self.call.group_derived)
+        new = part.update_split(self.state, *self.rows, derived=self.call.part_derived)
         self.before, self.state = self.state, new
-        return keys, values  # the new rows only: ``attend`` reads the groups
+        return keys, values  # the new rows only: ``attend`` reads the parts
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if sinks is not None:
@@ -182,7 +182,7 @@ class PartitionedAdapter:
 class SlotsAdapter(PartitionedAdapter):
     """mlx-lm's cache protocol over one ``HeadSlotsKVCache`` layer: one row is written at each
     head's slot with one scatter per array and attended in one kernel (CUDA); a chunk goes
-    through the two-group state."""
+    through the two-part state."""
 
     def update_and_fetch(self, keys, values):
         if keys.shape[2] != 1:

@@ -142,7 +142,7 @@ def evict_prompt_cache_by_head(
     """Evict each KV head of each layer to its own rows: ``head_keep_indices[i]`` is None (layer
     i untouched) or one sorted unique slot array per KV head (or per query head with
     ``query_heads``: a KV head keeps the union of its query heads' rows). Heads keeping equally
-    many rows share a group; no union is stored (``HeadPartitionedKVCache``). ``true_offset``,
+    many rows share a part; no union is stored (``HeadPartitionedKVCache``). ``true_offset``,
     if given, must be every sequence's true position (a check). Eager and checked."""
     if len(states) != len(head_keep_indices):
         raise ValueError(f"{len(head_keep_indices)} keep lists for {len(states)} layer states")

@@ -66,9 +66,9 @@ def padding(states, start: int, stop: int, size: int, scored: bool = False) -> i
 def settling(layers, per_step: Optional[int] = None):
     """Evaluates ``layers`` (a forward's arrays, one entry a model layer, in layer order). With
     ``per_step``, a generator step evaluates that many layers' entries at a time and yields
-    before the last group, so that a caller interleaving other work between steps waits at most
-    that share of the forward: the forward's graph is built once, a group computes only what
-    its layers' arrays need, and later groups reuse what earlier ones computed."""
+    before the last step, so that a caller interleaving other work between steps waits at most
+    that share of the forward: the forward's graph is built once, a step computes only what
+    its layers' arrays need, and later steps reuse what earlier ones computed."""
     n = len(layers)
     for hi in range(per_step or n, n, per_step or n):
         mx.eval(layers[hi - per_step : hi])

@@ -114,7 +114,7 @@ def _calling_attend(attn: nn.Module) -> bool:
 def attending_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` (weights, module and class shared) whose attention modules let the
     layer's cache compute attention when it has an ``attend`` method, as kvfn's per-head batch
-    caches (``kvfn.serving.batch.BatchHeadGroupsKVCache``) need; with any other cache it computes
+    caches (``kvfn.serving.batch.BatchHeadPartsKVCache``) need; with any other cache it computes
     exactly what ``model`` does. TypeError if a layer's attention does not call mlx-lm's
     ``scaled_dot_product_attention``."""
 
@@ -124,7 +124,7 @@ def attending_copy(model: nn.Module) -> nn.Module:
         if not _calling_attend(attn):
             raise TypeError(
                 f"layer {index}: {type(attn).__name__} computes attention itself, not through "
-                "mlx-lm's scaled_dot_product_attention, so kvfn cannot run it per head group"
+                "mlx-lm's scaled_dot_product_attention, so kvfn cannot run it per head part"
             )
         layer = copy.copy(layer)
         layer[name] = attn
@@ -414,7 +414,7 @@ class FunctionalModel:
     # -- the pure forward pass ----------------------------------------------------------------
     @staticmethod
     def _lockstep(states) -> bool:
-        """Whether every packed full-attention layer, and every packed group of plain rows of a
+        """Whether every packed full-attention layer, and every packed part of plain rows of a
         head-partitioned layer, holds the same rows and capacity (known on the host: a packed
         state's row count is exact); then the layers also share the offset their rings derive
         from."""
@@ -431,7 +431,7 @@ class FunctionalModel:
                                     scores[i] if scored else None,
                                     queries if scored else None))  # fmt: skip
         logits = self._model(tokens, cache=adapters)
-        offset = adapters[0].state.offset  # equal in every layer and group: one array for all
+        offset = adapters[0].state.offset  # equal in every layer and part: one array for all
         return logits, tuple(tree.with_offset(a.state, offset) for a in adapters), adapters
 
     def forward(self, tokens, states, *, check_ids: bool = True) -> tuple:

@@ -110,7 +110,7 @@ def test_merge_refuses_a_plain_cache(smol):
 # -- per-head states (DuoAttention) in mlx-lm's batching ------------------------------------------
 def duo_policy(fm) -> kvfn.Duo:
     """Retrieval heads at random, plus a layer of only retrieval and one of only streaming heads
-    (one group each)."""
+    (one part each)."""
     rng = np.random.default_rng(3)
     heads = [list(rng.random(h) < 0.4) for h in fm.n_kv_heads]
     heads[0] = [True] * fm.n_kv_heads[0]
@@ -133,15 +133,15 @@ def kvfn_duo_decode(fm, ids, policy):
     return tokens, logits, first
 
 
-def head_groups(policy, states):
-    from kvfn.serving.batch import HeadGroupsKVCache
+def head_parts(policy, states):
+    from kvfn.serving.batch import HeadPartsKVCache
 
-    return [HeadGroupsKVCache.from_state(s, policy.head_groups(i, len(policy.heads[i])))
+    return [HeadPartsKVCache.from_state(s, policy.head_parts(i, len(policy.heads[i])))
             for i, s in enumerate(states)]  # fmt: skip
 
 
 def test_duo_batched_decode_equals_kvfn_decode(smol):
-    from kvfn.serving.batch import HeadGroupsKVCache
+    from kvfn.serving.batch import HeadPartsKVCache
     from kvfn.wrapper import attending_copy
 
     model, tokenizer, fm = smol
@@ -155,16 +155,16 @@ def test_duo_batched_decode_equals_kvfn_decode(smol):
     entries, want = [], []
     for ids in prompts:
         tokens, _, states = kvfn_duo_decode(fm, ids, policy)
-        entries.append((head_groups(policy, states), ids[-1:]))
+        entries.append((head_parts(policy, states), ids[-1:]))
         want.append(tokens)
-    # the streaming groups of the compacted prompts hold sinks + recent rows, the short one all
-    assert entries[0][0][1].groups[0].rows == 44 and entries[0][0][1].rings == [(4, 40)]
+    # the streaming parts of the compacted prompts hold sinks + recent rows, the short one all
+    assert entries[0][0][1].parts[0].rows == 44 and entries[0][0][1].rings == [(4, 40)]
     assert entries[2][0][1].rings == [None]
     full = kvfn.prefill(fm, mx.array([prompts[0][:-1]]))
     assert entries[0][0][2].nbytes < 0.5 * kvfn.to_mlx_cache(full)[2].nbytes
     got, finals = batched(attending_copy(model), entries)
     assert got == want
-    assert all(isinstance(c, HeadGroupsKVCache) for c in finals[0])
+    assert all(isinstance(c, HeadPartsKVCache) for c in finals[0])
     assert finals[0][1].offset == len(prompts[0]) + STEPS  # one step ahead, as above
 
 
@@ -173,7 +173,7 @@ def test_duo_batched_logits_equal_kvfn(smol, windowed):
     """Logits of two sequences stepped together through the batch cache equal kvfn's decode of
     each; without the window mask (negative control) the streaming heads read rows their ring
     dropped and the logits differ."""
-    from kvfn.serving.batch import BatchHeadGroupsKVCache
+    from kvfn.serving.batch import BatchHeadPartsKVCache
     from kvfn.wrapper import attending_copy
 
     model, tokenizer, fm = smol
@@ -182,11 +182,11 @@ def test_duo_batched_logits_equal_kvfn(smol, windowed):
         kvfn_duo_decode(fm, prompt(tokenizer, n, t), policy)
         for n, t in ((30, "ships"), (12, "birds"))
     ]
-    caches = [head_groups(policy, states) for _, _, states in runs]
+    caches = [head_parts(policy, states) for _, _, states in runs]
     if not windowed:
         for c in (c for layers in caches for c in layers):
             c.rings = [None] * len(c.rings)
-    batch = [BatchHeadGroupsKVCache.merge(list(layer)) for layer in zip(*caches)]
+    batch = [BatchHeadPartsKVCache.merge(list(layer)) for layer in zip(*caches)]
     copy_ = attending_copy(model)
     last = [prompt(tokenizer, n, t)[-1] for n, t in ((30, "ships"), (12, "birds"))]
     gaps = []
@@ -199,10 +199,10 @@ def test_duo_batched_logits_equal_kvfn(smol, windowed):
 
 def test_per_head_batch_caches_leave_no_growing_chain():
     """A token-only batched decode (mlx-lm's BatchGenerator evaluates only tokens) leaves each
-    per-head batch cache's group offsets with a bounded graph: only the first group's is read
+    per-head batch cache's part offsets with a bounded graph: only the first part's is read
     (by RoPE), and the others are handles of it."""
     from kvfn.policies.duo import Duo
-    from kvfn.serving.batch import BatchHeadGroupsKVCache
+    from kvfn.serving.batch import BatchHeadPartsKVCache
     from kvfn.wrapper import attending_copy
     from tests.test_duo import PATTERN, _pending
     from tests.tiny import tiny_model
@@ -214,12 +214,12 @@ def test_per_head_batch_caches_leave_no_growing_chain():
     pending = []
     for steps in (5, 30):
         states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=40)
-        batch = [BatchHeadGroupsKVCache.merge([c]) for c in head_groups(policy, states)]
+        batch = [BatchHeadPartsKVCache.merge([c]) for c in head_parts(policy, states)]
         token = mx.array([[ids[-1]]])
         for _ in range(steps):
             token = mx.argmax(copy_(token, cache=batch)[:, -1], axis=-1)[:, None]
             token.item()
-        pending.append(_pending([g.offset for b in batch for g in b.groups]))
+        pending.append(_pending([g.offset for b in batch for g in b.parts]))
     assert pending[0] == pending[1], pending
 
 

@@ -134,7 +134,7 @@ def test_profile_decode_pairs_each_rows_ratio_to_mlx_lm_within_a_round(capsys):
 
 
 def test_profile_decode_counts_duo_steps_without_position_writes(capsys):
-    """A Duo step (two groups a layer, or their slots layout) writes only keys and values (a
+    """A Duo step (two parts a layer, or their slots layout) writes only keys and values (a
     ring derives its positions) and takes no dependency to settle what it writes."""
     from examples import profile_decode
     from examples.benchmark_decode import SHAPES
@@ -364,11 +364,11 @@ def test_profile_timeline_counts_api_calls_and_builds_duo_states(capsys):
     assert s["api_ms"] == pytest.approx(0.055)  # a call inside another counts once: 0-110 us
     assert list(s["api"]) == ["cudaGraphLaunch", "cudaGraphExecUpdate"]
     assert s["api"]["cudaGraphLaunch"] == (1.0, 80.0, 80.0)
-    assert pt.kernel_class("custom_kernel_kvfn_two_group_decode_split_265") == "attention"
+    assert pt.kernel_class("custom_kernel_kvfn_two_part_decode_split_265") == "attention"
     model = benchmark_decode.random_model("tiny", False, mx.float32)
     _, states = filled(model, 400, 8, mx.float32)
     duo = pt.duo_states(states, 0.25, 8)
-    groups = [g for s in duo for g in getattr(s, "groups", (s,))]
+    groups = [g for s in duo for g in getattr(s, "parts", (s,))]
     retrieval = sum(g.keys.shape[1] for g in groups if isinstance(g, kvfn.cache.State))
     assert retrieval == round(0.25 * len(states) * states[0].keys.shape[1])
     for bad, message in ((["--duo", "1.5"], "retrieval ratio in \\(0, 1\\), got 1.5"),

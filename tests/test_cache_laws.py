@@ -233,7 +233,7 @@ def test_prefix_trim_lengths_are_checked_in_every_state_type():
                 module.prefix_trim(state, bad)
         with pytest.raises(TypeError, match="integer length, got dtype mlx.core.float32"):
             module.prefix_trim(state, mx.array([2.7]))
-        if module is not part:  # a partitioned layer masks each group with its module
+        if module is not part:  # a partitioned layer masks each part with its module
             with pytest.raises(ValueError, match="mask needs n_queries >= 0, got -1"):
                 module.mask(state, -1)
         by_numpy = module.prefix_trim(state, np.int64(3))  # a numpy integer is an int

@@ -2,6 +2,8 @@
 decoding from partitioned states equals one full-sequence forward pass of the unmodified model
 with attention masked per (layer, KV head) to the rows each head keeps."""
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -47,7 +49,7 @@ def duo_visibility(fm, states, P, T, policy):
                 rule = streaming
             else:
                 kept = np.zeros(T, bool)
-                group = s if isinstance(s, kv.State) else s.groups[0]
+                group = s if isinstance(s, kv.State) else s.parts[0]
                 col = s.heads[0].index(h) if not isinstance(s, kv.State) else h
                 pos = np.array(group.positions[0, col])
                 kept[pos[pos < P]] = True
@@ -123,7 +125,7 @@ def test_duo_decode_equals_per_head_masked_full_attention(compress, family):
     gap, full_gap, states, result = duo_gap(fm, ids, policy, steps=10)  # the ring wraps
     assert gap < TOL
     assert full_gap > 100 * TOL  # streaming heads did lose rows: the oracle is not vacuous
-    ring = states[0].groups[1]
+    ring = states[0].parts[1]
     assert isinstance(ring, rg.StreamingRing) and ring.capacity == 2 + 6
     assert result.total_bytes_after < result.total_bytes_before
 
@@ -141,7 +143,7 @@ def _pending(arrays) -> int:
 ], ids=["duo", "duo-slots", "adakv", "adakv-nope", "pyramidkv-nope"])  # fmt: skip
 def test_a_token_only_loop_leaves_no_growing_chain(family, policy, slots):
     """A decode loop that evaluates only its tokens (as a pipelined one must) leaves every state
-    array with a bounded graph: no layer or group carries a counter that no step reads, also
+    array with a bounded graph: no layer or part carries a counter that no step reads, also
     where a layer applies no RoPE (smollm3's every other layer here), whose offset only the
     other layers' RoPE reads."""
     fm = kvfn.FunctionalModel(tiny_model(family))
@@ -150,7 +152,7 @@ def test_a_token_only_loop_leaves_no_growing_chain(family, policy, slots):
               "adakv": kvfn.AdaKV(budget=16, window=4, sink_tokens=2),
               "pyramidkv": kvfn.PyramidKV(budget=16, window=4, sink_tokens=2)}[policy]  # fmt: skip
     start, _ = kvfn.compact(fm, ids, chosen, max_new_tokens=40)
-    if slots:  # a Duo layer's plain group and ring in one buffer
+    if slots:  # a Duo layer's plain part and ring in one buffer
         start = kvfn.slots.pack_layers(start)
     pending = []
     for steps in (5, 30):
@@ -175,9 +177,9 @@ def test_duo_compiled_decode_traces_once_and_keeps_ring_size():
     assert fm.traces == before + 1
     counts = part.row_counts(states[1])
     assert counts.tolist() == [[2 + 4, 49 + 8]]  # head 0 streams, head 1 retrieves
-    plain, ring = part.mask(states[1], 1)  # what the last token saw, per group
+    plain, ring = part.mask(states[1], 1)  # what the last token saw, per part
     assert ring.shape == (1, 1, 1, 6) and bool(ring.all())  # the full ring: sinks + recent
-    assert plain.shape[-1] == states[1].groups[0].capacity
+    assert plain.shape[-1] == states[1].parts[0].capacity
     assert int(plain.sum()) == 49 + 8  # every stored retrieval row, no empty slot
     assert int(states[1].offset.item()) == 49 + 8
 
@@ -318,14 +320,14 @@ def test_ring_rejects_bad_sizes():
 # -- per-head keep sets --------------------------------------------------------------------------
 
 
-def test_from_keep_sets_groups_heads_by_count_and_stores_no_union():
+def test_from_keep_sets_parts_heads_by_count_and_stores_no_union():
     s = kv.from_full(rows(12, H=3), rows(12, H=3))
     keep = [mx.array([0, 5, 11]), mx.arange(12), mx.array([1, 2, 3])]
     p = part.from_keep_sets(s, keep)
     assert p.heads == ((1,), (0, 2))
     assert part.row_counts(p).tolist() == [[3, 12, 3]]
     assert p.nbytes < s.nbytes  # the union (all 12 rows) is not stored for heads 0 and 2
-    assert p.groups[1].positions[0].tolist() == [[0, 5, 11], [1, 2, 3]]
+    assert p.parts[1].positions[0].tolist() == [[0, 5, 11], [1, 2, 3]]
     with pytest.raises(ValueError, match="heads"):
         part.from_keep_sets(s, keep[:2])
     with pytest.raises(ValueError, match="sorted"):
@@ -343,7 +345,7 @@ def test_partition_checks_heads():
 @pytest.mark.parametrize("heads", [((0, 1), (2, 3)), ((1, 3), (0, 2)), ((3,), (0, 1, 2)),
                                    ((2, 0), (3, 1)), ((0, 1, 2, 3),)])  # fmt: skip
 @pytest.mark.parametrize("batch", [1, 2])
-def test_split_rows_gives_each_group_its_heads_in_order(heads, batch):
+def test_split_rows_gives_each_part_its_heads_in_order(heads, batch):
     values = mx.arange(batch * 4 * 6 * 3, dtype=mx.float32).reshape(batch, 4, 6, 3)
     s = kv.from_full(values, values)
     layer = part.partition([part.take_heads(s, hs) for hs in heads], heads)
@@ -392,10 +394,10 @@ def test_growing_a_partitioned_layer_that_has_room_returns_it_unchanged():
     policy = Duo(retrieval=PATTERN, sink_tokens=2, recent=4)
     states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=3)
     assert all(kvfn.wrapper.grown(s, 1) is s for s in states)
-    g, plain = next((g, x) for g, x in enumerate(states[0].groups) if isinstance(x, kv.State))
+    g, plain = next((g, x) for g, x in enumerate(states[0].parts) if isinstance(x, kv.State))
     n = plain.capacity - plain.max_rows + 1  # one more than fits
     bigger = kvfn.wrapper.grown(states[0], n)
-    assert bigger is not states[0] and bigger.groups[g].capacity > plain.capacity
+    assert bigger is not states[0] and bigger.parts[g].capacity > plain.capacity
 
 
 def test_evict_by_head_decodes_like_per_head_masked_full_attention():
@@ -515,8 +517,8 @@ def test_states_saved_with_empty_free_slots_load_with_their_next_positions(tmp_p
         return g.replace(positions=mx.where(past, kv.EMPTY, g.positions))
 
     def old(s):
-        groups = getattr(s, "groups", None)
-        return old_layout(s) if groups is None else s.replace(groups=tuple(map(old_layout, groups)))
+        parts = getattr(s, "parts", None)
+        return old_layout(s) if parts is None else s.replace(parts=tuple(map(old_layout, parts)))
 
     def trim(s):
         return part.trim(s, 1) if isinstance(s, part.HeadPartitionedKVCache) else kv.trim(s, 1)
@@ -558,12 +560,32 @@ def test_rings_saved_with_a_position_per_slot_load_as_they_were(tmp_path):
         del flat["0.1.since"]
         mx.save_safetensors(str(tmp_path / "old.safetensors"), flat, metadata=meta)
         (again,), _ = kvfn.tree.load(tmp_path / "old.safetensors")
-        assert mx.array_equal(again.groups[1].positions, ring.positions)
-        assert again.groups[1].offset.tolist() == ring.offset.tolist()
+        assert mx.array_equal(again.parts[1].positions, ring.positions)
+        assert again.parts[1].offset.tolist() == ring.offset.tolist()
+
+
+def test_partitioned_states_saved_with_groups_load_as_they_were(tmp_path):
+    """A file from before a partitioned layer's head sets were named ``parts`` (its metadata
+    says ``groups``) loads to the same states."""
+    fm = kvfn.FunctionalModel(tiny_model("llama"))
+    ids = np.random.default_rng(6).integers(0, 97, 40).tolist()
+    states, _ = kvfn.compact(fm, ids, Duo(retrieval=PATTERN, sink_tokens=2, recent=6),
+                             max_new_tokens=4)  # fmt: skip
+    kvfn.tree.save(tmp_path / "new.safetensors", states)
+    flat, meta = mx.load(str(tmp_path / "new.safetensors"), return_metadata=True)
+    saved = json.loads(meta["kvfn_states"])
+    assert '"parts"' in meta["kvfn_states"] and '"groups"' not in meta["kvfn_states"]
+    old = json.dumps(saved).replace('"parts"', '"groups"')
+    mx.save_safetensors(str(tmp_path / "old.safetensors"), flat, metadata={"kvfn_states": old})
+    again, _ = kvfn.tree.load(tmp_path / "old.safetensors")
+    assert [kvfn.tree.flatten(s)[1:] for s in again] == [kvfn.tree.flatten(s)[1:] for s in states]
+    a, _ = fm.decode(mx.array([[ids[-1]]]), states)
+    b, _ = fm.decode(mx.array([[ids[-1]]]), again)
+    assert mx.array_equal(a, b).item()
 
 
 def test_stacked_partitioned_states_decode_as_each_alone():
-    """``partitioned.stack`` joins the Duo states of prompts of different lengths (plain groups
+    """``partitioned.stack`` joins the Duo states of prompts of different lengths (plain parts
     of different rows, rings at different offsets): a chunk and decode steps over the batch give
     each its own logits; layers that cannot share a batch are refused by name."""
     fm = kvfn.FunctionalModel(tiny_model("qwen2"))
@@ -580,13 +602,13 @@ def test_stacked_partitioned_states_decode_as_each_alone():
     # 8 steps: past the rings' 6 recent slots, so each ring wraps at its own offset
     assert stacked_gap(fm, stacked, kept, tail, steps=8) < TOL
     _, after = fm.forward(mx.array([tail, tail]), stacked)
-    assert after[0].groups[1].offset.tolist() == [o + 3 for o in offsets]
+    assert after[0].parts[1].offset.tolist() == [o + 3 for o in offsets]
     wider = Duo(retrieval=pattern, sink_tokens=2, recent=7, budget=20, window=4, compress=True)
     other = kvfn.compact(fm, prompts[1], wider)[0]
     with pytest.raises(ValueError, match="cannot stack rings of different sizes"):
         part.stack([kept[0][0], other[0]])
     flipped = Duo(retrieval=((False, True),) * len(pattern), sink_tokens=2, recent=6)
-    with pytest.raises(ValueError, match="different head groups"):
+    with pytest.raises(ValueError, match="different head parts"):
         part.stack([kept[0][0], kvfn.compact(fm, prompts[1], flipped)[0][0]])
     with pytest.raises(ValueError, match="at least one"):
         part.stack([])
@@ -614,8 +636,8 @@ def test_partitioned_states_trim_exactly():
     # the rolled-back rows are gone and nothing else: the retrieval heads hold exactly what
     # they held after one step; a streaming ring lost the row the second step pushed out
     for r, o in zip(rolled, after_one):
-        for gr, go in zip(getattr(r, "groups", (r,)), getattr(o, "groups", (o,))):
-            held = lambda g: sorted(  # the stored rows' positions (a plain group's first rows)
+        for gr, go in zip(getattr(r, "parts", (r,)), getattr(o, "parts", (o,))):
+            held = lambda g: sorted(  # the stored rows' positions (a plain part's first rows)
                 p
                 for p in np.array(g.positions)[..., : int(getattr(g, "rows", g.capacity))]
                 .ravel()
@@ -684,7 +706,7 @@ def test_a_chunk_after_duo_compaction_sees_what_each_head_keeps():
     ref = reference_logits(fm.model, mx.array([ids[:-1] + chunk]),
                            duo_visibility(fm, states, P, T, policy))[P:]  # fmt: skip
     assert mx.abs(logits[0] - ref).max().item() < TOL
-    ring = after[0].groups[1]
+    ring = after[0].parts[1]
     held = sorted(p for p in np.array(ring.positions).ravel().tolist() if p != kv.EMPTY)
     assert held == [0, 1] + list(range(T - 6, T))
     more, _ = kvfn.prefill(fm, mx.array([follow[:3]]), states=states), None

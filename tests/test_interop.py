@@ -159,7 +159,7 @@ def test_quantized_compacted_cache_file_round_trip_and_trim(smollm2, compacted, 
 
 
 def test_per_head_states_are_refused_by_name():
-    """Ragged rows (Ada-KV), head groups (Duo) and slots keep a row count per KV head, which no
+    """Ragged rows (Ada-KV), head parts (Duo) and slots keep a row count per KV head, which no
     mlx-lm cache object holds: ``to_mlx_cache`` names the kind and what decodes it instead."""
     import kvfn
     from kvfn import slots as sl
@@ -170,10 +170,10 @@ def test_per_head_states_are_refused_by_name():
     fm = FunctionalModel(tiny_model("llama"))
     ids = list(range(3, 43))
     ragged, _ = kvfn.compact(fm, ids, kvfn.AdaKV(budget=16, window=4, sink_tokens=2))
-    groups, _ = kvfn.compact(fm, ids, Duo(retrieval=PATTERN[: len(fm.n_kv_heads)],
+    parts, _ = kvfn.compact(fm, ids, Duo(retrieval=PATTERN[: len(fm.n_kv_heads)],
                                           sink_tokens=2, recent=6))  # fmt: skip
-    slots = sl.pack_layers(groups)
-    for states in (ragged, groups, slots):
+    slots = sl.pack_layers(parts)
+    for states in (ragged, parts, slots):
         kind = next(type(s).__name__ for s in states if type(s) is not kv.State)
         with pytest.raises(ValueError, match=f"a {kind} keeps its rows per KV head.*decode it"):
             to_mlx_cache(states)

@@ -451,7 +451,7 @@ def test_plan_fills_the_gpu_and_tiles_heads():
     assert plan(1, 14, 2, 4096)[:2] == (7, 1)
 
 
-def two_group_operands():
+def two_part_operands():
     """A layer of 5 KV heads (3 plain of 24 slots, 2 a full ring of 9), 4 query heads each."""
     from kvfn.states.partitioned import _head_map
 
@@ -469,14 +469,14 @@ def two_group_operands():
         (lambda q, k0, k1, n: (q, k0, k1, mx.zeros((3,), mx.int32)), r"int32 \(\) or \(2,\)"),
     ],
 )
-def test_two_group_validation(change, message):
+def test_two_part_validation(change, message):
     """The fused kernels refuse operands that do not fit, before any launch (on any backend)."""
-    from kvfn.kernels import two_group_decode_attention
+    from kvfn.kernels import two_part_decode_attention
 
-    q, k0, k1, n, hmap = two_group_operands()
+    q, k0, k1, n, hmap = two_part_operands()
     q, k0, k1, n = change(q, k0, k1, n)
     with pytest.raises(ValueError, match=message):
-        two_group_decode_attention(q, k0, k0, n, k1, k1, 9, hmap, scale=0.1)
+        two_part_decode_attention(q, k0, k0, n, k1, k1, 9, hmap, scale=0.1)
 
 
 @pytest.mark.parametrize(
@@ -492,7 +492,7 @@ def test_slots_validation(change, message):
     from kvfn.kernels import slots_decode_attention
     from kvfn.states.slots import _layout
 
-    q, _, _, n, _ = two_group_operands()
+    q, _, _, n, _ = two_part_operands()
     k = mx.zeros((B, 3 * 24 + 2 * 9, 64))
     q, k, v, n = change(q, k, k, n)
     hmap = _layout(((1, 3, 4), (0, 2)), 24, 9)[2]
@@ -504,10 +504,10 @@ def test_slots_validation(change, message):
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("threads", [128, 256])
-def test_two_groups_in_head_order_match_each_group_alone(monkeypatch, lengths, dim, dtype, threads):
-    """The fused two-group kernel (CUDA) equals each group's float64 attention put back in head
+def test_two_parts_in_head_order_match_each_group_alone(monkeypatch, lengths, dim, dtype, threads):
+    """The fused two-part kernel (CUDA) equals each part's float64 attention put back in head
     order, in blocks of 4 warps or 8 (``THREADS``)."""
-    from kvfn.kernels import two_group_decode_attention, two_group_fused
+    from kvfn.kernels import two_part_decode_attention, two_part_fused
     from kvfn.states.partitioned import _head_map
 
     monkeypatch.setattr(kernels, "THREADS", threads)
@@ -517,9 +517,9 @@ def test_two_groups_in_head_order_match_each_group_alone(monkeypatch, lengths, d
     q = mx.random.normal((B, 5 * group, 1, dim)).astype(dtype)
     k0, v0 = (mx.random.normal((B, 3, 24, dim)).astype(dtype) for _ in range(2))
     k1, v1 = (mx.random.normal((B, 2, 9, dim)).astype(dtype) for _ in range(2))
-    if not two_group_fused(q, k0, k1):
+    if not two_part_fused(q, k0, k1):
         pytest.skip("the fused kernel runs on MLX's CUDA backend")
-    out = two_group_decode_attention(q, k0, v0, lengths, k1, v1, 9, _head_map(heads),
+    out = two_part_decode_attention(q, k0, v0, lengths, k1, v1, 9, _head_map(heads),
                                      scale=dim**-0.5)  # fmt: skip
     expected = np.zeros(q.shape)
     for (k, v, n), hs in zip(((k0, v0, lengths), (k1, v1, mx.array(9, mx.int32))), heads):
@@ -530,7 +530,7 @@ def test_two_groups_in_head_order_match_each_group_alone(monkeypatch, lengths, d
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc compiles the kernels offline")
 @pytest.mark.parametrize(
-    "name", ["SPLIT_SOURCE", "TWO_GROUP_SOURCE", "SLOTS_SOURCE", "MMA_SPLIT_SOURCE"]
+    "name", ["SPLIT_SOURCE", "TWO_PART_SOURCE", "SLOTS_SOURCE", "MMA_SPLIT_SOURCE"]
 )
 @pytest.mark.parametrize("dtype", ["__nv_bfloat16", "__half"])
 @pytest.mark.parametrize("one_split", [False, True], ids=["splits", "one_split"])
@@ -622,7 +622,7 @@ def _launches(monkeypatch) -> list:
         return launch
 
     for name in ("_split_kernel", "_mma_split_kernel", "_ranges_kernel", "_mma_ranges_kernel",
-                 "_slots_kernel", "_mma_slots_kernel", "_two_group_kernel", "_combine_kernel"):
+                 "_slots_kernel", "_mma_slots_kernel", "_two_part_kernel", "_combine_kernel"):
         monkeypatch.setattr(kernels, name, kernel)
     return launched
 
@@ -630,7 +630,7 @@ def _launches(monkeypatch) -> list:
 def _each_layout(rows: int, ring: int) -> list:
     """One decode attention call per layout's kernel over ``rows`` rows a KV head (a ring of
     ``ring``), 8 query heads, bf16 head_dim 128: the plain split kernel, the ragged one, the
-    slots one and the two-group one."""
+    slots one and the two-part one."""
     from kvfn.states.partitioned import _head_map
 
     q = mx.zeros((1, 8, 1, 128), mx.bfloat16)
@@ -645,12 +645,12 @@ def _each_layout(rows: int, ring: int) -> list:
         lambda: kernels._kernel_attention(q, k, k, n, 0.1),
         lambda: kernels.ranges_decode_attention(q, flat, flat, starts, lengths, scale=0.1),
         lambda: kernels.slots_decode_attention(q, slots, slots, n, rows, ring, hmap, scale=0.1),
-        lambda: kernels.two_group_decode_attention(q, k[:, :1], k[:, :1], n, k1, k1, ring,
+        lambda: kernels.two_part_decode_attention(q, k[:, :1], k[:, :1], n, k1, k1, ring,
                                                    _head_map(((0,), (1,))), scale=0.1),
     ]
 
 
-@pytest.mark.parametrize("layout", range(4), ids=["plain", "ragged", "slots", "two_group"])
+@pytest.mark.parametrize("layout", range(4), ids=["plain", "ragged", "slots", "two_part"])
 @pytest.mark.parametrize("mma", [False, True], ids=["cuda_cores", "tensor_cores"])
 def test_a_new_capacity_compiles_no_new_kernel(monkeypatch, layout, mma):
     """What MLX compiles a custom kernel by (its name, source and template arguments) does not

@@ -1,6 +1,6 @@
 """One home per state kind: a new kind declared in this file alone (its dataclass, its layout and
 its adapter) runs through the model wrapper's compiled decode, save and load, ``to_mlx_cache``'s
-refusal and kvfn-server's head groups, with no other module edited. ``Halves`` keeps a plain
+refusal and kvfn-server's head parts, with no other module edited. ``Halves`` keeps a plain
 layer's KV heads in two plain states (the first half, the rest)."""
 
 from typing import ClassVar
@@ -11,7 +11,7 @@ import pytest
 
 import kvfn
 from kvfn import adapters
-from kvfn.serving.batch import HeadGroupsKVCache
+from kvfn.serving.batch import HeadPartsKVCache
 from kvfn.states import cache as kv
 from kvfn.states import layout
 from tests.tiny import tiny_model
@@ -73,8 +73,8 @@ class HalvesLayout(layout.Layout):
         return r, a + b
 
     @staticmethod
-    def head_groups(h, heads):
-        return kv.Layout.head_groups(joined(h), heads)
+    def head_parts(h, heads):
+        return kv.Layout.head_parts(joined(h), heads)
 
     @staticmethod
     def encode(static, host):
@@ -156,14 +156,14 @@ def test_a_new_kind_is_refused_by_mlx_lm_interop_by_name(setup):
 
 
 def test_a_new_kind_forms_kvfn_servers_head_groups(setup):
-    """The server's per-head batch form takes it through its layout's head groups: the same
+    """The server's per-head batch form takes it through its layout's head parts: the same
     rows as the plain layer's."""
     _, _, plain, halves = setup
     heads = ((0,), tuple(range(1, plain[0].keys.shape[1])))
-    a = HeadGroupsKVCache.from_state(halves[0], heads)
-    b = HeadGroupsKVCache.from_state(plain[0], heads)
+    a = HeadPartsKVCache.from_state(halves[0], heads)
+    b = HeadPartsKVCache.from_state(plain[0], heads)
     assert a.heads == b.heads == heads and a.rings == b.rings == [None, None]
-    for x, y in zip(a.groups, b.groups):
+    for x, y in zip(a.parts, b.parts):
         assert (x.offset, x.rows) == (y.offset, y.rows) and x.rows > 0
         for f in ("keys", "values", "positions"):
             assert mx.array_equal(getattr(x, f)[:, :, : x.rows], getattr(y, f)[:, :, : y.rows])

@@ -60,7 +60,7 @@ POLICIES = [
     Pyramid(KVzip(budget=20, window=6, sink_tokens=3, chunk=7), beta=4),
 ]
 IDS = [repr(p) for p in POLICIES]
-# stored in head groups, against the per-head masked oracle in tests/test_duo.py
+# stored in head parts, against the per-head masked oracle in tests/test_duo.py
 PER_HEAD = {"duo"}
 
 
@@ -69,7 +69,7 @@ def test_every_policy_of_the_library_runs_through_a_suite():
 
     library = {n for n, cls in REGISTRY.items() if cls.__module__.startswith("kvfn.policies.")}
     assert library == {p.name for p in POLICIES if p.name in REGISTRY} - {"everyother"} | PER_HEAD
-    assert all(REGISTRY[n].ragged or REGISTRY[n].head_groups is not kvfn.Policy.head_groups
+    assert all(REGISTRY[n].ragged or REGISTRY[n].head_parts is not kvfn.Policy.head_parts
                for n in PER_HEAD)  # fmt: skip
 
 

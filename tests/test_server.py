@@ -241,7 +241,7 @@ def raw_post(port: int, path: str, body: bytes) -> tuple[int, dict]:
         (dict(extra_body={"kv_eviction": "no-such-policy"}), 400, "unknown policy"),
         (dict(extra_body={"kv_eviction": "duo-r25"}), 400,
          "duo needs a head pattern: start with --kv-head-pattern"),
-        (dict(extra_body={"kv_eviction": "adakv"}), 400, "per-head rows in its own head groups"),
+        (dict(extra_body={"kv_eviction": "adakv"}), 400, "per-head rows in its own head parts"),
         (dict(extra_body={"kv_budget": 8}), 400, "budget 8 is below sink tokens + window = 4 + 8"),
         (dict(extra_body={"kv_budget": "big"}), 400, "kv_budget must be a positive integer"),
         (dict(messages="hello"), 400, "messages must be a non-empty list"),
@@ -600,7 +600,7 @@ def test_duo_serves_kvfn_duo_answers(duo, pattern):
     assert health["kv_cache"]["prompt_cache_sequences"] == 0  # rule 4: never inserted
     short = duo.chat(SHORT[1], max_tokens=8)
     assert short.choices[0].message.content and short.usage.model_extra["kv_eviction"]["kept_whole"]
-    # a plain policy per request, held in the server's head groups
+    # a plain policy per request, held in the server's head parts
     snap = duo.chat(LONG[0], max_tokens=8, extra_body={"kv_eviction": "snapkv", "kv_budget": 64})
     assert snap.usage.model_extra["kv_eviction"]["rows_kept"] == 30 * 64
 
@@ -618,7 +618,7 @@ def test_ragged_policies_are_served_as_kvfn_decodes_them():
     """A server of a ragged policy (adakvzip-global: KVzip's pass, the pair-level plan, ragged
     rows in one batch cache a layer) answers as kvfn's own decode of the same prompt while
     another stream keeps decoding; a request may name another ragged policy or a plain one,
-    not a policy of head groups; nothing stays held."""
+    not a policy of head parts; nothing stays held."""
     import kvfn
 
     proc, port = start(["--kv-eviction", "adakvzip-global", "--kv-budget", "64", "--kv-window",

@@ -170,7 +170,7 @@ def test_a_turn_waits_for_the_compaction_of_its_context_in_progress(loaded):
                           prompt_cache_bytes=None)  # fmt: skip
     provider = KVModelProvider.__new__(KVModelProvider)  # what the prompt cache reads of one
     provider.__dict__.update(cli_args=cli, _functional=fm, tokenizer=tokenizer, ragged=False,
-                             head_groups=None)  # fmt: skip
+                             head_parts=None)  # fmt: skip
     cache = EvictingPromptCache(provider)
     context = tokenizer.encode(CONTEXT)
     prompts = [context + tokenizer.encode(" " + q) for q in QUESTIONS[:2]]

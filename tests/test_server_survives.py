@@ -169,7 +169,7 @@ def test_every_policy_is_served_as_the_servers_and_by_request(serve, loaded, pat
     """As the server's policy: its name and every option word answer 200 with their usage,
     below the prompt (compacted, as kvfn's own decode answers) and above it (kept whole).
     Then every other registered name by request: 200, or a 4xx naming why (per-head rows in
-    other head groups). The server stays healthy throughout."""
+    other head parts). The server stays healthy throughout."""
     server = serve(server_flags(name, pattern))
     below = server.post(chat())
     args = kv_server.parse_args([*COMMON, *server_flags(name, pattern)])

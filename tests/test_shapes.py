@@ -116,17 +116,17 @@ def test_the_compaction_compiles_nothing_unless_asked(fm, monkeypatch):
 
 
 def kinds(fm):
-    """One state of every kind, compacted from one prompt: plain, ragged, head groups (with a
+    """One state of every kind, compacted from one prompt: plain, ragged, head parts (with a
     streaming ring), slots."""
     ids = list(range(3, 50))
     plain, _ = kvfn.compact(fm, ids, kvfn.SnapKV(budget=16, window=4, sink_tokens=2))
     ragged, _ = kvfn.compact(fm, ids, kvfn.AdaKV(budget=16, window=4, sink_tokens=2))
-    groups, _ = kvfn.compact(fm, ids, policy_of("duo", fm))
-    return {"plain": plain, "ragged": ragged, "groups": groups,
-            "slots": sl.pack_layers(groups)}  # fmt: skip
+    parts, _ = kvfn.compact(fm, ids, policy_of("duo", fm))
+    return {"plain": plain, "ragged": ragged, "parts": parts,
+            "slots": sl.pack_layers(parts)}  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["plain", "ragged", "groups", "slots"])
+@pytest.mark.parametrize("kind", ["plain", "ragged", "parts", "slots"])
 def test_a_300_step_decode_loop_traces_once_a_growth(kind):
     """A decode loop traces when its capacity grows (doubling, in buckets), never per step: a
     loop that retraced each step fails here."""

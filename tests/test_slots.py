@@ -1,6 +1,6 @@
-"""The slots layout (``kvfn.slots``): DuoAttention's two head groups in one buffer a layer.
-Laws: it is the two-group state's rows, reshaped (``to_partitioned(op(s)) == op(groups)``);
-the one-row write equals the groups' update; and the oracle: decoding from it equals one
+"""The slots layout (``kvfn.slots``): DuoAttention's two head parts in one buffer a layer.
+Laws: it is the two-part state's rows, reshaped (``to_partitioned(op(s)) == op(parts)``);
+the one-row write equals the parts' update; and the oracle: decoding from it equals one
 full-sequence pass of the unmodified model masked per (layer, KV head) to the kept rows."""
 
 import mlx.core as mx
@@ -19,9 +19,9 @@ from tests.tiny import tiny_model
 
 
 def same(a, b) -> None:
-    """Two two-group states hold the same arrays."""
+    """Two two-part states hold the same arrays."""
     assert a.heads == b.heads
-    for g, h in zip(a.groups, b.groups):
+    for g, h in zip(a.parts, b.parts):
         assert type(g) is type(h)
         fields = rg.ARRAY_FIELDS if isinstance(g, rg.StreamingRing) else kv.ARRAY_FIELDS
         for f in fields:
@@ -30,7 +30,7 @@ def same(a, b) -> None:
 
 
 def layer(B=3, sink=2, recent=5, C=24, prompt=9, ring_first=False, D=8, Dv=8):
-    """A two-group layer of 4 KV heads (heads 1, 3 plain, 0, 2 streaming), every head's rows
+    """A two-part layer of 4 KV heads (heads 1, 3 plain, 0, 2 streaming), every head's rows
     distinct, sequences at different offsets (a prefix trim)."""
     rng = np.random.default_rng(0)
     k = mx.array(rng.normal(size=(B, 4, prompt, D)).astype(np.float32))
@@ -38,10 +38,10 @@ def layer(B=3, sink=2, recent=5, C=24, prompt=9, ring_first=False, D=8, Dv=8):
     plain = kv.reserve(kv.from_full(k[:, [1, 3]], v[:, [1, 3]]), C)
     ring = rg.init(B, 2, D, sink=sink, recent=recent, value_dim=Dv)
     ring = rg.update(ring, k[:, [0, 2]], v[:, [0, 2]])
-    groups, heads = (plain, ring), ((1, 3), (0, 2))
+    parts, heads = (plain, ring), ((1, 3), (0, 2))
     if ring_first:
-        groups, heads = groups[::-1], heads[::-1]
-    return part.partition(groups, heads)
+        parts, heads = parts[::-1], heads[::-1]
+    return part.partition(parts, heads)
 
 
 def test_slots_round_trip_and_store_no_union():
@@ -51,14 +51,14 @@ def test_slots_round_trip_and_store_no_union():
     assert s.keys.shape == (3, 2 * 24 + 2 * 7, 8)  # each head its own range, no union
     assert s.nbytes == p.nbytes
     r = layer(ring_first=True)
-    same(sl.to_partitioned(sl.from_partitioned(r)), p)  # the plain group first, whatever order
+    same(sl.to_partitioned(sl.from_partitioned(r)), p)  # the plain part first, whatever order
     assert sl.row_counts(s).tolist() == part.row_counts(p).tolist()
 
 
 @pytest.mark.parametrize("sink", [0, 2])
 @pytest.mark.parametrize("Dv", [8, 4])
 def test_slots_one_row_write_equals_the_groups_update(sink, Dv):
-    """Law: a decode step's write (one scatter per array over all heads) equals the two-group
+    """Law: a decode step's write (one scatter per array over all heads) equals the two-part
     update, whatever each sequence's offset (below the sinks, wrapping, after a trim), with
     values as wide as the keys or not."""
     p = part.prefix_trim(layer(sink=sink, Dv=Dv), mx.array([1, 6, 9], mx.int32))
@@ -82,7 +82,7 @@ def test_slots_chunks_trims_and_masks_are_the_groups():
     same(sl.to_partitioned(sl.trim(s, 2)), part.trim(p, 2))
     same(sl.to_partitioned(sl.prefix_trim(s, 4)), part.prefix_trim(p, 4))
     same(sl.to_partitioned(sl.reserve(s, 40)), part.partition(
-        (kv.reserve(p.groups[0], 40), p.groups[1]), p.heads))  # fmt: skip
+        (kv.reserve(p.parts[0], 40), p.parts[1]), p.heads))  # fmt: skip
     for a, b in zip(sl.mask(s, 1), part.mask(p, 1)):
         assert np.array_equal(np.array(a), np.array(b))
 
@@ -90,15 +90,15 @@ def test_slots_chunks_trims_and_masks_are_the_groups():
 def test_slots_reject_bad_input():
     p = layer()
     s = sl.from_partitioned(p)
-    with pytest.raises(ValueError, match="two head groups"):
-        sl.from_partitioned(part.partition([p.groups[0]], [(0, 1)]))
+    with pytest.raises(ValueError, match="two head parts"):
+        sl.from_partitioned(part.partition([p.parts[0]], [(0, 1)]))
     with pytest.raises(ValueError, match="StreamingRing"):
-        sl.from_partitioned(part.partition([p.groups[1], p.groups[1]], [(0, 2), (1, 3)]))
-    windowed = p.groups[0].replace(sliding_window=4)
+        sl.from_partitioned(part.partition([p.parts[1], p.parts[1]], [(0, 2), (1, 3)]))
+    windowed = p.parts[0].replace(sliding_window=4)
     with pytest.raises(ValueError, match="window"):
-        sl.from_partitioned(p.replace(groups=(windowed, p.groups[1])))
+        sl.from_partitioned(p.replace(parts=(windowed, p.parts[1])))
     with pytest.raises(ValueError, match="HeadPartitionedKVCache"):
-        sl.from_partitioned(p.groups[0])
+        sl.from_partitioned(p.parts[0])
     with pytest.raises(ValueError, match="KV heads"):
         sl.update(s, mx.zeros((3, 3, 1, 8)), mx.zeros((3, 3, 1, 8)))
     with pytest.raises(ValueError, match="rows"):
@@ -120,17 +120,17 @@ MIXED = ((True, True), (False, True), (False, False))
      ("qwen3", True, PATTERN), ("llama", False, MIXED), ("qwen3", True, MIXED)],
 )  # fmt: skip
 def test_slots_decode_equals_per_head_masked_full_attention(family, compress, pattern):
-    """The oracle, and the same logits and rows as the two-group state, traced once; layers
-    that are not two groups (``MIXED``) stay as they are beside the packed ones."""
+    """The oracle, and the same logits and rows as the two-part state, traced once; layers
+    that are not two parts (``MIXED``) stay as they are beside the packed ones."""
     fm = kvfn.FunctionalModel(tiny_model(family))
     ids = np.random.default_rng(1).integers(0, 97, 70).tolist()
     policy = Duo(retrieval=pattern[: len(fm.n_kv_heads)], sink_tokens=2, recent=6,
                  budget=24 if compress else 2**31 - 1, window=4, compress=compress)  # fmt: skip
     states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=10)
     slots = sl.pack_layers(states)
-    two_groups = [isinstance(s, part.HeadPartitionedKVCache) and len(s.groups) == 2 for s in states]
-    assert [isinstance(s, sl.HeadSlotsKVCache) for s in slots] == two_groups and any(two_groups)
-    assert all(b is a for a, b, two in zip(states, slots, two_groups) if not two)
+    two_parts = [isinstance(s, part.HeadPartitionedKVCache) and len(s.parts) == 2 for s in states]
+    assert [isinstance(s, sl.HeadSlotsKVCache) for s in slots] == two_parts and any(two_parts)
+    assert all(b is a for a, b, two in zip(states, slots, two_parts) if not two)
     before = fm.traces
     got, tokens = greedy_logits(fm, ids, slots, 10)  # the ring wraps
     assert fm.traces == before + 1
@@ -145,7 +145,7 @@ def test_slots_decode_equals_per_head_masked_full_attention(family, compress, pa
 
 
 def test_slots_states_save_and_load(tmp_path):
-    """``tree.save`` writes a slots layer as its two-group state and ``load`` gives the slots
+    """``tree.save`` writes a slots layer as its two-part state and ``load`` gives the slots
     layout back: same arrays, static and host fields, and the same next logits."""
     fm = kvfn.FunctionalModel(tiny_model("llama"))
     ids = np.random.default_rng(3).integers(0, 97, 60).tolist()
@@ -171,15 +171,15 @@ def test_slots_states_save_and_load(tmp_path):
 
 
 def test_slots_chunk_then_decode_and_grow():
-    """A chunk (through the groups), decode past the plain heads' capacity (they grow), and a
-    rollback: all as the two-group state does."""
+    """A chunk (through the parts), decode past the plain heads' capacity (they grow), and a
+    rollback: all as the two-part state does."""
     fm = kvfn.FunctionalModel(tiny_model("llama"))
     ids = np.random.default_rng(3).integers(0, 97, 40).tolist()
     states, _ = kvfn.compact(fm, ids, Duo(retrieval=PATTERN, sink_tokens=2, recent=4),
                              max_new_tokens=1)  # fmt: skip
     # the retrieval heads keep the prompt's 39 rows whole, with room for max_new_tokens + 1,
     # not the prefill's bucket (256 slots)
-    assert states[0].groups[0].capacity == 39 + 2
+    assert states[0].parts[0].capacity == 39 + 2
     a, b = states, sl.pack_layers(states)
     chunk = mx.array([ids[:5]])
     la, a = fm.step(chunk, a)
@@ -191,7 +191,7 @@ def test_slots_chunk_then_decode_and_grow():
         lb, b = fm.decode(token, b)
         assert mx.abs(la - lb).max().item() < TOL
         token = mx.argmax(la, axis=-1)[:, None]
-    assert b[0].capacity > states[0].groups[0].capacity
+    assert b[0].capacity > states[0].parts[0].capacity
     for x, y in zip(a, b):
         same(sl.to_partitioned(sl.trim(y, 3)), part.trim(x, 3))
 
@@ -206,9 +206,9 @@ needs_cuda = pytest.mark.skipif(
 @pytest.mark.parametrize("D,C,prompt", [(64, 300, 200), (128, 2048, 1500)])  # 128: tensor cores
 def test_slots_kernel_equals_each_group_alone(dtype, D, C, prompt):
     p = layer(B=1, C=C, prompt=prompt, D=D, Dv=D)
-    plain, ring = p.groups
+    plain, ring = p.parts
     ring = ring.replace(full=True)  # one sequence, 200 rows through a ring of 7: every slot holds
-    p = p.replace(groups=tuple(g.replace(keys=g.keys.astype(dtype), values=g.values.astype(dtype))
+    p = p.replace(parts=tuple(g.replace(keys=g.keys.astype(dtype), values=g.values.astype(dtype))
                                for g in (plain, ring)))  # fmt: skip
     s = sl.from_partitioned(p)
     q = mx.random.normal((1, 8, 1, D), key=mx.random.key(0)).astype(dtype)

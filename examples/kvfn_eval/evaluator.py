@@ -206,7 +206,7 @@ def head_arrays(state) -> list:
     if isinstance(state, kvfn.RaggedKVCache):
         return [state.positions, state.starts, state.lengths]
     out = []
-    for g in getattr(state, "groups", (state,)):
+    for g in getattr(state, "parts", (state,)):
         out += [g.positions, g.rows] if hasattr(g, "rows") else [g.offset, g.since]
     return out
 
@@ -218,7 +218,7 @@ def head_positions(state) -> list:
         positions, starts, lengths = (np.array(a[0]) for a in head_arrays(state))
         return [positions[a : a + n] for a, n in zip(starts.tolist(), lengths.tolist())]
     out = []
-    for g in getattr(state, "groups", (state,)):
+    for g in getattr(state, "parts", (state,)):
         rows = int(g.rows.item()) if hasattr(g, "rows") else g.positions.shape[-1]
         out += [p[p != kvfn.EMPTY] for p in np.array(g.positions)[0][:, :rows]]
     return out
@@ -286,7 +286,7 @@ def batch_key(states) -> Optional[tuple]:
         shape = s.sliding_window
         if isinstance(s, kvfn.HeadPartitionedKVCache):
             sizes = tuple((type(g), getattr(g, "sink", None), getattr(g, "recent", None))
-                          for g in s.groups)  # fmt: skip
+                          for g in s.parts)  # fmt: skip
             shape = (s.heads, sizes)
         key.append((type(s), shape))
     return tuple(key)
@@ -298,7 +298,7 @@ def fitted(state, room: int):
     if isinstance(state, kvfn.RaggedKVCache):
         return kvfn.ragged.reserve(state, room)
     if isinstance(state, kvfn.HeadPartitionedKVCache):
-        return state.replace(groups=tuple(with_room(g, room) for g in state.groups))
+        return state.replace(parts=tuple(with_room(g, room) for g in state.parts))
     return with_room(state, room)
 
 

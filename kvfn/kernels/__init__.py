@@ -29,8 +29,9 @@ UNROLL = None  # keys a lane group loads per step (U); None: 4 for up to 4 heads
 STAGES = 2  # steps of rows in flight through shared memory (cp.async); 0: register prefetch
 # KVFN_DECODE_KERNEL=0 turns the CUDA kernel off (every call takes the masked SDPA)
 ENABLED = os.environ.get("KVFN_DECODE_KERNEL", "1") != "0"
-# KVFN_TWO_GROUP_KERNEL=0 keeps a head-partitioned layer's decode attention per group
-TWO_GROUP_ENABLED = ENABLED and os.environ.get("KVFN_TWO_GROUP_KERNEL", "1") != "0"
+# KVFN_TWO_PART_KERNEL=0 keeps a head-partitioned layer's decode attention per part
+TWO_PART_ENABLED = ENABLED and "0" not in (os.environ.get("KVFN_TWO_PART_KERNEL"),
+                                           os.environ.get("KVFN_TWO_GROUP_KERNEL"))  # its old name
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # The split kernel's tensor-core version (MMA_SPLIT_SOURCE) takes float16 / bfloat16 and head_dim
 # 64 or 128 (MMA_DIMS). It runs on head_dim MMA_RUN_DIMS wherever plan's splits for it hold at
@@ -104,11 +105,11 @@ SIZE_LINE = "  const int C = dims[0];\n"
 LENGTH_LINE = "  const int len = min(max(lengths[(bh / HKV) * LSB + (bh % HKV) * LSH], 0), C);\n"
 
 
-# The split kernel over two head groups of one layer (kvfn.partitioned): each KV head h reads
-# group hmap[2h] (0 or 1) at index hmap[2h + 1] in it; group 0 (k0, v0: (B, H0, C0, D)) has the
-# valid slots [0, lengths), group 1 (k1, v1: (B, H1, C1, D)) the first L1. Queries and outputs
-# stay in the layer's query-head order, so no gather puts the groups' outputs back in order.
-def _two_group_source() -> str:
+# The split kernel over two head parts of one layer (kvfn.partitioned): each KV head h reads
+# part hmap[2h] (0 or 1) at index hmap[2h + 1] in it; part 0 (k0, v0: (B, H0, C0, D)) has the
+# valid slots [0, lengths), part 1 (k1, v1: (B, H1, C1, D)) the first L1. Queries and outputs
+# stay in the layer's query-head order, so no gather puts the parts' outputs back in order.
+def _two_part_source() -> str:
     source = SPLIT_SOURCE
     edits = (
         (
@@ -136,7 +137,7 @@ def _two_group_source() -> str:
     return source
 
 
-TWO_GROUP_SOURCE = _two_group_source()
+TWO_PART_SOURCE = _two_part_source()
 
 
 # The split kernels over one buffer of slots a layer, k, v (B, S, D), each KV head its own
@@ -160,7 +161,7 @@ def _from_first_slot(source: str, length: str) -> str:
     raise RuntimeError("kvfn.kernels: the split kernel's source changed; update the edit")
 
 
-# Slots: KV head h owns the slots from hmap[2h], in group hmap[2h + 1]: 0, C0 slots of which
+# Slots: KV head h owns the slots from hmap[2h], in part hmap[2h + 1]: 0, C0 slots of which
 # [0, lengths) are valid, or 1, C1 slots of which the first L1.
 SLOTS_LENGTH = (
     "  const int S = dims[0];\n"
@@ -447,36 +448,36 @@ def _mma_applies(q, k, kv_heads=None, capacity=None) -> bool:
     return tile <= MMA_MAX_HEADS and capacity // splits >= MMA_MIN_KEYS_PER_SPLIT
 
 
-def two_group_decode_attention(q, k0, v0, lengths, k1, v1, length1: int, head_map, *, scale):
+def two_part_decode_attention(q, k0, v0, lengths, k1, v1, length1: int, head_map, *, scale):
     """Decode attention of one query token over a layer whose KV heads are split into two
-    groups that store different rows, in one fused launch (plus the split combine), on CUDA.
+    parts that store different rows, in one fused launch (plus the split combine), on CUDA.
 
     q: (B, n_q_heads, 1, D) in the layer's query-head order (query head i reads KV head
-    i // (n_q_heads // n_kv_heads)); group 0: k0, v0 (B, H0, C0, D), slots ``[0, lengths)``
-    valid (int32 () or (B,)); group 1: k1, v1 (B, H1, C1, D), slots ``[0, length1)`` valid
-    (a static int); head_map: int32 (2 * n_kv_heads,), for KV head h its group
-    ``head_map[2h]`` and its index in that group ``head_map[2h + 1]``. Returns
+    i // (n_q_heads // n_kv_heads)); part 0: k0, v0 (B, H0, C0, D), slots ``[0, lengths)``
+    valid (int32 () or (B,)); part 1: k1, v1 (B, H1, C1, D), slots ``[0, length1)`` valid
+    (a static int); head_map: int32 (2 * n_kv_heads,), for KV head h its part
+    ``head_map[2h]`` and its index in that part ``head_map[2h + 1]``. Returns
     (B, n_q_heads, 1, D) in q's dtype and query-head order: what ``ragged_decode_attention``
-    gives per group, put back in head order. Only where ``two_group_fused`` says so."""
+    gives per part, put back in head order. Only where ``two_part_fused`` says so."""
     batch, q_heads, _, dim = q.shape
     kv_heads = head_map.shape[0] // 2
     if q.shape[2] != 1 or q_heads % kv_heads or k0.shape[3] != dim or k1.shape[3] != dim:
-        raise ValueError(f"q {q.shape} does not fit groups {k0.shape}, {k1.shape}")
+        raise ValueError(f"q {q.shape} does not fit parts {k0.shape}, {k1.shape}")
     if k0.shape[1] + k1.shape[1] != kv_heads or k0.shape[0] != batch or k1.shape[0] != batch:
-        raise ValueError(f"groups {k0.shape}, {k1.shape} do not hold {kv_heads} KV heads")
+        raise ValueError(f"parts {k0.shape}, {k1.shape} do not hold {kv_heads} KV heads")
     if lengths.dtype != mx.int32 or lengths.ndim > 1 or lengths.size not in (1, batch):
         raise ValueError(f"lengths must be int32 () or ({batch},), got {lengths.shape}")
     template = [("H0", k0.shape[1]), ("H1", k1.shape[1]), ("HKV", kv_heads),
                 ("LSB", 1 if lengths.size > 1 else 0)]  # fmt: skip
     inputs = [q, k0, v0, k1, v1, lengths.reshape(-1), head_map]
-    return _split_and_combine(_two_group_kernel, inputs, q, kv_heads,
+    return _split_and_combine(_two_part_kernel, inputs, q, kv_heads,
                               max(k0.shape[2], k1.shape[2]), k0.dtype, scale, template,
                               [k0.shape[2], k1.shape[2], int(length1)])  # fmt: skip
 
 
 def slots_decode_attention(q, k, v, lengths, capacity: int, ring: int, head_map, *, scale):
-    """``two_group_decode_attention`` over the slots layout (``kvfn.slots``): k, v (B, S, D),
-    KV head h owns the slots from ``head_map[2h]``, in group ``head_map[2h + 1]``: 0, of
+    """``two_part_decode_attention`` over the slots layout (``kvfn.slots``): k, v (B, S, D),
+    KV head h owns the slots from ``head_map[2h]``, in part ``head_map[2h + 1]``: 0, of
     ``capacity`` slots, ``[0, lengths)`` valid (int32 () or (B,)), or 1, a full ring of
     ``ring`` slots. One fused launch plus the combine; queries and outputs in head order. Only
     where ``slots_fused`` says so."""
@@ -507,8 +508,8 @@ def _holds_heads(slots: int, kv_heads: int, capacity: int, ring: int) -> bool:
 
 def slots_fused(q, k, v) -> bool:
     """Whether ``slots_decode_attention`` runs for these (B, S, D) slots (the fused kernel's
-    conditions; ``KVFN_TWO_GROUP_KERNEL=0`` turns it off)."""
-    if not TWO_GROUP_ENABLED or k.shape != v.shape or k.ndim != 3:
+    conditions; ``KVFN_TWO_PART_KERNEL=0`` turns it off)."""
+    if not TWO_PART_ENABLED or k.shape != v.shape or k.ndim != 3:
         return False
     return _kernel_applies(q, k, v, rows=k.shape[1])
 
@@ -526,19 +527,19 @@ def _slots_kernel(shared_memory: int):
                        ["o_part", "lse"], SLOTS_SOURCE, shared_memory=shared_memory)  # fmt: skip
 
 
-def two_group_fused(q, k0, k1) -> bool:
-    """Whether ``two_group_decode_attention`` runs for these arrays: the fused kernel applies
-    to both groups, in one dtype (``KVFN_TWO_GROUP_KERNEL=0`` turns it off)."""
-    if not TWO_GROUP_ENABLED or k0.dtype != k1.dtype:
+def two_part_fused(q, k0, k1) -> bool:
+    """Whether ``two_part_decode_attention`` runs for these arrays: the fused kernel applies
+    to both parts, in one dtype (``KVFN_TWO_PART_KERNEL=0`` turns it off)."""
+    if not TWO_PART_ENABLED or k0.dtype != k1.dtype:
         return False
     return _kernel_applies(q, k0, k0) and _kernel_applies(q, k1, k1)
 
 
 @lru_cache(maxsize=None)
-def _two_group_kernel(shared_memory: int):
-    return cuda_kernel("kvfn_two_group_decode_split",
+def _two_part_kernel(shared_memory: int):
+    return cuda_kernel("kvfn_two_part_decode_split",
                        ["q", "k0", "v0", "k1", "v1", "lengths", "hmap", "scale", "dims"],
-                       ["o_part", "lse"], TWO_GROUP_SOURCE, shared_memory=shared_memory)  # fmt: skip
+                       ["o_part", "lse"], TWO_PART_SOURCE, shared_memory=shared_memory)  # fmt: skip
 
 
 @lru_cache(maxsize=None)

@@ -5,7 +5,7 @@ only the attention sinks and a ring of recent rows.
 written to DuoAttention's published format (``full_attention_heads.tsv``: a row per layer, a
 tab-separated score per KV head; ``config.json``: ``sink_size``, ``recent_size``, and
 optionally ``threshold`` / ``sparsity``). ``Duo`` is the policy: after a full prefill each
-layer becomes a ``HeadPartitionedKVCache`` of a plain group (the retrieval heads; SnapKV-
+layer becomes a ``HeadPartitionedKVCache`` of a plain part (the retrieval heads; SnapKV-
 compacted to ``budget`` with ``compress``) and a ``StreamingRing`` (the streaming heads).
 """
 
@@ -202,7 +202,7 @@ class Duo(Policy):
         mask = self.heads[layer]
         return [h for h, r in enumerate(mask) if r], [h for h, r in enumerate(mask) if not r]
 
-    def head_groups(self, layer: int, n_kv_heads: int) -> tuple:
+    def head_parts(self, layer: int, n_kv_heads: int) -> tuple:
         return tuple(tuple(g) for g in self._split(layer) if g)
 
     def _snapkv(self) -> SnapKV:
@@ -232,19 +232,19 @@ class Duo(Policy):
             return super().compact_layer(state, scores, prompt_length=P, layer=layer,
                                          reserve=reserve)  # fmt: skip
         keep, stream = self._split(layer)
-        groups, heads = [], []
+        parts, heads = [], []
         if keep:
-            groups.append(self._retrieval_group(state, scores, keep, P, layer, reserve))
+            parts.append(self._retrieval_part(state, scores, keep, P, layer, reserve))
             heads.append(keep)
         if stream:
             sub = part.take_heads(state, stream)
-            groups.append(rg.from_state(sub, P, sink=self.sink_tokens, recent=self.recent))
+            parts.append(rg.from_state(sub, P, sink=self.sink_tokens, recent=self.recent))
             heads.append(stream)
         if not stream:
-            return groups[0]
-        return part.partition(groups, heads)
+            return parts[0]
+        return part.partition(parts, heads)
 
-    def _retrieval_group(self, state, scores, heads, P, layer, reserve) -> kv.State:
+    def _retrieval_part(self, state, scores, heads, P, layer, reserve) -> kv.State:
         """The retrieval heads' plain state: every row, or with ``compress`` SnapKV's."""
         sub = part.take_heads(state, heads)
         if self.compress:

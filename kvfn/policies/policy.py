@@ -298,10 +298,10 @@ class Policy(BasePolicy):
         each layer its scorer with a budget of its own)."""
         return self
 
-    def head_groups(self, layer: int, n_kv_heads: int) -> Optional[tuple]:
-        """The KV-head groups (tuples of heads) that this policy's compacted layer ``layer``
+    def head_parts(self, layer: int, n_kv_heads: int) -> Optional[tuple]:
+        """The KV-head parts (tuples of heads) that this policy's compacted layer ``layer``
         may store apart (``HeadPartitionedKVCache``), the same for every prompt, so per-head
-        states of different prompts batch together (``kvfn.serving.batch.HeadGroupsKVCache``); None
+        states of different prompts batch together (``kvfn.serving.batch.HeadPartsKVCache``); None
         when every layer is one plain state (the base)."""
         return None
 

@@ -447,7 +447,7 @@ def to_mlx_cache(
 ) -> list:
     """mlx-lm cache objects for the given layer states (batch size 1, rows without holes).
 
-    A layer of a per-head kind (ragged rows, head groups, slots) keeps a row count per head,
+    A layer of a per-head kind (ragged rows, head parts, slots) keeps a row count per head,
     which no mlx-lm cache object holds (a model builds one mask for every head): a ValueError
     names it and what takes it instead. With ``policy``, the caches evict while mlx-lm
     generates: at most the policy's budget plus ``interval`` rows a layer (``Evicting``; a

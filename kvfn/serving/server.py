@@ -31,10 +31,10 @@ Prompt-cache reuse rule (eviction on):
   3. Shorter prompts use the prompt cache as mlx-lm does; every entry they find is lossless.
   4. With a per-head policy (``--kv-eviction duo --kv-head-pattern DIR``, or ``adakv``) every
      prompt is prefilled by kvfn and decoded from per-head caches
-     (``kvfn.serving.batch.HeadGroupsKVCache``: each layer's head groups apart, batched by
-     ``BatchHeadGroupsKVCache``, attention per group through ``kvfn.wrapper.attending_copy``);
+     (``kvfn.serving.batch.HeadPartsKVCache``: each layer's head parts apart, batched by
+     ``BatchHeadPartsKVCache``, attention per part through ``kvfn.wrapper.attending_copy``);
      none of them enters the prompt cache. A request may then name the server's policy or a
-     plain one, not a per-head policy of other head groups.
+     plain one, not a per-head policy of other head parts.
   5. With a query-agnostic policy (``Policy.query_agnostic``: its rows do not depend on the
      question) a request's shared context (a chat's messages before its last user message, or
      the body's ``kv_context_tokens`` first tokens) is compacted once and kept, keyed by those
@@ -96,7 +96,7 @@ from ..passes import _prefill_steps, prefill
 from ..states import tree
 from ..wrapper import FunctionalModel, attending_copy, bucket
 from . import flags
-from .batch import HeadGroupsKVCache, RaggedLayerCache
+from .batch import HeadPartsKVCache, RaggedLayerCache
 from .flags import (
     non_negative_float,
     non_negative_int,
@@ -211,7 +211,7 @@ class KVModelProvider(ModelProvider):
         self.model_id = str(Path(cli_args.model).resolve()) if cli_args.model else EMBEDDED_NAME
         self.names = {"default_model", self.model_id} | ({cli_args.model} - {None})
         self._functional = None
-        self.head_groups = None  # per layer, with a per-head policy (see head_groups_of)
+        self.head_parts = None  # per layer, with a per-head policy (see head_parts_of)
         self.ragged = False  # a policy that stores its layers ragged (Policy.ragged)
 
     def check_model(self, name) -> None:
@@ -250,7 +250,7 @@ class KVModelProvider(ModelProvider):
             self.is_batchable = all(hasattr(c, "merge") for c in caches)
         else:  # kvfn's batch cache covers plain full-attention layers only
             self.is_batchable = all(type(c) is KVCache for c in caches)
-        self.head_groups = head_groups_of(self.cli_args.policy, self.functional_model())
+        self.head_parts = head_parts_of(self.cli_args.policy, self.functional_model())
         self.ragged = self.cli_args.policy is not None and self.cli_args.policy.ragged
         if self.per_head and (not self.is_batchable or self.tensor_group is not None):
             raise ValueError(
@@ -270,8 +270,8 @@ class KVModelProvider(ModelProvider):
     @property
     def per_head(self) -> bool:
         """Whether the server's policy keeps per-head rows: its layers stored ragged or in head
-        groups (rule 4)."""
-        return self.ragged or self.head_groups is not None
+        parts (rule 4)."""
+        return self.ragged or self.head_parts is not None
 
     def functional_model(self):
         if self._functional is None:
@@ -286,15 +286,15 @@ class KVModelProvider(ModelProvider):
         )
 
 
-def head_groups_of(policy, fm) -> Optional[list]:
-    """Per layer, the KV-head groups a per-head policy stores apart (``Policy.head_groups``);
+def head_parts_of(policy, fm) -> Optional[list]:
+    """Per layer, the KV-head parts a per-head policy stores apart (``Policy.head_parts``);
     None for a policy whose layers are plain states."""
     if policy is None:
         return None
-    groups = [policy.head_groups(i, h) for i, h in enumerate(fm.n_kv_heads)]
-    if all(g is None for g in groups):
+    parts = [policy.head_parts(i, h) for i, h in enumerate(fm.n_kv_heads)]
+    if all(g is None for g in parts):
         return None
-    return [g or (tuple(range(h)),) for g, h in zip(groups, fm.n_kv_heads)]
+    return [g or (tuple(range(h)),) for g, h in zip(parts, fm.n_kv_heads)]
 
 
 # -- one request's failure ----------------------------------------------------------------------
@@ -597,18 +597,18 @@ class EvictingPromptCache(LRUPromptCache):
     def as_mlx_caches(self, states, policy, interval=None) -> list:
         """mlx-lm caches of one sequence's states: with a per-head policy, ragged layers
         (``RaggedLayerCache``, a plain state's heads each keeping all its rows) or per-head
-        caches in the server's head groups; else ``kvfn.to_mlx_cache``'s, evicting every
+        caches in the server's head parts; else ``kvfn.to_mlx_cache``'s, evicting every
         ``interval`` tokens where the request asks (a job passes its request's own, taken when it
         was made: ``self.decode_interval`` is the latest request's by the time the job ends)."""
         if self.provider.ragged:
             return [RaggedLayerCache.from_state(s) for s in states]
-        groups = self.provider.head_groups
-        if groups is None:
+        parts = self.provider.head_parts
+        if parts is None:
             return evicting(to_mlx_cache(states), policy, interval)
-        return [HeadGroupsKVCache.from_state(s, g) for s, g in zip(states, groups)]
+        return [HeadPartsKVCache.from_state(s, g) for s, g in zip(states, parts)]
 
     def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-        per_head = (HeadGroupsKVCache, RaggedLayerCache)
+        per_head = (HeadPartsKVCache, RaggedLayerCache)
         if any(is_lossy(c) or isinstance(c, per_head) for c in prompt_cache):
             self.refused_inserts += 1
             return
@@ -1036,15 +1036,15 @@ class KVAPIHandler(APIHandler):
         policy = flags.make_policy(name, budget, cli.kv_window, cli.kv_sink_tokens,
                                    cli.kv_min_tokens, cli.duo)  # fmt: skip
         provider = self.response_generator.model_provider
-        own = head_groups_of(policy, provider.functional_model())
+        own = head_parts_of(policy, provider.functional_model())
         ragged = policy is not None and policy.ragged
         if (
-            (own is not None and own != provider.head_groups)
+            (own is not None and own != provider.head_parts)
             or ragged != provider.ragged
-            and (ragged or provider.head_groups is not None)
+            and (ragged or provider.head_parts is not None)
         ):
             raise ValueError(
-                f"kv_eviction {name!r} keeps per-head rows in its own head groups; this server "
+                f"kv_eviction {name!r} keeps per-head rows in its own head parts; this server "
                 f"(--kv-eviction {cli.kv_eviction}) cannot batch them: start one with it"
             )
         request.kv_policy = self.kv_policy_used = policy

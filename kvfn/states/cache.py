@@ -622,7 +622,7 @@ class Layout(layout.Layout):
         return state.replace(positions=tail_positions(state.positions, state.offset, state.rows))
 
     @staticmethod
-    def head_groups(state, heads):
+    def head_parts(state, heads):
         return [(take_heads(state, hs), None) for hs in heads]
 
     @staticmethod

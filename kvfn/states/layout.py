@@ -6,8 +6,8 @@ A layout says how its states cross ``mx.compile`` (``flatten``: arrays, a hashab
 that shapes a trace, and ``host``: what only the host knows; ``unflatten``; ``advanced``), how
 they grow (``grown``, by the one capacity rule ``bucket``), what they keep (``kept``), how
 layers of several sequences join (``stack``), how they are saved and loaded (``name``,
-``encode``/``decode``, ``unnamed``; or ``saved_as`` another kind) and the head groups kvfn-server
-batches a per-head layer in (``head_groups``). What runs a kind through
+``encode``/``decode``, ``unnamed``; or ``saved_as`` another kind) and the head parts kvfn-server
+batches a per-head layer in (``head_parts``). What runs a kind through
 mlx-lm's cache protocol in a forward call is ``kvfn.adapters.ADAPTERS[layout]``: the adapters
 build on the attention kernels and scores, which build on the states.
 """
@@ -108,11 +108,11 @@ class Layout:
         raise NotImplementedError
 
     @classmethod
-    def head_groups(cls, state, heads: tuple) -> list:
-        """One sequence's layer as the KV head groups ``heads``: per group a plain state of
-        its rows and, for a group of streaming heads, its ring's (sink, recent) (else None).
+    def head_parts(cls, state, heads: tuple) -> list:
+        """One sequence's layer as the KV head parts ``heads``: per part a plain state of
+        its rows and, for a part of streaming heads, its ring's (sink, recent) (else None).
         kvfn-server batches per-head layers in this form."""
-        raise TypeError(f"{cls.__name__} layers do not split into head groups")
+        raise TypeError(f"{cls.__name__} layers do not split into head parts")
 
     @classmethod
     def unnamed(cls, prefix: str, flat: dict, static):

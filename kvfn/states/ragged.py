@@ -375,14 +375,14 @@ def kept(state: RaggedKVCache) -> tuple[int, int]:
     return round(total / (B * H)), int(state.nbytes / state.slots * total / B)
 
 
-def head_groups(state: RaggedKVCache, heads: tuple) -> list:
-    """``layout.Layout.head_groups`` of one sequence: the heads of a group must hold as many
+def head_parts(state: RaggedKVCache, heads: tuple) -> list:
+    """``layout.Layout.head_parts`` of one sequence: the heads of a part must hold as many
     rows each."""
     out = []
     for hs in heads:
         rows = [head_rows(state, 0, h) for h in hs]
         if len({r[0].shape[0] for r in rows}) != 1:
-            raise ValueError(f"heads {list(hs)} hold different numbers of rows: group them apart")
+            raise ValueError(f"heads {list(hs)} hold different numbers of rows: part them apart")
         keys, values, positions = (mx.stack([r[i] for r in rows])[None] for i in range(3))
         n = keys.shape[2]
         out.append((kv.State(keys=keys, values=values, positions=positions, offset=state.offset,
@@ -416,7 +416,7 @@ class Layout(layout.Layout):
     grown = staticmethod(grown)
     rollback = staticmethod(rollback)
     kept = staticmethod(kept)
-    head_groups = staticmethod(head_groups)
+    head_parts = staticmethod(head_parts)
     padded = staticmethod(padded)
 
     @staticmethod

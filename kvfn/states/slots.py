@@ -1,22 +1,22 @@
-"""HeadSlotsKVCache: DuoAttention's two head groups of one layer (a plain group of C slots a
+"""HeadSlotsKVCache: DuoAttention's two head parts of one layer (a plain part of C slots a
 head, a streaming ring of sink + recent slots a head) in one buffer per array, each KV head
 owning its own slot range. Nothing stores the union of the heads' rows, and a decode step
 writes every head's new row with one scatter per array (keys, values), as a plain layer does,
-where the two-group state (``kvfn.partitioned``) splits the rows per group first and writes
-each group.
+where the two-part state (``kvfn.partitioned``) splits the rows per part first and writes
+each part.
 
 Layout: keys (B, S, D), values (B, S, Dv) with S = H0 * C + H1 * (sink + recent): the plain
-group's heads ``heads[0]`` first, head i at slots [i * C, (i + 1) * C), then the ring heads
+part's heads ``heads[0]`` first, head i at slots [i * C, (i + 1) * C), then the ring heads
 ``heads[1]``, head j at [H0 * C + j * R, H0 * C + (j + 1) * R); positions (B, H0 * C) int32,
 the plain slots' (a ring derives its own). Inside each range the slots are exactly those of
-the group's state (``to_partitioned`` is a reshape of slices), so every law of the groups
+the part's state (``to_partitioned`` is a reshape of slices), so every law of the parts
 carries over: ``to_partitioned(op(s)) == op(to_partitioned(s))``. Fields ``offset`` (B,),
-``rows`` (the plain group's next slot) and ``since`` (the ring's) are the groups'. Static:
-``heads``, ``capacity`` (C), ``sink``, ``recent``, ``packed`` (the plain group's slots below
+``rows`` (the plain part's next slot) and ``since`` (the ring's) are the parts'. Static:
+``heads``, ``capacity`` (C), ``sink``, ``recent``, ``packed`` (the plain part's slots below
 ``rows`` all hold rows), ``full`` (the ring's); host: ``max_rows``.
 
 One row appended (a decode step) is written in place at its slot per head; everything else
-(chunks, trims, masks) goes through the two-group state and back, which is exact and rare.
+(chunks, trims, masks) goes through the two-part state and back, which is exact and rare.
 """
 
 from functools import lru_cache
@@ -76,22 +76,22 @@ def _ring_slots(s: HeadSlotsKVCache) -> int:
 
 
 def from_partitioned(state) -> HeadSlotsKVCache:
-    """The slots layout of a two-group layer: a plain group (full attention, any rows) and a
+    """The slots layout of a two-part layer: a plain part (full attention, any rows) and a
     ``StreamingRing``, in either order. ValueError for any other layout."""
     if not isinstance(state, part.HeadPartitionedKVCache):
         raise ValueError(
             f"from_partitioned takes a HeadPartitionedKVCache, got {type(state).__name__}"
         )
-    if len(state.groups) != 2:
-        raise ValueError(f"the slots layout holds two head groups, got {len(state.groups)}")
-    (plain, ring), heads = state.groups, state.heads
+    if len(state.parts) != 2:
+        raise ValueError(f"the slots layout holds two head parts, got {len(state.parts)}")
+    (plain, ring), heads = state.parts, state.heads
     if isinstance(plain, rg.StreamingRing):
         plain, ring, heads = ring, plain, heads[::-1]
     if not (isinstance(plain, kv.State) and isinstance(ring, rg.StreamingRing)):
-        raise ValueError("the slots layout holds one plain group and one StreamingRing, got "
+        raise ValueError("the slots layout holds one plain part and one StreamingRing, got "
                          f"{type(plain).__name__} and {type(ring).__name__}")  # fmt: skip
     if plain.sliding_window is not None:
-        raise ValueError("the slots layout's plain group must be full attention (no window)")
+        raise ValueError("the slots layout's plain part must be full attention (no window)")
     B, H0, C, D = plain.keys.shape
     _, H1, R, _ = ring.keys.shape
     if (
@@ -100,10 +100,10 @@ def from_partitioned(state) -> HeadSlotsKVCache:
         or ring.values.shape[3] != plain.values.shape[3]
     ):
         raise ValueError(
-            f"groups {plain.keys.shape} and {ring.keys.shape} differ in batch or head_dim"
+            f"parts {plain.keys.shape} and {ring.keys.shape} differ in batch or head_dim"
         )
     if plain.keys.dtype != ring.keys.dtype:
-        raise ValueError(f"groups differ in dtype: {plain.keys.dtype} vs {ring.keys.dtype}")
+        raise ValueError(f"parts differ in dtype: {plain.keys.dtype} vs {ring.keys.dtype}")
 
     def joined(a, b):
         return mx.concatenate(
@@ -128,17 +128,17 @@ def from_partitioned(state) -> HeadSlotsKVCache:
 
 
 def to_partitioned(s: HeadSlotsKVCache) -> part.HeadPartitionedKVCache:
-    """The two-group state of the same rows (views of the slot ranges, no copy for B == 1)."""
+    """The two-part state of the same rows (views of the slot ranges, no copy for B == 1)."""
     B, _, D = s.keys.shape
     H0, H1, C, R = len(s.heads[0]), len(s.heads[1]), s.capacity, _ring_slots(s)
     split = H0 * C
 
-    def group(x, lo, hi, h, n):
+    def view(x, lo, hi, h, n):
         return x[:, lo:hi].reshape(B, h, n, *x.shape[2:])
 
     plain = kv.State(
-        keys=group(s.keys, 0, split, H0, C),
-        values=group(s.values, 0, split, H0, C),
+        keys=view(s.keys, 0, split, H0, C),
+        values=view(s.values, 0, split, H0, C),
         positions=s.positions.reshape(B, H0, C),
         offset=s.offset,
         rows=s.rows,
@@ -146,26 +146,26 @@ def to_partitioned(s: HeadSlotsKVCache) -> part.HeadPartitionedKVCache:
         packed=s.packed,
     )
     ring = rg.StreamingRing(
-        keys=group(s.keys, split, None, H1, R),
-        values=group(s.values, split, None, H1, R),
+        keys=view(s.keys, split, None, H1, R),
+        values=view(s.values, split, None, H1, R),
         offset=s.offset,
         since=s.since,
         sink=s.sink,
         recent=s.recent,
         full=s.full,
     )
-    return part.HeadPartitionedKVCache(groups=(plain, ring), heads=s.heads)
+    return part.HeadPartitionedKVCache(parts=(plain, ring), heads=s.heads)
 
 
 def pack_layers(states) -> tuple:
     """Every layer that ``from_partitioned`` takes in the slots layout, the others as they are."""
 
     def fits(s):
-        if not isinstance(s, part.HeadPartitionedKVCache) or len(s.groups) != 2:
+        if not isinstance(s, part.HeadPartitionedKVCache) or len(s.parts) != 2:
             return False
-        kinds = {type(g) for g in s.groups}
+        kinds = {type(g) for g in s.parts}
         return kinds == {kv.State, rg.StreamingRing} and all(
-            g.sliding_window is None for g in s.groups if isinstance(g, kv.State)
+            g.sliding_window is None for g in s.parts if isinstance(g, kv.State)
         )
 
     return tuple(from_partitioned(s) if fits(s) else s for s in states)
@@ -174,17 +174,17 @@ def pack_layers(states) -> tuple:
 @lru_cache(maxsize=None)
 def _layout(heads: tuple, capacity: int, ring: int) -> tuple:
     """Per KV head in model order: its first slot (int32 (n_kv_heads, 1)) and whether it is a
-    ring head (bool (n_kv_heads, 1)), and the fused kernel's map (first slot, group) per head,
+    ring head (bool (n_kv_heads, 1)), and the fused kernel's map (first slot, part) per head,
     flat."""
     H0 = len(heads[0])
-    base, group = {}, {}
+    base, side = {}, {}
     for i, h in enumerate(heads[0]):
-        base[h], group[h] = i * capacity, 0
+        base[h], side[h] = i * capacity, 0
     for j, h in enumerate(heads[1]):
-        base[h], group[h] = H0 * capacity + j * ring, 1
+        base[h], side[h] = H0 * capacity + j * ring, 1
     n = len(base)
     b = np.array([base[h] for h in range(n)], np.int32)
-    g = np.array([group[h] for h in range(n)], np.int32)
+    g = np.array([side[h] for h in range(n)], np.int32)
     hmap = np.stack([b, g], 1).reshape(-1)
     return mx.array(b[:, None]), mx.array(g[:, None] == 1), mx.array(hmap)
 
@@ -238,7 +238,7 @@ def _check_rows(s: HeadSlotsKVCache, keys: mx.array, values: mx.array) -> None:
 
 def update(s: HeadSlotsKVCache, keys: mx.array, values: mx.array) -> HeadSlotsKVCache:
     """Append rows (B, n_kv_heads, n, head_dim): one row is written at each head's slot
-    (``write_at``), more go through the two-group state. ValueError before anything is
+    (``write_at``), more go through the two-part state. ValueError before anything is
     written when the plain heads' rows may not fit (``reserve``)."""
     _check_rows(s, keys, values)
     n = keys.shape[2]
@@ -252,7 +252,7 @@ def update(s: HeadSlotsKVCache, keys: mx.array, values: mx.array) -> HeadSlotsKV
     return from_partitioned(part.update(to_partitioned(s), keys, values))
 
 
-def _via_groups(fn):
+def _via_parts(fn):
     def op(s: HeadSlotsKVCache, *args):
         if not isinstance(s, HeadSlotsKVCache):
             raise ValueError(f"expected a HeadSlotsKVCache, got {type(s).__name__}")
@@ -263,19 +263,19 @@ def _via_groups(fn):
     return op
 
 
-prefix_trim = _via_groups(part.prefix_trim)
-trim = _via_groups(part.trim)
+prefix_trim = _via_parts(part.prefix_trim)
+trim = _via_parts(part.trim)
 
 
 def reserve(s: HeadSlotsKVCache, capacity: int) -> HeadSlotsKVCache:
     """Room for ``capacity`` slots per plain head (EMPTY slots added at each head's end)."""
     p = to_partitioned(s)
-    plain = kv.reserve(p.groups[0], capacity)
-    return from_partitioned(p.replace(groups=(plain, p.groups[1])))
+    plain = kv.reserve(p.parts[0], capacity)
+    return from_partitioned(p.replace(parts=(plain, p.parts[1])))
 
 
 def mask(s: HeadSlotsKVCache, n_queries: int) -> tuple:
-    """Per group (plain, ring), what ``partitioned.mask`` gives."""
+    """Per part (plain, ring), what ``partitioned.mask`` gives."""
     return part.mask(to_partitioned(s), n_queries)
 
 
@@ -286,8 +286,8 @@ def row_counts(s: HeadSlotsKVCache) -> mx.array:
 
 def attend(after: HeadSlotsKVCache, queries: mx.array, scale: float) -> mx.array:
     """Attention of one query token (B, n_q_heads, 1, D), whose row ``update`` just wrote,
-    over each head's own slots, in query-head order. On CUDA with a packed plain group and a
-    full ring: one fused kernel over the buffer; elsewhere the two-group path."""
+    over each head's own slots, in query-head order. On CUDA with a packed plain part and a
+    full ring: one fused kernel over the buffer; elsewhere the two-part path."""
     if queries.shape[2] != 1:
         raise ValueError(f"slots.attend takes one query token, got {queries.shape[2]}")
     if after.packed and after.full and kernels.slots_fused(queries, after.keys, after.values):
@@ -315,7 +315,7 @@ def unflatten(arrays: dict, static: tuple, max_rows: Optional[int] = None) -> He
 
 
 def grown(s: HeadSlotsKVCache, n: int, bucket_rows: bool = False) -> HeadSlotsKVCache:
-    """``layout.Layout.grown``: the plain group grows (through the two-group state)."""
+    """``layout.Layout.grown``: the plain part grows (through the two-part state)."""
     fits = s.max_rows is not None and s.max_rows + n <= s.capacity
     if fits and not (bucket_rows and s.capacity != layout.bucket(s.capacity)):
         return s
@@ -324,7 +324,7 @@ def grown(s: HeadSlotsKVCache, n: int, bucket_rows: bool = False) -> HeadSlotsKV
 
 @layout.register(HeadSlotsKVCache)
 class Layout(layout.Layout):
-    """The slots layout: host knowledge is ``max_rows``; saved as its two-group state."""
+    """The slots layout: host knowledge is ``max_rows``; saved as its two-part state."""
 
     per_head = True
     flatten = staticmethod(flatten)
@@ -351,5 +351,5 @@ class Layout(layout.Layout):
         return {(s.max_rows, s.capacity)}
 
     @staticmethod
-    def head_groups(s, heads):
-        return part.head_groups(to_partitioned(s), heads)
+    def head_parts(s, heads):
+        return part.head_parts(to_partitioned(s), heads)

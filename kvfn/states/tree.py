@@ -67,7 +67,7 @@ def _replaced(arrays, key: str, value):
 
 
 def with_offset(state, offset: mx.array):
-    """``state`` with ``offset`` as its offset array (each group's, for a partitioned layer). The
+    """``state`` with ``offset`` as its offset array (each part's, for a partitioned layer). The
     layers of a model hold equal offsets; one array for all of them is one that the next step's
     RoPE reads, so no layer's offset grows a lazy chain that no step evaluates."""
     arrays, static, host = flatten(state)
