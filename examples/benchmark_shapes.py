@@ -137,7 +137,7 @@ def table(out: list, lengths: list, budget: int, args) -> None:
         f"\n{args.shape} {args.dtype}, lengths {min(lengths)}-{max(lengths)} ({len(lengths)}, "
         f"each row its own), budget {budget}, "
         f"{'compiled' if args.compiled_compaction else 'eager'} compaction, compile_after "
-        f"{args.compile_after}; seconds per request"
+        f"{args.compile_after}, trace_slack {args.trace_slack}; seconds per request"
     )
     print(
         f"{'policy':<16}{'cold':>8}{'new':>8}{'repeat':>8}{'vs mlx-lm':>10}"
@@ -173,6 +173,9 @@ def main(argv=None) -> list:
         default=0,
         help="FunctionalModel(compile_after=N): a shape's first N steps eager",
     )
+    p.add_argument("--trace-slack", type=float, default=kvfn.wrapper.TRACE_SLACK,
+                   help="FunctionalModel(trace_slack=F): ragged layers padded to a trace made "
+                        "before where that costs at most F more memory")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     low, high, n = (int(x) for x in args.lengths.split(":"))
@@ -191,7 +194,8 @@ def main(argv=None) -> list:
     out, met = [], set()  # the prefill buckets kvfn requests have met
     for r, name in enumerate(names):
         lengths = every[r :: len(names)]
-        fm = kvfn.FunctionalModel(model, compile_after=args.compile_after)  # each starts cold
+        fm = kvfn.FunctionalModel(model, compile_after=args.compile_after,
+                                  trace_slack=args.trace_slack)  # each starts cold
         policy = None if name == "mlx-lm" else make_policy(name, fm, budget, args.window)
 
         def one(L):

@@ -292,16 +292,22 @@ def _check_layer(state: kv.State, i: int, kv_heads: int, head_dim: int) -> None:
 class FunctionalModel:
     """An mlx-lm model as pure functions of (tokens, layer states)."""
 
-    def __init__(self, model: nn.Module, *, compile_after: int = 0):
+    def __init__(self, model: nn.Module, *, compile_after: int = 0,
+                 trace_slack: float = TRACE_SLACK):  # fmt: skip
         """``compile_after``: the compiled steps run their first ``compile_after`` calls at each
         layout and shapes eagerly (the same function, not traced) and trace at the next, so a
-        shape met once (a prompt length's own buckets) costs no compilation; 0 traces at once."""
+        shape met once (a prompt length's own buckets) costs no compilation; 0 traces at once.
+        ``trace_slack``: how much more memory (a fraction) a decode may give a prompt's ragged
+        layers to run in a trace made before (``decode``); 0 pads none."""
         if not isinstance(model, nn.Module) or not hasattr(model, "layers"):
             raise TypeError(f"FunctionalModel takes an mlx-lm model, got {type(model).__name__}")
         if isinstance(compile_after, bool) or not isinstance(compile_after, int) \
                 or compile_after < 0:  # fmt: skip
             raise ValueError(f"compile_after must be an int >= 0, got {compile_after!r}")
-        self.compile_after = compile_after
+        if isinstance(trace_slack, bool) or not isinstance(trace_slack, (int, float)) \
+                or not 0 <= trace_slack < float("inf"):  # fmt: skip
+            raise ValueError(f"trace_slack must be a number >= 0, got {trace_slack!r}")
+        self.compile_after, self.trace_slack = compile_after, float(trace_slack)
         self._calls: dict = {}  # calls a layout and shapes have had, while compile_after holds
         self.model = model
         self.sliding_windows = sliding_windows_of(model)
@@ -532,7 +538,7 @@ class FunctionalModel:
         allocation: the layers of a new prompt seldom all fall in the buckets of an earlier
         one) padded to the sizes of a decode this model has traced for the same kinds and
         other layers' shapes: the cheapest of those at least its own that hold at most
-        ``TRACE_SLACK`` more bytes. Else to the layer by layer largest of its own and the latest
+        ``trace_slack`` more bytes. Else to the layer by layer largest of its own and the latest
         such trace's, within the same slack, so that the next prompt finds the trace this one
         makes; else its own. The rows kept are the same."""
         layouts = [layout.of(s) for s in states]
@@ -551,7 +557,7 @@ class FunctionalModel:
         known = self._sizes.setdefault(key, [])
         if sizes in known:  # a decode loop's every step after its first
             return states
-        limit = (1 + TRACE_SLACK) * cost(sizes)
+        limit = (1 + self.trace_slack) * cost(sizes)
         above = lambda zs: all(a is None or a >= b for a, b in zip(zs, sizes))  # noqa: E731
         target = min((zs for zs in known if above(zs) and cost(zs) <= limit), key=cost,
                      default=None)  # fmt: skip

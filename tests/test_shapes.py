@@ -322,6 +322,40 @@ def test_a_decode_pads_ragged_layers_to_the_sizes_of_a_trace_it_has():
                     assert mx.array_equal(x, y).item()
 
 
+def test_trace_slack_bounds_the_traces_of_prompts_whose_layers_share_rows_anew():
+    """AdaKVzip-global's allocation moves rows between layers from prompt to prompt while their
+    sum stays put: each prompt's layers a new combination of sizes. ``trace_slack`` is how much
+    more memory a decode may give them to run in a trace made before: with none every prompt
+    traces; with more the traces stop once the sizes made cover what prompts ask. The logits
+    are the unpadded ones either way."""
+    import itertools
+
+    from kvfn.states import ragged
+
+    prompts = list(itertools.permutations((256, 512, 768))) + [(512, 512, 512)]  # sum 1536
+    made = {}
+    for slack in (0, 1.0):
+        fm = kvfn.FunctionalModel(tiny_model("llama"), trace_slack=slack)
+        prefilled = kvfn.prefill(fm, mx.array([[1 + (7 * i) % 90 for i in range(40)]]))
+        token = mx.array([[5]])
+        made[slack] = []
+        for own in prompts:
+            states = tuple(ragged.padded(ragged.as_ragged(s, room=8), z)
+                           for s, z in zip(prefilled, own))  # fmt: skip
+            before = fm.traces
+            logits, _ = fm.decode(token, states)
+            made[slack].append(fm.traces - before)
+            assert mx.allclose(logits, fm.forward(token, states)[0][:, -1], atol=1e-5).item()
+    assert made[0] == [1] * len(prompts)
+    assert sum(made[1.0]) <= len(prompts) // 2 + 1 and made[1.0][-2:] == [0, 0], made[1.0]
+
+
+@pytest.mark.parametrize("bad", [-0.1, True, float("inf")])
+def test_a_bad_trace_slack_is_refused_by_value(bad):
+    with pytest.raises(ValueError, match=f"trace_slack must be a number >= 0, got {bad!r}"):
+        kvfn.FunctionalModel(tiny_model("llama"), trace_slack=bad)
+
+
 @pytest.mark.parametrize("name", LIBRARY)
 def test_a_question_over_a_compacted_context_attends_with_an_additive_mask_on_cuda(fm, name,
                                                                                 monkeypatch):  # fmt: skip
