@@ -16,6 +16,7 @@ from kvfn.policies.kvzip import MAX_STEPS, reconstruction_steps
 from kvfn_eval import answers, tasks
 from kvfn_eval.evaluator import Evaluator, Method, prompt_tokens, token_counter
 from tests.test_compact_steps import run
+from tests.test_shapes import attention_shapes
 from tests.tiny import tiny_model
 
 MODULES = {"llama": llama, "qwen2": qwen2}
@@ -185,14 +186,7 @@ def test_a_padded_pass_attends_in_a_few_shapes_whatever_the_length(monkeypatch):
     bucket's keys; unpadded, every length has shapes of its own. The scores are the same."""
     fm = kvfn.FunctionalModel(tiny_model("llama"))
     heads = dict(prompt=(5, 11, 2), resume=(7, 8), suffix=(9, 4, 1))
-    seen = []
-    sdpa = mx.fast.scaled_dot_product_attention
-
-    def recorded(q, k, v, **kwargs):
-        seen.append((q.shape[2], k.shape[2]))
-        return sdpa(q, k, v, **kwargs)
-
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recorded)
+    seen = attention_shapes(monkeypatch)
     shapes = {True: set(), False: set()}
     lengths = range(262, 302, 2)  # 20 lengths; with a chunk's input, one bucket (512)
     for P in lengths:

@@ -202,13 +202,8 @@ def test_a_prompt_kept_whole_holds_its_rows_not_its_prefills_bucket(name):
     assert mx.array_equal(states[0].keys[:, :, :40], full[0].keys[:, :, :40]).item()
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-def test_a_padded_last_chunk_attends_in_the_buckets_shapes_and_changes_nothing(family,
-                                                                              monkeypatch):  # fmt: skip
-    """``padded`` (CUDA's default) runs the last prefill chunk as a full one: every prompt in a
-    bucket attends in shapes its longest one already met (no new attention graph for a new
-    length), and the states, scores and next logits are the unpadded ones."""
-    fm = kvfn.FunctionalModel(tiny_model(family))
+def attention_shapes(monkeypatch) -> list:
+    """A list that every attention from now on adds its (queries, keys) counts to."""
     seen = []
     sdpa = mx.fast.scaled_dot_product_attention
 
@@ -217,6 +212,17 @@ def test_a_padded_last_chunk_attends_in_the_buckets_shapes_and_changes_nothing(f
         return sdpa(q, k, v, **kwargs)
 
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_padded_last_chunk_attends_in_the_buckets_shapes_and_changes_nothing(family,
+                                                                              monkeypatch):  # fmt: skip
+    """``padded`` (CUDA's default) runs the last prefill chunk as a full one: every prompt in a
+    bucket attends in shapes its longest one already met (no new attention graph for a new
+    length), and the states, scores and next logits are the unpadded ones."""
+    fm = kvfn.FunctionalModel(tiny_model(family))
+    seen = attention_shapes(monkeypatch)
     shapes = {}
     for n in (401, 290, 333):  # one bucket (512): the longest first
         tokens = mx.array([[1 + (7 * i) % 90 for i in range(n)]])
