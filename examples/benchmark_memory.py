@@ -123,7 +123,7 @@ def main(argv=None) -> list:
     ids = np.random.default_rng(args.seed).integers(0, vocab, size=args.prompt_tokens).tolist()
     # every round its own prompt length (a user's prompts all differ): the first a warm-up
     lengths = [args.prompt_tokens - 37 * r for r in range(args.rounds)]
-    ballast = mx.zeros((int(args.ballast_gb * 1e9) // 4,), mx.float32)
+    ballast = mx.zeros((int(args.ballast_gb * 1e9) // 2**22, 2**20), mx.float32)  # 4 MB a row
     mx.eval(ballast)
     rows = {c: [] for c in configs}
     for r, n in enumerate(lengths):
