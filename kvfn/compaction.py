@@ -14,7 +14,7 @@ from typing import Callable, Generator, Optional, Sequence
 import mlx.core as mx
 from typeguard import typechecked
 
-from .eviction import EvictionResult, result_of
+from .eviction import EvictionResult, kept, result_of
 from .passes import (
     _drain,
     _prefill_steps,
@@ -27,7 +27,7 @@ from .passes import (
 from .policies.policy import BasePolicy, Plan
 from .policies.snapkv import SnapKV
 from .states import cache as kv
-from .states import tree
+from .states import layout, tree
 from .wrapper import FunctionalModel, check_ids
 
 
@@ -206,20 +206,24 @@ def _compaction(fmodel, context, policy, prefill, scored, reserve, compiled, set
     states, the scores and, evicting while it prefilled, the most rows it held), then the
     policy's own scoring pass unless the prefill scored what it holds."""
     P = context.shape[1]
-    states, scores, *peak = yield from prefill
+    states, scores, *rest = yield from prefill
+    peak, done = (*rest, None, None)[:2]
     scores = scores if scored else None
     own, last = None, [(P, P)]
-    if own_pass:
+    if own_pass and done is None:
         steps = policy.score_steps(fmodel, context, states, scores,
                                    **_paced(pass_step_size, layers))  # fmt: skip
         own = yield from _after(P, steps, last)
     scores = own if own is not None else scores
-    new, result = compact_states(states, scores, policy, reserve=reserve, compiled=compiled,
-                                 group=fmodel.group)  # fmt: skip
+    if done is not None:  # compacted while prefilling, into a layout that bounds itself
+        new, result = tuple(layout.grown(s, reserve) for s in states), done
+    else:
+        new, result = compact_states(states, scores, policy, reserve=reserve, compiled=compiled,
+                                     group=fmodel.group)  # fmt: skip
     if settle:
         for _ in settling(per_layer(new), layers):
             yield last[0]
-    return new, (dataclasses.replace(result, peak_rows=peak[0]) if peak else result)
+    return new, (result if peak is None else dataclasses.replace(result, peak_rows=peak))
 
 
 def check_bounded(sliding_windows: Sequence, policy: BasePolicy, max_rows, step: int,
@@ -249,10 +253,13 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
     every row held; nothing for a scoring-free policy), with room for the next chunk. Rows
     keep their true positions, so later chunks attend to what is kept at the right distances.
     At most ``max_rows`` plus a chunk (the last: up to ``step + window``) rows are ever held.
-    Returns (states, scores of the last chunk, the most rows held)."""
+    A policy whose layers bound themselves (``Policy.bounds_itself``: Duo) compacts once, the
+    first time, and the later chunks are prefilled into its layout. Returns (states, scores of
+    the last chunk, the most rows a head held, and the result of that one compaction, made
+    final for the whole context, or None)."""
     P = context.shape[1]
     parts = bounded_chunks(P, step, policy.window)
-    states, scores, held, peak = None, None, 0, 0
+    states, scores, held, peak, once = None, None, 0, 0, None
     unscored, carried = 0, None  # a policy scoring what it holds: rows it has not scored yet
     for j, (start, stop) in enumerate(parts):
         tokens, n, shown = context[:, start:stop], stop - start, start
@@ -273,19 +280,36 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
                                             **_paced(pass_step, layers))  # fmt: skip
             scores = yield from _as_progress(steps, stop, P)
             unscored, shown = stop, stop
-        if held > max_rows and not last:
+        if held > max_rows and not last and once is None:
             room = parts[j + 1][1] - parts[j + 1][0]
-            new = compact_states(states, scores, policy, reserve=room, group=fmodel.group)[0]
-            kept = policy.rows_after(held)
-            if policy.scores_held:
-                carried = kept_scores(scores, states, new, kept)
-            states, held = new, kept
+            new, result = compact_states(states, scores, policy, reserve=room, group=fmodel.group)
+            if policy.bounds_itself:  # the most a head holds goes on growing (Duo's retrieval)
+                states, once = new, result
+            else:
+                rows = policy.rows_after(held)
+                if policy.scores_held:
+                    carried = kept_scores(scores, states, new, rows)
+                states, held = new, rows
         if settle or not last:  # a lazy graph of every chunk would hold them all
             for _ in settling(per_layer(states, scores), layers):
                 yield shown, P
             mx.eval(carried or ())
         yield stop, P
-    return states, scores, peak
+    return states, scores, peak, once and whole_context(once, states, P)
+
+
+def whole_context(result: EvictionResult, states: tuple, P: int) -> EvictionResult:
+    """``result`` of a compaction of the first rows of a ``P``-token context, made the result
+    of ``states`` (its layout, prefilled on to the context's end) for the whole context."""
+    per_row = [b / r for b, r in zip(result.bytes_before, result.rows_before)]
+    now = [kept(s) for s in states]
+    return dataclasses.replace(
+        result,
+        rows_before=(P,) * len(states),
+        bytes_before=tuple(round(b * P) for b in per_row),
+        rows_after=tuple(r for r, _ in now),
+        bytes_after=tuple(b for _, b in now),
+    )
 
 
 def _as_progress(steps, done: int, total: int):

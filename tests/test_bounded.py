@@ -176,6 +176,10 @@ def test_every_policy_evicts_while_prefilling_or_is_refused_by_name(fm, name):
         with pytest.raises(ValueError, match=f"{name} cannot evict while prefilling: .+"):
             kvfn.compact(fm, ids, policy, max_rows=policy.budget)
         return
+    if REGISTRY[name].bounds_itself:  # Duo: its streaming heads become rings, its retrieval
+        _, r = kvfn.compact(fm, ids, policy, max_rows=10, prefill_step_size=16)  # heads whole
+        assert r.peak_rows == len(ids) - 1
+        return
     _, r = kvfn.compact(fm, ids, policy, max_rows=policy.budget, prefill_step_size=16)
     assert r.peak_rows <= policy.budget + 16 + policy.window
     assert set(r.rows_after) == {policy.budget}
@@ -376,3 +380,61 @@ def test_perplexity_bounded_reads_the_text_the_full_cache_reads_until_the_cap(ca
     for config in ("mlx-lm rotating", "kvfn snapkv"):
         assert by[config]["most_rows"] <= 96 and by[config]["agree_with_full"] >= 95 / 159
     assert "kvfn snapkv" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_duo_evicts_while_prefilling_as_duoattention_s_chunked_prefill(family):
+    """Evicting while prefilling, Duo's streaming heads become rings the first time the rows
+    held pass the cap (DuoAttention's chunked prefill), so from the next chunk on their queries
+    see the sinks and the last ``recent`` positions, and its retrieval heads every row. The
+    oracle: one pass of the unmodified model with those masks, through the prompt and decode
+    steps. The streaming heads hold at most the cap plus a chunk; the most a head holds is a
+    retrieval head's whole prompt."""
+    from tests.test_duo import PATTERN, TOL, duo_visibility, greedy_logits, reference_logits
+
+    fm = kvfn.FunctionalModel(tiny_model(family))
+    policy = kvfn.Duo(retrieval=PATTERN[: len(fm.n_kv_heads)], sink_tokens=2, recent=8)
+    ids = prompt(121, seed=4)
+    P = len(ids) - 1
+    states, r = kvfn.compact(fm, ids, policy, max_rows=24, prefill_step_size=16,
+                             max_new_tokens=6)  # fmt: skip
+    split = next(b for a, b in bounded_chunks(P, 16, policy.window) if b > 24)  # 32
+    got, tokens = greedy_logits(fm, ids, states, 6)
+    T = len(tokens) - 1
+    seq = mx.array([tokens[:T]])
+    want = reference_logits(fm.model, seq, duo_visibility(fm, states, P, T, policy, split))[P:]
+    assert mx.abs(got - want).max().item() < TOL
+    after = reference_logits(fm.model, seq, duo_visibility(fm, states, P, T, policy))[P:]
+    assert mx.abs(want - after).max().item() > 10 * TOL  # the oracle tells it from Duo after
+    assert r.peak_rows == P and len(r.rows_before) == len(states)
+    for s in states:
+        plain, ring = s.parts
+        assert plain.max_rows == P and ring.sink + ring.recent == 10
+    same, r_same = kvfn.compact(fm, ids, policy, max_rows=P, prefill_step_size=16)
+    plain, r_plain = kvfn.compact(fm, ids, policy, prefill_step_size=16)
+    # (the last chunk holds the window: other chunk ends, the same rows to float error)
+    assert mx.allclose(first_logits(fm, ids, same), first_logits(fm, ids, plain), atol=TOL).item()
+    assert (r_same.rows_after, r_same.bytes_after) == (r_plain.rows_after, r_plain.bytes_after)
+    assert r.bytes_before == r_plain.bytes_before and r.rows_after == r_plain.rows_after
+
+
+@pytest.mark.parametrize(
+    "policy, max_rows, during, message",
+    [
+        (dict(compress=True, budget=40), 24, "prefilling", "duo cannot evict while prefilling: "
+         "duo-snapkv's retrieval heads"),
+        ({}, 24, "generating", "duo cannot evict while generating: its streaming heads"),
+        ({}, 9, "prefilling", "max_rows must be an int >= duo's sink_tokens \\+ recent \\(and "
+         "min_tokens\\) 10, got 9"),
+    ],
+)  # fmt: skip
+def test_what_duo_cannot_bound_is_refused_by_name(fm, policy, max_rows, during, message):
+    from tests.test_duo import PATTERN
+
+    duo = kvfn.Duo(retrieval=PATTERN[: len(fm.n_kv_heads)], sink_tokens=2, recent=8, **policy)
+    with pytest.raises(ValueError, match=message):
+        if during == "prefilling":
+            kvfn.compact(fm, prompt(100), duo, max_rows=max_rows)
+        else:
+            next(kvfn.bounded_decode(fm, mx.array([[5]]), kvfn.compact(fm, prompt(100), duo)[0],
+                                     duo, steps=4, interval=8))  # fmt: skip

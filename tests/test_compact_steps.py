@@ -103,7 +103,7 @@ def test_closed_midway_it_runs_no_further(fm):
 def test_layer_steps_split_each_forward_and_change_nothing(fm, name, max_rows, monkeypatch):
     """``layers_per_step``: each settled forward (a prefill chunk, a piece of KVzip's pass, the
     compacted states) is evaluated that many layers a step, in layer order, yielding between
-    groups; the states, the result and the steps' last progress are the unsplit job's, for
+    steps; the states, the result and the steps' last progress are the unsplit job's, for
     every library policy, evicting while prefilling too where the policy can (where it cannot,
     the refusal is the same)."""
     policy = policy_of(name, fm)
@@ -115,14 +115,14 @@ def test_layer_steps_split_each_forward_and_change_nothing(fm, name, max_rows, m
         with pytest.raises(ValueError, match=re.escape(str(refused))):
             compact_steps(fm, IDS, policy, layers_per_step=2, **kwargs)
         return
-    groups, real_eval = [], mx.eval
-    monkeypatch.setattr(mx, "eval", lambda *a: groups.append(len(a[0])) or real_eval(*a))
+    steps, real_eval = [], mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: steps.append(len(a[0])) or real_eval(*a))
     split, (states, result) = run(compact_steps(fm, IDS, policy, layers_per_step=2, **kwargs))
     assert same_states(states, want) and result == want_result
     assert len(split) > len(whole) and split[-1] == whole[-1]
     assert all(a[0] <= b[0] for a, b in zip(split, split[1:]))  # progress never goes back
-    per_forward = [2] * ((layers - 1) // 2) + [layers]  # groups of 2, then the rest
-    assert groups[: len(per_forward)] == per_forward
+    per_forward = [2] * ((layers - 1) // 2) + [layers]  # steps of 2 layers, then the rest
+    assert steps[: len(per_forward)] == per_forward
 
 
 def test_layer_steps_must_be_a_positive_int(fm):

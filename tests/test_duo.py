@@ -31,10 +31,12 @@ def reference_logits(model, tokens, visible):
     return inner.embed_tokens.as_linear(h)[0]
 
 
-def duo_visibility(fm, states, P, T, policy):
+def duo_visibility(fm, states, P, T, policy, split=None):
     """The per-head masks a Duo-compacted model should attend with: prompt queries (< P) see
     causally all keys; a later query at q sees, in a retrieval head, the rows the head kept and
-    every position from P on, in a streaming head the sinks and positions (q - recent, q]."""
+    every position from P on, in a streaming head the sinks and positions (q - recent, q].
+    ``split``: the streaming heads' rule from this query on instead (Duo evicting while it
+    prefills: its rings made at that chunk's end)."""
     q = np.arange(T)[:, None]
     k = np.arange(T)[None, :]
     causal = k <= q
@@ -46,15 +48,14 @@ def duo_visibility(fm, states, P, T, policy):
         heads = []
         for h in range(n_kv):
             if not policy.heads[i][h]:
-                rule = streaming
-            else:
-                kept = np.zeros(T, bool)
-                group = s if isinstance(s, kv.State) else s.parts[0]
-                col = s.heads[0].index(h) if not isinstance(s, kv.State) else h
-                pos = np.array(group.positions[0, col])
-                kept[pos[pos < P]] = True
-                rule = causal & (kept[None, :] | (k >= P))
-            heads.append(np.where(q < P, causal, rule))
+                heads.append(np.where(q < (P if split is None else split), causal, streaming))
+                continue
+            kept = np.zeros(T, bool)
+            plain = s if isinstance(s, kv.State) else s.parts[0]
+            col = s.heads[0].index(h) if not isinstance(s, kv.State) else h
+            pos = np.array(plain.positions[0, col])
+            kept[pos[pos < P]] = True
+            heads.append(np.where(q < P, causal, causal & (kept[None, :] | (k >= P))))
         m = np.repeat(np.stack(heads), n_q // n_kv, axis=0)
         return mx.array(m[None])
 

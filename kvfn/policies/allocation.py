@@ -51,6 +51,7 @@ class Allocation(BasePolicy):
 
     # a shorthand's scorer class (AdaKV: SnapKV), whose settings its constructor takes
     default_scorer: ClassVar[Optional[type]] = None
+    bounds_itself: ClassVar[bool] = False  # its own layout, not its scorer's (kvfn.Policy's)
 
     def __post_init__(self):
         self.validate()

@@ -138,10 +138,10 @@ class Duo(Policy):
     name: ClassVar[str] = "duo"
     words: ClassVar[dict] = {"snapkv": {"compress": True}}
     numbers: ClassVar[dict] = {"r": "ratio"}
-    cannot_recompact: ClassVar[str] = (
-        "its streaming and retrieval heads keep different rows, and a compaction takes plain "
-        "layers"
-    )
+    # evicting while prefilling its streaming heads become rings once (DuoAttention's chunked
+    # prefill), its retrieval heads keep every row; see ``check_max_rows``
+    cannot_recompact: ClassVar[str] = ""
+    bounds_itself: ClassVar[bool] = True
 
     @classmethod
     def from_pattern(cls, pattern: HeadPattern, *, ratio: Optional[float] = None,
@@ -193,6 +193,24 @@ class Duo(Policy):
     @property
     def needs_scores(self) -> bool:
         return self.compress
+
+    def check_max_rows(self, max_rows, during: str = "prefilling") -> None:
+        """Evicting while prefilling, the streaming heads hold at most ``max_rows`` plus a
+        chunk, then their sinks and recent rows; the retrieval heads hold every row. Refused
+        while generating and with ``compress``."""
+        why = None
+        if during != "prefilling":
+            why = ("its streaming heads are rings already and its retrieval heads keep every "
+                   "row")  # fmt: skip
+        elif self.compress:
+            why = ("duo-snapkv's retrieval heads are scored by SnapKV over the prompt, and a "
+                   "compaction of its layers takes plain ones")  # fmt: skip
+        if why:
+            raise ValueError(f"{self.name} cannot evict while {during}: {why}")
+        least = max(self.sink_tokens + self.recent, self.min_tokens)
+        if type(max_rows) is not int or max_rows < least:
+            raise ValueError(f"max_rows must be an int >= duo's sink_tokens + recent (and "
+                             f"min_tokens) {least}, got {max_rows!r}")  # fmt: skip
 
     def keeps_whole(self, prompt_length: int) -> bool:
         return prompt_length <= max(self.min_tokens, self.sink_tokens + self.recent)

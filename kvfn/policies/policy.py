@@ -157,6 +157,10 @@ class Policy(BasePolicy):
     # True when, evicting while prefilling, it scores the rows it holds by a pass of its own
     # (``held_score_steps``: KVzip's reconstruction) instead of a window of the prefill's queries
     scores_held: ClassVar[bool] = False
+    # True when its compacted layers bound what they hold as later chunks append (Duo's
+    # streaming heads, rings): evicting while prefilling, it compacts once, when the cap is first
+    # passed, and later chunks are prefilled into its layout
+    bounds_itself: ClassVar[bool] = False
 
     def __post_init__(self):
         self.validate()
