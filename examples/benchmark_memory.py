@@ -27,11 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
-from benchmark_shapes import SHAPES, greedy, random_model  # noqa: E402
+from benchmark_shapes import SHAPES, greedy, make_policy, random_model  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache  # noqa: E402
 
 CONFIGS = ("mlx-lm full", "mlx-lm rotating", "kvfn snapkv", "kvfn snapkv bounded")
+# DuoAttention (half the KV heads of each layer retrieval heads, the others sinks + recent in
+# `rows`): after the prefill, and evicting while it prefills (its chunked prefill); on request
+DUO = ("kvfn duo", "kvfn duo bounded")
 
 
 def mlx_lm_run(model, ids, args, rotating: bool) -> dict:
@@ -53,9 +56,12 @@ def mlx_lm_run(model, ids, args, rotating: bool) -> dict:
             "kv_held_gb": held / 1e9}  # fmt: skip
 
 
-def kvfn_run(model, ids, args, bounded: bool) -> dict:
+def kvfn_run(model, ids, args, bounded: bool, duo: bool = False) -> dict:
     fm = kvfn.FunctionalModel(model)
-    policy = kvfn.SnapKV(budget=args.rows, window=args.window)
+    if duo:
+        policy = make_policy("duo", fm, args.rows, args.window)
+    else:
+        policy = kvfn.SnapKV(budget=args.rows, window=args.window)
     tic = time.perf_counter()
     states, result = kvfn.compact(fm, ids, policy, max_new_tokens=args.new_tokens,
                                   prefill_step_size=args.prefill_step_size,
@@ -90,7 +96,8 @@ def measured(config: str, model, ids, args) -> dict:
         return above_weights(
             lambda: mlx_lm_run(model, ids, args, rotating=config.endswith("rotating"))
         )
-    return above_weights(lambda: kvfn_run(model, ids, args, bounded=config.endswith("bounded")))
+    return above_weights(lambda: kvfn_run(model, ids, args, bounded=config.endswith("bounded"),
+                                          duo="duo" in config))  # fmt: skip
 
 
 def main(argv=None) -> list:
@@ -110,9 +117,9 @@ def main(argv=None) -> list:
                    help="device memory held before the first config")  # fmt: skip
     args = p.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in CONFIGS]
+    unknown = [c for c in configs if c not in CONFIGS + DUO]
     if unknown or not configs:
-        p.error(f"--configs: unknown {unknown or configs}; choose from {list(CONFIGS)}")
+        p.error(f"--configs: unknown {unknown or configs}; choose from {list(CONFIGS + DUO)}")
     if args.rows < args.window + 4 or args.prompt_tokens <= args.rows or args.rounds < 2:
         p.error("need rows >= window + 4, prompt tokens > rows and at least 2 rounds")
     model = random_model(args.shape, getattr(mx, args.dtype))

@@ -178,7 +178,7 @@ def compact_steps(
     if max_rows is not None:
         check_bounded(fmodel.sliding_windows, policy, max_rows, prefill_step_size)
         prefill = _bounded_steps(fmodel, context, policy, max_rows, prefill_step_size, dtype,
-                                 settle, pass_step_size, layers)  # fmt: skip
+                                 settle, pass_step_size, layers, max_new_tokens + 1)  # fmt: skip
         return _compaction(fmodel, context, policy, prefill, True, max_new_tokens + 1, compiled,
                            settle, own_pass=not policy.scores_held,
                            pass_step_size=pass_step_size, layers=layers)  # fmt: skip
@@ -246,7 +246,7 @@ def bounded_chunks(P: int, step: int, window: int) -> list[tuple[int, int]]:
 
 
 def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_step=None,
-                   layers=None):  # fmt: skip
+                   layers=None, extra=0):  # fmt: skip
     """The prefill of ``compact_steps(max_rows=...)``, a chunk a step: whenever the rows held
     pass ``max_rows`` before the last chunk, the states are compacted back to the policy's
     budget with what the chunk just read can score (its last ``window`` queries' attention over
@@ -254,7 +254,8 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
     keep their true positions, so later chunks attend to what is kept at the right distances.
     At most ``max_rows`` plus a chunk (the last: up to ``step + window``) rows are ever held.
     A policy whose layers bound themselves (``Policy.bounds_itself``: Duo) compacts once, the
-    first time, and the later chunks are prefilled into its layout. Returns (states, scores of
+    first time, with room for the rest of the context and ``extra`` rows (what ``compact``
+    reserves), and the later chunks are prefilled into its layout. Returns (states, scores of
     the last chunk, the most rows a head held, and the result of that one compaction, made
     final for the whole context, or None)."""
     P = context.shape[1]
@@ -281,7 +282,10 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
             scores = yield from _as_progress(steps, stop, P)
             unscored, shown = stop, stop
         if held > max_rows and not last and once is None:
+            # room for the next chunk; a layout that bounds itself, for the rest of the context
+            # and what compact reserves after it (its plain part then never grows)
             room = parts[j + 1][1] - parts[j + 1][0]
+            room = P - stop + extra if policy.bounds_itself else room
             new, result = compact_states(states, scores, policy, reserve=room, group=fmodel.group)
             if policy.bounds_itself:  # the most a head holds goes on growing (Duo's retrieval)
                 states, once = new, result
