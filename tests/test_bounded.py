@@ -407,9 +407,12 @@ def test_duo_evicts_while_prefilling_as_duoattention_s_chunked_prefill(family):
     after = reference_logits(fm.model, seq, duo_visibility(fm, states, P, T, policy))[P:]
     assert mx.abs(want - after).max().item() > 10 * TOL  # the oracle tells it from Duo after
     assert r.peak_rows == P and len(r.rows_before) == len(states)
-    for s in states:
+    after_prefill, _ = kvfn.compact(fm, ids, policy, prefill_step_size=16, max_new_tokens=6)
+    for s, a in zip(states, after_prefill):
         plain, ring = s.parts
         assert plain.max_rows == P and ring.sink + ring.recent == 10
+        # the retrieval heads' part reserved once: the capacity Duo after the prefill has
+        assert plain.capacity == a.parts[0].capacity == P + 7
     same, r_same = kvfn.compact(fm, ids, policy, max_rows=P, prefill_step_size=16)
     plain, r_plain = kvfn.compact(fm, ids, policy, prefill_step_size=16)
     # (the last chunk holds the window: other chunk ends, the same rows to float error)
