@@ -299,7 +299,7 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
                 yield shown, P
             mx.eval(carried or ())
         yield stop, P
-    return states, scores, peak, once and whole_context(once, states, P)
+    return states, scores, peak, None if once is None else whole_context(once, states, P)
 
 
 def whole_context(result: EvictionResult, states: tuple, P: int) -> EvictionResult:
