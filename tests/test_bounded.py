@@ -320,23 +320,43 @@ def test_generating_cuts_a_callers_larger_room_to_one_capacity(fm):
     assert {s.capacity for s in final} == {kvfn.wrapper.bucket(72)}
 
 
-def test_quality_bounded_asks_every_config_the_same_questions(capsys):
+def test_quality_bounded_asks_every_config_the_same_questions(capsys, tmp_path):
     """The quality example's four configs: with more rows than the prompt nothing is evicted
-    and all answer as mlx-lm's full cache; with fewer, each is scored on the same question."""
+    and all answer as mlx-lm's full cache (both modes); with fewer (rows, or a ratio of the
+    prompt), each is scored on the same question, and the table pairs bounded with the rest."""
+    import json
+
     from examples import quality_bounded
 
     whole = quality_bounded.main(["--tasks", "passkey", "--lengths", "160", "--samples", "1",
-                                  "--rows", "512", "--window", "8", "--prefill-step-size", "64"])  # fmt: skip
-    (row,) = whole["rows"]
-    assert row["length"] <= 160 and len(set(row["answers"].values())) == 1
+                                  "--rows", "512", "--window", "8", "--prefill-step-size", "64",
+                                  "--modes", "aware", "agnostic"])  # fmt: skip
+    aware, agnostic = whole["rows"]
+    assert aware["length"] <= 160 and (aware["mode"], agnostic["mode"]) == ("aware", "agnostic")
+    assert agnostic["held"] < aware["held"]  # the context alone, then the question
+    for row in whole["rows"]:
+        assert len(set(row["answers"].values())) == 1
+    out = tmp_path / "q.json"
     cut = quality_bounded.main(["--tasks", "passkey", "--lengths", "160", "--samples", "1",
-                                "--rows", "24", "--window", "8", "--prefill-step-size", "64"])  # fmt: skip
-    assert [r["config"] for r in cut["table"]] == list(quality_bounded.configs("chunkkv"))
-    assert cut["rows"][0]["answers"]["mlx-lm full"] == row["answers"]["mlx-lm full"]
-    assert all(0.0 <= r["score"] <= 1.0 and r["questions"] == 1 for r in cut["table"])
+                                "--ratios", "0.15", "--window", "8", "--prefill-step-size", "64",
+                                "--modes", "aware", "agnostic", "--out", str(out)])  # fmt: skip
+    assert [r["rows"] for r in cut["rows"]] == [round(0.15 * r["held"]) for r in cut["rows"]]
+    assert all(r["peak_rows"] <= r["rows"] + 64 for r in cut["rows"])
+    for mode, row in zip(("aware", "agnostic"), cut["rows"]):
+        table = [t for t in cut["table"] if t["mode"] == mode]
+        assert sorted(t["config"] for t in table) == sorted(quality_bounded.configs("chunkkv"))
+        assert row["answers"]["mlx-lm full"] == whole["rows"][0]["answers"]["mlx-lm full"]
+        assert all(0.0 <= t["score"] <= 100.0 and t["questions"] == 1 for t in table)
+        (bounded,) = [t for t in table if t["config"] == "kvfn chunkkv bounded"]
+        for ref, name in (("kvfn chunkkv", "vs_after_prefill"), ("mlx-lm rotating", "vs_rotating")):
+            theirs = next(t["score"] for t in table if t["config"] == ref)
+            assert bounded[name]["difference"] == pytest.approx(bounded["score"] - theirs)
+    assert json.loads(out.read_text())["table"] == cut["table"]
     assert "kvfn chunkkv bounded" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         quality_bounded.main(["--rows", "8", "--window", "8"])
+    with pytest.raises(SystemExit):
+        quality_bounded.main(["--ratios", "1.5"])
     with pytest.raises(SystemExit):
         quality_bounded.main(["--policy", "adakv", "--samples", "1", "--lengths", "160"])  # ragged
 
