@@ -240,6 +240,26 @@ def test_attending_copy_is_the_model_for_plain_caches(smol):
 
 
 # -- ragged states (Ada-KV, AdaKVzip) in mlx-lm's batching ----------------------------------------
+def batched(model, entries: list, lengths: list, join_at: int = 2) -> tuple[list, list]:
+    """Greedy tokens of ``entries`` (caches, prompt ids) decoded by mlx-lm's ``BatchGenerator``
+    over ``model``, ``lengths`` tokens each: the first alone, the rest joining after ``join_at``
+    steps. Returns each entry's tokens and its caches when it finished."""
+    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
+    uids = gen.insert([entries[0][1]], max_tokens=[lengths[0]], caches=[entries[0][0]])
+    tokens, finals, steps = {}, {}, 0
+    while len(finals) < len(entries):
+        if steps == join_at:
+            uids += gen.insert([e[1] for e in entries[1:]], max_tokens=lengths[1:],
+                               caches=[e[0] for e in entries[1:]])  # fmt: skip
+        for r in gen.next_generated():
+            tokens.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason is not None:
+                finals[r.uid] = r.prompt_cache
+        steps += 1
+    gen.close()
+    return [tokens[u] for u in uids], [finals[u] for u in uids]
+
+
 def kvfn_decode(fm, ids, states, steps=STEPS):
     tokens, token = [], ids[-1]
     for _ in range(steps):
@@ -251,9 +271,10 @@ def kvfn_decode(fm, ids, states, steps=STEPS):
 
 def test_ragged_batched_decode_equals_kvfn_decode(smol):
     """Prompts compacted by AdaKV (and one kept whole) decode through mlx-lm's BatchGenerator
-    and one ``BatchRaggedKVCache`` a layer as kvfn decodes each alone; they join and leave the
-    batch at different steps (extend, filter), and a layer grows past its room."""
-    from kvfn.serving.batch import BatchRaggedKVCache, RaggedLayerCache
+    and one ``StateCache`` a layer as kvfn decodes each alone; they join and leave the batch at
+    different steps (extend, filter), and a layer grows past its room."""
+    from kvfn.serving.shell import StateCache
+    from kvfn.states.ragged import as_ragged
     from kvfn.wrapper import attending_copy
 
     model, tokenizer, fm = smol
@@ -264,26 +285,16 @@ def test_ragged_batched_decode_equals_kvfn_decode(smol):
         states, _ = kvfn.compact(fm, ids, policy, max_new_tokens=2)  # room 3: grows in the batch
         assert isinstance(states[0], kvfn.RaggedKVCache)
         want.append(kvfn_decode(fm, ids, states))
-        entries.append(([RaggedLayerCache.from_state(s) for s in states], ids[-1:]))
+        entries.append(([StateCache(as_ragged(s)) for s in states], ids[-1:]))
     short = prompt(tokenizer, 1, "cats")
     full = kvfn.prefill(fm, mx.array([short[:-1]]), capacity=len(short))
     want.append(kvfn_decode(fm, short, full))
-    entries.append(([RaggedLayerCache.from_state(s) for s in full], short[-1:]))
-    gen = BatchGenerator(attending_copy(model), completion_batch_size=4, prefill_batch_size=4)
+    entries.append(([StateCache(as_ragged(s)) for s in full], short[-1:]))
     lengths = [STEPS, STEPS - 4, STEPS]
-    uids = gen.insert([entries[0][1]], max_tokens=[lengths[0]], caches=[entries[0][0]])
-    tokens, finals, steps = {}, {}, 0
-    while len(finals) < 3:
-        if steps == 2:  # two more join after the first has decoded two tokens
-            uids += gen.insert([e[1] for e in entries[1:]], max_tokens=lengths[1:],
-                               caches=[e[0] for e in entries[1:]])  # fmt: skip
-        for r in gen.next_generated():
-            tokens.setdefault(r.uid, []).append(r.token)
-            if r.finish_reason is not None:
-                finals[r.uid] = r.prompt_cache
-        steps += 1
-    gen.close()
-    assert [tokens[u] for u in uids] == [w[:n] for w, n in zip(want, lengths)]
-    assert all(isinstance(c, RaggedLayerCache) for c in finals[uids[0]])
+    tokens, finals = batched(attending_copy(model), entries, lengths)
+    assert tokens == [w[:n] for w, n in zip(want, lengths)]
+    assert all(isinstance(c.layer_state, kvfn.RaggedKVCache) for c in finals[0])
     with pytest.raises(TypeError, match="cannot batch"):
-        BatchRaggedKVCache.merge([entries[0][0][0], compacted(fm, prompts[0])[0]])
+        StateCache.merge([entries[0][0][0], compacted(fm, prompts[0])[0]])
+    with pytest.raises(TypeError, match="different kinds"):
+        StateCache.merge([entries[0][0][0], StateCache(compacted(fm, prompts[0])[0].to_state())])

@@ -1,6 +1,7 @@
 """One home per state kind: a new kind declared in this file alone (its dataclass, its layout and
 its adapter) runs through the model wrapper's compiled decode, save and load, ``to_mlx_cache``'s
-refusal and kvfn-server's head parts, with no other module edited. ``Halves`` keeps a plain
+refusal, kvfn-server's head parts and mlx-lm's continuous batching in the one mutable shell
+(``kvfn.serving.shell.StateCache``), with no other module edited. ``Halves`` keeps a plain
 layer's KV heads in two plain states (the first half, the rest)."""
 
 from typing import ClassVar
@@ -12,8 +13,11 @@ import pytest
 import kvfn
 from kvfn import adapters
 from kvfn.serving.batch import HeadPartsKVCache
+from kvfn.serving.shell import StateCache
 from kvfn.states import cache as kv
 from kvfn.states import layout
+from kvfn.wrapper import attending_copy
+from tests.test_batch import batched, kvfn_decode
 from tests.tiny import tiny_model
 
 
@@ -68,6 +72,18 @@ class HalvesLayout(layout.Layout):
         return h if front is h.front and back is h.back else Halves(front=front, back=back)
 
     @staticmethod
+    def stack(hs):
+        return Halves(front=kv.stack([h.front for h in hs]), back=kv.stack([h.back for h in hs]))
+
+    @staticmethod
+    def take(h, indices):
+        return Halves(front=kv.take(h.front, indices), back=kv.take(h.back, indices))
+
+    @staticmethod
+    def trim(h, n):
+        return Halves(front=kv.trim(h.front, n), back=kv.trim(h.back, n))
+
+    @staticmethod
     def kept(h):
         (r, a), (_, b) = kv.Layout.kept(h.front), kv.Layout.kept(h.back)
         return r, a + b
@@ -115,7 +131,7 @@ def setup():
     ids = mx.random.randint(0, 97, (1, 40), key=mx.random.key(3)).tolist()[0]
     plain, _ = kvfn.compact(fm, ids, kvfn.SnapKV(budget=16, window=4), max_new_tokens=8)
     at = fm.n_kv_heads[0] // 2
-    return fm, ids, plain, tuple(split(s, at) for s in plain)
+    return fm, ids, plain, tuple(split(s, at) for s in plain), model
 
 
 def greedy(fm, states, token, n):
@@ -130,7 +146,7 @@ def greedy(fm, states, token, n):
 def test_a_new_kind_decodes_as_the_plain_layer_it_splits(setup):
     """The oracle: the halves decode exactly as the plain layer they split, through the
     compiled decode and past the capacity (both halves grow)."""
-    fm, ids, plain, halves = setup
+    fm, ids, plain, halves, _ = setup
     token = mx.array([[ids[-1]]])
     want, _ = greedy(fm, plain, token, 12)
     got, states = greedy(fm, halves, token, 12)
@@ -142,7 +158,7 @@ def test_a_new_kind_decodes_as_the_plain_layer_it_splits(setup):
 
 
 def test_a_new_kind_saves_and_loads(setup, tmp_path):
-    fm, ids, _, halves = setup
+    fm, ids, _, halves, _ = setup
     kvfn.tree.save(tmp_path / "h.safetensors", halves)
     again, _ = kvfn.tree.load(tmp_path / "h.safetensors")
     token = mx.array([[ids[-1]]])
@@ -158,7 +174,7 @@ def test_a_new_kind_is_refused_by_mlx_lm_interop_by_name(setup):
 def test_a_new_kind_forms_kvfn_servers_head_groups(setup):
     """The server's per-head batch form takes it through its layout's head parts: the same
     rows as the plain layer's."""
-    _, _, plain, halves = setup
+    _, _, plain, halves, _ = setup
     heads = ((0,), tuple(range(1, plain[0].keys.shape[1])))
     a = HeadPartsKVCache.from_state(halves[0], heads)
     b = HeadPartsKVCache.from_state(plain[0], heads)
@@ -167,3 +183,21 @@ def test_a_new_kind_forms_kvfn_servers_head_groups(setup):
         assert (x.offset, x.rows) == (y.offset, y.rows) and x.rows > 0
         for f in ("keys", "values", "positions"):
             assert mx.array_equal(getattr(x, f)[:, :, : x.rows], getattr(y, f)[:, :, : y.rows])
+
+
+def test_a_new_kind_batches_in_mlx_lms_generator_through_the_one_shell(setup):
+    """Two prompts of different lengths, each in halves, decode in one ``BatchGenerator`` batch
+    (the second joining later, the first leaving last: stack, take) exactly as kvfn's decode
+    of each alone; a layer grows past its room in the batch."""
+    fm, ids, _, halves, model = setup
+    other = ids[5:33]
+    plain, _ = kvfn.compact(fm, other, kvfn.SnapKV(budget=12, window=4), max_new_tokens=2)
+    at = halves[0].front.keys.shape[1]
+    entries = [(halves, ids), (tuple(split(s, at) for s in plain), other)]
+    steps = [10, 6]
+    want = [kvfn_decode(fm, p, states, n) for (states, p), n in zip(entries, steps)]
+    caches = [([StateCache(s) for s in states], prompt_ids[-1:]) for states, prompt_ids in entries]
+    got, done = batched(attending_copy(model), caches, steps)
+    assert got == want
+    assert all(type(c.layer_state) is Halves for c in done[0])
+    assert done[0][0].layer_state.front.capacity > halves[0].front.capacity

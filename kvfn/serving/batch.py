@@ -1,7 +1,7 @@
-"""Per-head layers in mlx-lm's continuous batching (``BatchGenerator``): DuoAttention's head
-parts (``HeadPartsKVCache``, batched as ``BatchHeadPartsKVCache``: a
-``kvfn.serving.interop.BatchCompactedKVCache`` a part) and ragged layers (``RaggedLayerCache``,
-batched as ``BatchRaggedKVCache``). A plain compacted cache's batch form is in ``interop``.
+"""DuoAttention's head parts in mlx-lm's continuous batching (``BatchGenerator``):
+``HeadPartsKVCache``, batched as ``BatchHeadPartsKVCache`` (a
+``kvfn.serving.interop.BatchCompactedKVCache`` a part, a ring's rows masked). A plain compacted
+cache's batch form is in ``interop``; a ragged layer's is any kind's, ``shell.StateCache``.
 """
 
 import mlx.core as mx
@@ -9,12 +9,9 @@ import mlx.core as mx
 from .. import kernels
 from ..states import layout
 from ..states import partitioned as part
-from ..states import ragged
-from ..states.layout import grown
 from .interop import BatchCompactedKVCache, to_mlx_cache
 
 
-# -- per-head states (DuoAttention) -------------------------------------------------------------
 class HeadPartsKVCache:
     """One sequence's layer of a per-head state (``kvfn.HeadPartitionedKVCache``) as mlx-lm's
     ``BatchGenerator`` takes it: one ``CompactedKVCache`` per head part, ``heads[g]`` naming
@@ -205,122 +202,3 @@ class BatchHeadPartsKVCache:
     def extract(self, idx: int) -> HeadPartsKVCache:
         return HeadPartsKVCache([g.extract(idx) for g in self.parts], self.heads,
                                  [w[idx] for w in self.rings])  # fmt: skip
-
-
-# -- ragged states (Ada-KV, AdaKVzip) ------------------------------------------------------------
-class RaggedLayerCache:
-    """One sequence's ragged layer (``kvfn.RaggedKVCache``, batch 1) as mlx-lm's
-    ``BatchGenerator`` takes it: it is only merged into a batch (``BatchRaggedKVCache``) or
-    extracted from one; it never runs a model itself."""
-
-    def __init__(self, state):
-        if type(state) is not ragged.RaggedKVCache or state.keys.shape[0] != 1:
-            raise ValueError(f"a RaggedLayerCache holds one sequence's ragged layer, got {state!r}")
-        self.ragged = state
-
-    @classmethod
-    def from_state(cls, state, room: int = 1) -> "RaggedLayerCache":
-        """From one layer's kvfn state of one sequence: a ragged one as it is, a plain one with
-        every head keeping all its rows."""
-        return cls(ragged.as_ragged(state, room))
-
-    @property
-    def offset(self) -> int:
-        return int(self.ragged.offset.item())
-
-    def size(self) -> int:
-        return int(mx.max(self.ragged.lengths).item())
-
-    def empty(self) -> bool:
-        return False
-
-    @property
-    def state(self):
-        return [getattr(self.ragged, f) for f in ragged.ARRAY_FIELDS]
-
-    @property
-    def nbytes(self) -> int:
-        return self.ragged.nbytes
-
-    @classmethod
-    def merge(cls, caches) -> "BatchRaggedKVCache":
-        return BatchRaggedKVCache.merge(caches)
-
-
-class BatchRaggedKVCache:
-    """A batch of ragged layers in mlx-lm's continuous batching: one ``RaggedKVCache`` of the
-    sequences (each its own per-head starts and lengths), appended to and attended through
-    ``kvfn.ragged`` (the ragged kernel on CUDA). The model must call ``attend``
-    (``kvfn.wrapper.attending_copy``). Sequences enter with their prompt already in their state
-    (the server prefills and compacts them), so prompt processing brings one token at a time."""
-
-    def __init__(self, state):
-        self.ragged = state
-
-    @classmethod
-    def merge(cls, caches) -> "BatchRaggedKVCache":
-        for i, c in enumerate(caches):
-            if not isinstance(c, RaggedLayerCache):
-                raise TypeError(f"sequence {i}: cannot batch a {type(c).__name__} with ragged "
-                                "layers")  # fmt: skip
-        return cls(ragged.stack([c.ragged for c in caches]))
-
-    # -- mlx-lm protocol ----------------------------------------------------------------------
-    @property
-    def offset(self):
-        return self.ragged.offset
-
-    def make_mask(self, N: int, return_array: bool = False, **kwargs):
-        return None  # ``attend`` masks each head to its own rows
-
-    def update_and_fetch(self, keys, values):
-        self.ragged = ragged.update(grown(self.ragged, keys.shape[2]), keys, values)
-        return keys, values  # the new rows only: ``attend`` reads the state
-
-    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        if sinks is not None:
-            raise TypeError("kvfn's ragged caches do not support attention sinks")
-        return ragged.attend(self.ragged, queries, scale)
-
-    def prepare(self, *, lengths=None, right_padding=None, **kwargs):
-        if right_padding is not None and any(right_padding):
-            raise ValueError("kvfn's ragged caches take no right-padded prompt chunks")
-
-    def finalize(self):
-        pass
-
-    @property
-    def state(self):
-        return [getattr(self.ragged, f) for f in ragged.ARRAY_FIELDS]
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        self.ragged = ragged.trim(self.ragged, n)
-        return n
-
-    def size(self) -> int:
-        return int(mx.max(self.ragged.lengths).item())
-
-    def empty(self) -> bool:
-        return False
-
-    @property
-    def nbytes(self) -> int:
-        return self.ragged.nbytes
-
-    # -- batch membership ---------------------------------------------------------------------
-    def filter(self, batch_indices):
-        idx = mx.array(list(batch_indices), mx.int32)
-        arrays = {f: mx.take(getattr(self.ragged, f), idx, axis=0) for f in ragged.ARRAY_FIELDS}
-        self.ragged = self.ragged.replace(**arrays, kept=None)
-
-    def extend(self, other):
-        if not isinstance(other, type(self)):
-            raise TypeError(f"cannot extend a ragged batch cache with {type(other).__name__}")
-        self.ragged = ragged.stack([self.ragged, other.ragged])
-
-    def extract(self, idx: int) -> RaggedLayerCache:
-        arrays = {f: getattr(self.ragged, f)[idx : idx + 1] for f in ragged.ARRAY_FIELDS}
-        return RaggedLayerCache(self.ragged.replace(**arrays))

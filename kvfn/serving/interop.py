@@ -1,8 +1,9 @@
 """Interop with mlx-lm: a compacted state as an mlx-lm cache object, and back.
 
-``CompactedKVCache`` speaks mlx-lm 0.32's cache protocol (``mlx_lm.models.cache``), so
-``generate`` / ``stream_generate``, speculative decoding and ``save_prompt_cache`` /
-``load_prompt_cache`` work with a compacted prompt. Its ``offset`` is the true next position
+``CompactedKVCache`` (the one shell, ``shell.StateCache``, around a plain state) speaks mlx-lm
+0.32's cache protocol (``mlx_lm.models.cache``) under mlx-lm's own attention, so ``generate`` /
+``stream_generate``, speculative decoding and ``save_prompt_cache`` / ``load_prompt_cache``
+work with a compacted prompt. Its ``offset`` is the true next position
 (RoPE); ``size()`` is the number of stored rows; ``positions`` travel with the state, so a
 file round trip keeps both. ``to_mlx_cache(states, policy=...)`` gives caches that also evict
 while mlx-lm generates (``Evicting``), as ``kvfn.bounded_decode`` does in kvfn's own loop.
@@ -11,7 +12,6 @@ while mlx-lm generates (``Evicting``), as ``kvfn.bounded_decode`` does in kvfn's
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache
@@ -23,24 +23,99 @@ from ..policies.policy import BasePolicy
 from ..scores import window_attention_scores
 from ..states import cache as kv
 from ..states import layout
+from .shell import StateCache
 
 
-class _TruePositions:
-    """What both compacted caches share: rows with recorded true positions, offset apart."""
+def causal_mask(n: int, rows: int, window: Optional[int], return_array: bool):
+    """mlx-lm's mask for ``n`` queries over ``rows`` stored rows without holes and the ``n``
+    new ones after them: aligned to the end of the rows, so right for any row count."""
+    if n == 1 and window is None:
+        return None
+    if not return_array and window is None:
+        return "causal"
+    return create_causal_mask(n, offset=rows, window_size=window)
 
-    def make_mask(self, n, return_array=False, window_size=None):
-        window_size = window_size or self.sliding_window
-        if n == 1 and window_size is None:
-            return None
-        if not return_array and window_size is None:
-            return "causal"  # aligned to the end of the stored rows: right for any row count
-        return create_causal_mask(n, offset=self.rows, window_size=window_size)
+
+class CompactedKVCache(StateCache):
+    """A plain layer's ``StateCache`` that runs under mlx-lm's own attention (batch size 1).
+
+    Its rows have no holes (a packed state), so the keys it fetches are exactly its rows and
+    mlx-lm's causal mask, aligned to their end, is right for any row count: the one mask an
+    mlx-lm model builds from its first layer is right for every layer. ``offset`` is the true
+    next position (RoPE), an int; ``size()`` the stored rows; ``positions`` travel with the
+    state, so a prompt-cache file keeps both. An ``Evicting`` makes it evict while mlx-lm
+    generates."""
+
+    def __init__(self, keys, values, positions, offset: int, sliding_window: Optional[int] = None,
+                 evicting: Optional["Evicting"] = None):  # fmt: skip
+        r = keys.shape[2]
+        state = kv.State(keys=keys, values=values, positions=positions.astype(mx.int32),
+                         offset=mx.array([int(offset)], mx.int32), rows=mx.array(r, mx.int32),
+                         sliding_window=sliding_window, max_rows=r, packed=True)  # fmt: skip
+        super().__init__(state)
+        self._offset, self.evicting = int(offset), evicting
 
     @classmethod
     def from_state(cls, state):
-        obj = cls.__new__(cls)
-        obj.state = state
-        return obj
+        """From the ``state`` a prompt-cache file saved (mlx-lm's ``load_prompt_cache``)."""
+        return cls(*state)
+
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    @property
+    def rows(self) -> int:
+        return self.layer_state.max_rows
+
+    @property
+    def sliding_window(self) -> Optional[int]:
+        return self.layer_state.sliding_window
+
+    @property
+    def keys(self) -> mx.array:
+        return self.layer_state.keys
+
+    @property
+    def values(self) -> mx.array:
+        return self.layer_state.values
+
+    @property
+    def positions(self) -> mx.array:
+        return self.layer_state.positions
+
+    # -- mlx-lm protocol ----------------------------------------------------------------------
+    def make_mask(self, n, return_array=False, window_size=None):
+        return causal_mask(n, self.rows, window_size or self.sliding_window, return_array)
+
+    def update_and_fetch(self, keys, values):
+        if self.evicting is not None and self.evicting.due(self.rows, False):
+            self.layer_state = self.evicting.compact(self.layer_state)
+        n = keys.shape[2]
+        self.layer_state = kv.append(layout.grown(self.layer_state, n), keys, values)
+        self._offset += n
+        r = self.rows
+        return self.layer_state.keys[:, :, :r], self.layer_state.values[:, :, :r]
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        """mlx-lm's attention (``kvfn.wrapper.attending_copy`` calls it after
+        ``update_and_fetch``); an evicting cache also reads the queries it scores rows by."""
+        if self.evicting is not None:
+            first = self.evicting.first_scored(self.rows, queries.shape[2])
+            if first is not None:
+                self.evicting.observe(self.layer_state, queries, scale, first)
+        mask = kernels.sdpa_mask(mask, queries)
+        return scaled_dot_product_attention(queries, keys, values, self, scale, mask, sinks)
+
+    @property
+    def state(self):
+        r = self.rows
+        return (self.keys[:, :, :r], self.values[:, :, :r], self.positions[:, :, :r], self.offset,
+                self.sliding_window)  # fmt: skip
+
+    @state.setter
+    def state(self, v):
+        self.__init__(*v)
 
     def is_trimmable(self) -> bool:
         return True
@@ -49,96 +124,21 @@ class _TruePositions:
         """Drop up to ``n`` of the latest tokens; only a contiguous tail of true positions can
         go (rows appended after compaction, or a recent window), and it returns how many went."""
         n = min(n, self.contiguous_tail())
-        self.rows -= n
-        self.offset -= n
+        self.layer_state = kv.rollback(self.layer_state, n)
+        self._offset -= n
         return n
 
     def contiguous_tail(self) -> int:
-        pos = np.array(self.positions[:, :, : self.rows])
-        expected = self.offset - 1 - np.arange(self.rows)
-        match = (pos[..., ::-1] == expected).all(axis=(0, 1))
-        return int(self.rows if match.all() else np.argmin(match))
+        """How many of the last rows are the last tokens, in order."""
+        return kv.tail_run(self.positions[0, :, : self.rows], self.offset)
 
     def size(self) -> int:
         return self.rows
-
-    def empty(self) -> bool:
-        return self.rows == 0
 
     @property
     def nbytes(self) -> int:
         """Bytes of the stored rows: keys and values (``kv_nbytes``) and their positions."""
         return self.kv_nbytes + self.positions.itemsize * self.positions[..., : self.rows].size
-
-    def _grow(self, arrays, n: int):
-        """Room for ``n`` more rows: new buffers (never written in place while shared)."""
-        if self.rows + n <= arrays[0].shape[2]:
-            return arrays
-        grow = ((n + self.step - 1) // self.step) * self.step
-        return [
-            mx.concatenate([x[:, :, : self.rows], mx.zeros((*x.shape[:2], grow, *x.shape[3:]), x.dtype)], axis=2)
-            for x in arrays
-        ]  # fmt: skip
-
-
-class CompactedKVCache(_TruePositions):
-    """A mutable mlx-lm cache over rows with recorded true positions (batch size 1).
-
-    Rows are dense: every stored row of every head is valid and the same count per head, so the
-    one mask an mlx-lm model builds from one layer is right for all layers.
-    """
-
-    step = 256
-
-    def __init__(self, keys, values, positions, offset: int, sliding_window: Optional[int] = None,
-                 evicting: Optional["Evicting"] = None):  # fmt: skip
-        self.keys, self.values, self.positions = keys, values, positions
-        self.offset, self.sliding_window = int(offset), sliding_window
-        self.rows = keys.shape[2]
-        self.evicting = evicting
-
-    # -- mlx-lm protocol ----------------------------------------------------------------------
-    def update_and_fetch(self, keys, values):
-        if self.evicting is not None and self.evicting.due(self.rows, False):
-            self.keys, self.values, self.positions = self.evicting.compact(self.to_state())
-            self.rows = self.positions.shape[2]
-        n = keys.shape[2]
-        self.keys, self.values, self.positions = self._grow(
-            [self.keys, self.values, self.positions], n
-        )
-        r = self.rows
-        self.keys[:, :, r : r + n] = keys
-        self.values[:, :, r : r + n] = values
-        self.positions[:, :, r : r + n] = mx.arange(self.offset, self.offset + n, dtype=mx.int32)
-        self.offset += n
-        self.rows += n
-        return self.keys[:, :, : self.rows], self.values[:, :, : self.rows]
-
-    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        """mlx-lm's attention (``kvfn.wrapper.attending_copy`` calls it after
-        ``update_and_fetch``); an evicting cache also reads the queries it scores rows by."""
-        if self.evicting is not None:
-            first = self.evicting.first_scored(self.rows, queries.shape[2])
-            if first is not None:
-                self.evicting.observe(self.to_state(), queries, scale, first)
-        mask = kernels.sdpa_mask(mask, queries)
-        return scaled_dot_product_attention(queries, keys, values, self, scale, mask, sinks)
-
-    @property
-    def state(self):
-        r = self.rows
-        return (
-            self.keys[:, :, :r],
-            self.values[:, :, :r],
-            self.positions[:, :, :r],
-            self.offset,
-            self.sliding_window,
-        )
-
-    @state.setter
-    def state(self, v):
-        keys, values, positions, offset, window = v
-        self.__init__(keys, values, positions.astype(mx.int32), int(offset), window)
 
     @property
     def kv_nbytes(self) -> int:
@@ -164,24 +164,25 @@ class CompactedKVCache(_TruePositions):
         """A batch of compacted caches for mlx-lm's ``BatchGenerator`` (true offsets kept)."""
         return BatchCompactedKVCache.merge(caches)
 
+    def extract(self, idx: int):
+        raise TypeError("a CompactedKVCache holds one sequence; its batch form extracts")
+
     # -- functional side ------------------------------------------------------------------------
     def to_state(self, capacity: Optional[int] = None) -> kv.State:
         """This cache as an immutable state with room for ``capacity`` rows."""
         r = self.rows
-        s = kv.State(
-            keys=self.keys[:, :, :r], values=self.values[:, :, :r], positions=self.positions[:, :, :r],
-            offset=mx.array([self.offset], mx.int32), rows=mx.array(r, mx.int32),
-            sliding_window=self.sliding_window, max_rows=r,
-        )  # fmt: skip
+        s = self.layer_state
+        if s.capacity != r:
+            s = kv.fitted(s, r)
         return kv.reserve(s, max(capacity or r, r))
 
 
-class QuantizedCompactedKVCache(_TruePositions):
+class QuantizedCompactedKVCache:
     """``CompactedKVCache`` with keys and values stored by ``mx.quantize`` (each a tuple of
     packed weights, scales, biases), read by mlx-lm's quantized attention (it looks for
-    ``bits``). Memory per row: ``bits`` per element plus a scale and a bias per group."""
-
-    step = 256
+    ``bits``). Memory per row: ``bits`` per element plus a scale and a bias per group. No kvfn
+    state holds quantized rows, so this one keeps its buffers itself: grown by the one capacity
+    rule (``layout.bucket``), masked and trimmed as ``CompactedKVCache`` is."""
 
     def __init__(self, keys, values, positions, offset, sliding_window, group_size: int, bits: int):
         self.keys, self.values, self.positions = tuple(keys), tuple(values), positions
@@ -189,10 +190,23 @@ class QuantizedCompactedKVCache(_TruePositions):
         self.group_size, self.bits = int(group_size), int(bits)
         self.rows = positions.shape[2]
 
+    @classmethod
+    def from_state(cls, state):
+        obj = cls.__new__(cls)
+        obj.state = state
+        return obj
+
+    def make_mask(self, n, return_array=False, window_size=None):
+        return causal_mask(n, self.rows, window_size or self.sliding_window, return_array)
+
     def update_and_fetch(self, keys, values):
         n, r = keys.shape[2], self.rows
-        grown = self._grow([*self.keys, *self.values, self.positions], n)
-        self.keys, self.values, self.positions = tuple(grown[:3]), tuple(grown[3:6]), grown[6]
+        if r + n > self.positions.shape[2]:
+            capacity = layout.bucket(max(r + n, 2 * self.positions.shape[2]))
+            grow = lambda x: mx.pad(x[:, :, :r], [(0, 0), (0, 0), (0, capacity - r)]  # noqa: E731
+                                    + [(0, 0)] * (x.ndim - 3))  # fmt: skip
+            self.keys, self.values = tuple(map(grow, self.keys)), tuple(map(grow, self.values))
+            self.positions = grow(self.positions)
         for stored, new in ((self.keys, keys), (self.values, values)):
             for buf, part in zip(
                 stored, mx.quantize(new, group_size=self.group_size, bits=self.bits)
@@ -217,6 +231,25 @@ class QuantizedCompactedKVCache(_TruePositions):
     def state(self, v):
         keys, values, positions, offset, window, group_size, bits = v
         self.__init__(keys, values, positions.astype(mx.int32), offset, window, group_size, bits)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(n, kv.tail_run(self.positions[0, :, : self.rows], self.offset))
+        self.rows -= n
+        self.offset -= n
+        return n
+
+    def size(self) -> int:
+        return self.rows
+
+    def empty(self) -> bool:
+        return self.rows == 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv_nbytes + self.positions.itemsize * self.positions[..., : self.rows].size
 
     @property
     def kv_nbytes(self) -> int:
@@ -328,11 +361,11 @@ class BatchCompactedKVCache(BatchKVCache):
         if not due:
             return
         for i in due:
-            keys, values, positions = self.evicting[i].compact(self.sequence(i, padding[i]))
-            padding[i] = start = self._idx - positions.shape[2]
-            self.keys[i : i + 1, :, start : self._idx] = keys
-            self.values[i : i + 1, :, start : self._idx] = values
-            self.prefix_positions[i] = positions
+            new = self.evicting[i].compact(self.sequence(i, padding[i]))
+            padding[i] = start = self._idx - new.max_rows
+            self.keys[i : i + 1, :, start : self._idx] = new.keys
+            self.values[i : i + 1, :, start : self._idx] = new.values
+            self.prefix_positions[i] = new.positions
         common = min(padding)
         if common:
             self.keys, self.values = (x[..., common:, :] for x in (self.keys, self.values))
@@ -421,15 +454,16 @@ class Evicting:
         # compaction (the window's steps, each a buffer a layer)
         mx.async_eval(self.scores)
 
-    def compact(self, state: kv.State) -> tuple:
-        """The keys, values and positions of the rows the policy keeps of ``state`` (its
-        ``max_rows`` rows, all of its slots), scored by what ``observe`` added."""
+    def compact(self, state: kv.State) -> kv.State:
+        """The rows the policy keeps of ``state`` (its ``max_rows`` rows, all of its slots),
+        scored by what ``observe`` added, packed in a state of exactly their number."""
         r = state.max_rows
+        state = state if state.capacity == r else kv.fitted(state, r)
         scores = None if self.scores is None else self.scores[..., :r]
         new = self.policy.compact_layer(state.replace(packed=True), scores, prompt_length=r,
                                         layer=self.layer, reserve=0)  # fmt: skip
         self.scores = None
-        return new.keys, new.values, new.positions
+        return new
 
 
 def register() -> None:

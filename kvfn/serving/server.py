@@ -94,9 +94,10 @@ from ..decoding import check_generating
 from ..eviction import kept
 from ..passes import _prefill_steps, prefill
 from ..states import tree
+from ..states.ragged import as_ragged
 from ..wrapper import FunctionalModel, attending_copy, bucket
 from . import flags
-from .batch import HeadPartsKVCache, RaggedLayerCache
+from .batch import HeadPartsKVCache
 from .flags import (
     non_negative_float,
     non_negative_int,
@@ -104,6 +105,7 @@ from .flags import (
     probability,
 )
 from .interop import CompactedKVCache, QuantizedCompactedKVCache, evicting, to_mlx_cache
+from .shell import StateCache
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
@@ -596,20 +598,20 @@ class EvictingPromptCache(LRUPromptCache):
 
     def as_mlx_caches(self, states, policy, interval=None) -> list:
         """mlx-lm caches of one sequence's states: with a per-head policy, ragged layers
-        (``RaggedLayerCache``, a plain state's heads each keeping all its rows) or per-head
+        (``StateCache``s, a plain state's heads each keeping all its rows) or per-head
         caches in the server's head parts; else ``kvfn.to_mlx_cache``'s, evicting every
         ``interval`` tokens where the request asks (a job passes its request's own, taken when it
         was made: ``self.decode_interval`` is the latest request's by the time the job ends)."""
         if self.provider.ragged:
-            return [RaggedLayerCache.from_state(s) for s in states]
+            return [StateCache(as_ragged(s)) for s in states]
         parts = self.provider.head_parts
         if parts is None:
             return evicting(to_mlx_cache(states), policy, interval)
         return [HeadPartsKVCache.from_state(s, g) for s, g in zip(states, parts)]
 
     def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-        per_head = (HeadPartsKVCache, RaggedLayerCache)
-        if any(is_lossy(c) or isinstance(c, per_head) for c in prompt_cache):
+        per_head = lambda c: isinstance(c, HeadPartsKVCache) or type(c) is StateCache  # noqa: E731
+        if any(is_lossy(c) or per_head(c) for c in prompt_cache):
             self.refused_inserts += 1
             return
         try:  # a cache that cannot be stored costs a later request its reuse, nothing more

@@ -318,6 +318,15 @@ def rollback(state: State, n: int) -> State:
     )
 
 
+def tail_run(positions: mx.array, offset: int) -> int:
+    """Eagerly: how many of the last of ``positions`` (n_kv_heads, rows), in every head, are the
+    positions just before ``offset`` in order (a run a trim of the last tokens can drop)."""
+    rows = positions.shape[-1]
+    expected = offset - 1 - mx.arange(rows, dtype=mx.int32)
+    match = mx.all(positions[:, ::-1] == expected, axis=0).astype(mx.int32)
+    return rows if mx.all(match).item() else int(mx.argmin(match).item())
+
+
 @typechecked
 def trim(state: State, n: int) -> State:
     """Drop the last ``n`` tokens of every sequence (speculative rollback): a prefix trim to
@@ -569,6 +578,12 @@ def take_heads(state: State, heads) -> State:
                             for f in ("keys", "values", "positions")})  # fmt: skip
 
 
+def take(state: State, indices: mx.array) -> State:
+    """The sequences ``indices`` of a batch's layer (``rows`` and the flags are the batch's)."""
+    return state.replace(**{f: mx.take(getattr(state, f), indices, axis=0)
+                            for f in ("keys", "values", "positions", "offset")})  # fmt: skip
+
+
 def grown(state: State, n: int, bucket_rows: bool = False) -> State:
     """``layout.Layout.grown`` for a plain layer (a sliding window's buffer keeps its size)."""
     if state.max_rows is None:
@@ -588,6 +603,8 @@ class Layout(layout.Layout):
     ARRAY_FIELDS = ARRAY_FIELDS
     flatten = staticmethod(flatten)
     stack = staticmethod(stack)
+    take = staticmethod(take)
+    trim = staticmethod(trim)
     grown = staticmethod(grown)
     rollback = staticmethod(rollback)
 

@@ -5,11 +5,12 @@ Nothing outside ``kvfn.states`` asks which kind a state is.
 A layout says how its states cross ``mx.compile`` (``flatten``: arrays, a hashable static part
 that shapes a trace, and ``host``: what only the host knows; ``unflatten``; ``advanced``), how
 they grow (``grown``, by the one capacity rule ``bucket``), what they keep (``kept``), how
-layers of several sequences join (``stack``), how they are saved and loaded (``name``,
-``encode``/``decode``, ``unnamed``; or ``saved_as`` another kind) and the head parts kvfn-server
-batches a per-head layer in (``head_parts``). What runs a kind through
-mlx-lm's cache protocol in a forward call is ``kvfn.adapters.ADAPTERS[layout]``: the adapters
-build on the attention kernels and scores, which build on the states.
+layers of several sequences join and part (``stack``, ``take``), how tokens are dropped
+(``trim``), how they are saved and loaded (``name``, ``encode``/``decode``, ``unnamed``; or
+``saved_as`` another kind) and the head parts kvfn-server batches a per-head layer in
+(``head_parts``). What runs a kind through mlx-lm's cache protocol in a forward call is
+``kvfn.adapters.ADAPTERS[layout]``: the adapters build on the attention kernels and scores, which
+build on the states; ``kvfn.serving.shell.StateCache`` holds a state between calls.
 """
 
 from typing import ClassVar, Optional
@@ -36,6 +37,8 @@ class Layout:
     saved_as: ClassVar[Optional[str]] = None  # saved as another kind: to_saved, from_saved
     ARRAY_FIELDS: ClassVar[tuple] = ()
     stack = None  # one batch from the same layer's states of several sequences, if they join
+    take = None  # (state, indices): the sequences ``indices`` (an int32 array) of a batch's layer
+    trim = None  # (state, n): the last n tokens of every sequence dropped, wherever their rows are
     rollback = None  # (state, n): the state before its last n appended rows, where exact
 
     @staticmethod

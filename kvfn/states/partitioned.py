@@ -397,6 +397,7 @@ class Layout(layout.Layout):
     per_head = True
     flatten = staticmethod(flatten)
     stack = staticmethod(stack)
+    trim = staticmethod(trim)
     grown = staticmethod(grown)
     kept = staticmethod(kept)
     host = staticmethod(bounds)

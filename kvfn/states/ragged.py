@@ -341,6 +341,12 @@ def stack(states: list) -> RaggedKVCache:
                          kept=kept.pop() if len(kept) == 1 else None)  # fmt: skip
 
 
+def take(state: RaggedKVCache, indices: mx.array) -> RaggedKVCache:
+    """The sequences ``indices`` of a batch's layer (each keeps its own ranges)."""
+    arrays = {f: mx.take(getattr(state, f), indices, axis=0) for f in ARRAY_FIELDS}
+    return state.replace(**arrays, kept=state.kept if indices.size == state.keys.shape[0] else None)
+
+
 def head_rows(state: RaggedKVCache, b: int, h: int) -> tuple[mx.array, mx.array, mx.array]:
     """Eagerly, sequence b's KV head h: its keys (n, D), values (n, Dv) and positions (n,)."""
     start, n = int(state.starts[b, h].item()), int(state.lengths[b, h].item())
@@ -413,6 +419,8 @@ class Layout(layout.Layout):
     flatten = staticmethod(flatten)
     unflatten = staticmethod(unflatten)
     stack = staticmethod(stack)
+    take = staticmethod(take)
+    trim = staticmethod(trim)
     grown = staticmethod(grown)
     rollback = staticmethod(rollback)
     kept = staticmethod(kept)

@@ -330,6 +330,7 @@ class Layout(layout.Layout):
     flatten = staticmethod(flatten)
     unflatten = staticmethod(unflatten)
     grown = staticmethod(grown)
+    trim = staticmethod(trim)
     saved_as = "slots"
     to_saved = staticmethod(to_partitioned)
     from_saved = staticmethod(from_partitioned)
