@@ -37,13 +37,18 @@ def _start(fmodel, tokens, states, capacity, dtype, check_ids: bool) -> tuple:
     return tuple(with_room(s, n) for s in states)
 
 
-def with_room(state, n: int):
+def with_room(state, n: int, bucketed: bool = False):
     """A plain state with room for exactly n more rows (a partitioned one grows in the
-    wrapper, which at least doubles a capacity)."""
+    wrapper, which at least doubles a capacity); ``bucketed``: a copy in a capacity ``bucket``,
+    attended as a packed state (every slot, the free ones masked), so that a chunk attends in
+    a shape that prompts of other lengths in the bucket meet too."""
     if not isinstance(state, kv.State):
         return state
     r = state.max_rows if state.max_rows is not None else int(state.rows.item())
-    return kv.reserve(state.replace(max_rows=r), max(state.capacity, r + n))
+    if bucketed:
+        state = state.replace(packed=state.packed or state.dense, dense=False)
+    return kv.reserve(state.replace(max_rows=r),
+                      max(state.capacity, bucket(r + n) if bucketed else r + n))  # fmt: skip
 
 
 def padding(states, start: int, stop: int, size: int, scored: bool = False) -> int:

@@ -14,6 +14,7 @@ more prefill (each query sees about P keys in the model's own attention).
 """
 
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar, Optional, Sequence
 
 import mlx.core as mx
@@ -22,7 +23,6 @@ from ..kernels import on_cuda
 from ..passes import _drain, check_step, chunks, per_layer, query_bucket, settling, with_room
 from ..scores import reconstruction_attention
 from ..states import cache as kv
-from ..states.layout import bucket
 from ..wrapper import FunctionalModel, QuerySlice
 from .policy import Policy, register_policy
 from .snapkv import check_kernel, pool1d
@@ -159,7 +159,7 @@ def held_reconstruction_steps(fmodel, context, states, start, carried, *, prompt
         pad = min(chunk, query_bucket(b - a)) - (b - a) if padded else 0
         if pad:  # after every real query: none of them sees these tokens
             inputs = mx.concatenate([inputs, mx.zeros((B, pad), inputs.dtype)], axis=1)
-        room = _padded_room if padded else with_room
+        room = partial(with_room, bucketed=padded)
         rows = (sink, base + a - start, base + b - start, held)
         if step is not None and b - a > step:  # the chunk's own tokens: its head rides along
             scores, shown = yield from _stepped(fmodel, inputs, states, rows, step, a, b, stop,
@@ -179,17 +179,6 @@ def held_reconstruction_steps(fmodel, context, states, start, carried, *, prompt
         del scores
         yield b, stop
     return tuple(mx.concatenate(kept, axis=-1) if len(kept) > 1 else kept[0] for kept in done)
-
-
-def _padded_room(state, n: int):
-    """A copy of a plain ``state`` with room for ``n`` more rows in a capacity ``bucket``,
-    attended as a packed state (every slot, the free ones masked): a chunk of the pass attends
-    in a shape that prompts of other lengths in the bucket meet too."""
-    if not isinstance(state, kv.State):
-        return state
-    r = state.max_rows if state.max_rows is not None else int(state.rows.item())
-    packed = state.replace(max_rows=r, packed=state.packed or state.dense, dense=False)
-    return kv.reserve(packed, max(state.capacity, bucket(r + n)))
 
 
 def _stepped(fmodel, inputs, states, rows, step, a, b, stop, layers=None, real=None,
