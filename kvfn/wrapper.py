@@ -289,6 +289,13 @@ def _check_layer(state: kv.State, i: int, kv_heads: int, head_dim: int) -> None:
         raise TypeError(f"state {i} holds {state.keys.dtype} keys; a KV cache is floating point")
 
 
+def _at_least_zero(name: str, value, types, what: str):
+    """``value`` if it is a finite ``types`` (not a bool) >= 0, else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, types) or not 0 <= value < float("inf"):
+        raise ValueError(f"{name} must be {what} >= 0, got {value!r}")
+    return value
+
+
 class FunctionalModel:
     """An mlx-lm model as pure functions of (tokens, layer states)."""
 
@@ -301,13 +308,9 @@ class FunctionalModel:
         layers to run in a trace made before (``decode``); 0 pads none."""
         if not isinstance(model, nn.Module) or not hasattr(model, "layers"):
             raise TypeError(f"FunctionalModel takes an mlx-lm model, got {type(model).__name__}")
-        if isinstance(compile_after, bool) or not isinstance(compile_after, int) \
-                or compile_after < 0:  # fmt: skip
-            raise ValueError(f"compile_after must be an int >= 0, got {compile_after!r}")
-        if isinstance(trace_slack, bool) or not isinstance(trace_slack, (int, float)) \
-                or not 0 <= trace_slack < float("inf"):  # fmt: skip
-            raise ValueError(f"trace_slack must be a number >= 0, got {trace_slack!r}")
-        self.compile_after, self.trace_slack = compile_after, float(trace_slack)
+        self.compile_after = _at_least_zero("compile_after", compile_after, int, "an int")
+        self.trace_slack = float(_at_least_zero("trace_slack", trace_slack, (int, float),
+                                                "a number"))  # fmt: skip
         self._calls: dict = {}  # calls a layout and shapes have had, while compile_after holds
         self.model = model
         self.sliding_windows = sliding_windows_of(model)
