@@ -111,7 +111,8 @@ class LayerAdapter:
         before, r = self.state.offset, self.state.static_rows
         if r is None and self.call.in_lockstep(self.state):
             new_rows = self.call.derived(self.state, keys.shape[2])[0]
-            self.state = kv.append_at(self.state, keys, values, **new_rows)
+            bound = kv.grown_bound(self.state, keys.shape[2])  # the host's bound, as append's
+            self.state = kv.append_at(self.state, keys, values, **new_rows, max_rows=bound)
         else:
             self.state = kv.append(self.state, keys, values)  # the model made them for it
         if self.query_slice is not None:

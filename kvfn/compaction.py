@@ -88,8 +88,32 @@ def compact_states(
     rank's slice of every layer's heads, split evenly over the group (``FunctionalModel.group``
     of a sharded model); every rank then keeps the rows one process would keep. ``plan``: what
     the policy's ``plan`` would decide from these scores (a layer's budget and each sequence's
-    rows, ``kvfn.policies.Plan``), given instead; checked before tracing."""
-    bounds = {s.max_rows if s.max_rows is not None else int(s.rows.item()) for s in states}
+    rows, ``kvfn.policies.Plan``), given instead; checked before tracing. The rows a state
+    stores that the host does not know are read in one read, not one a layer."""
+    P, new = _compacted(states, scores, policy, reserve=reserve, compiled=compiled, group=group,
+                        plan=plan)  # fmt: skip
+    return new, result_of(states, [P] * len(states), new)
+
+
+def _rows_read(states, exact: bool) -> list:
+    """Each state's stored rows where the host must read them (its ``max_rows`` unknown, or a
+    packed state's ``max_rows`` only a bound), in one read for every layer; None where it need
+    not. ``exact``: the caller vouches that each ``max_rows`` is the rows stored (states it
+    made by appends and gathers alone, as ``_bounded_steps`` does): nothing is read for them."""
+    at = [i for i, s in enumerate(states)
+          if s.max_rows is None or (s.packed and not s.dense and not exact)]  # fmt: skip
+    out = [None] * len(states)
+    for i, r in zip(at, mx.stack([states[i].rows for i in at]).tolist() if at else ()):
+        out[i] = r
+    return out
+
+
+def _compacted(states, scores, policy, *, reserve=0, compiled=False, group=None, plan=None,
+               exact: bool = False) -> tuple[int, tuple]:  # fmt: skip
+    """``compact_states`` without its ``EvictionResult``: (the prompt length, the new states).
+    ``exact``: as ``_rows_read``'s."""
+    read = _rows_read(states, exact)
+    bounds = {s.max_rows if s.max_rows is not None else r for s, r in zip(states, read)}
     if len(bounds) != 1:
         raise ValueError(f"compact_states takes states of one prompt length, got rows {bounds}")
     (P,) = bounds
@@ -108,8 +132,9 @@ def compact_states(
     policy.check_states(n_kv_heads, batch=states[0].keys.shape[0], prompt_length=P, plan=plan)
     # a dense state holds exactly P rows, as does a packed one whose rows are P (one compacted
     # while prefilling, then prefilled further): every kept row is a stored one, still packed
-    statics = tuple((s.sliding_window, s.dense or (s.packed and int(s.rows.item()) == P))
-                    for s in states)  # fmt: skip
+    stored = [s.max_rows if r is None else r for s, r in zip(states, read)]
+    statics = tuple((s.sliding_window, s.dense or (s.packed and r == P))
+                    for s, r in zip(states, stored))  # fmt: skip
     flat = [kv.flatten(s)[0] for s in states]
     run, layout = _evictor(policy, plan, P, reserve, statics, compiled and policy.traceable,
                            group)  # fmt: skip
@@ -119,7 +144,7 @@ def compact_states(
         n.replace(dense=True) if isinstance(n, kv.State) and s.dense and n.max_rows == P else n
         for n, s in zip(new, states)
     )
-    return new, result_of(states, [P] * len(states), new)
+    return P, new
 
 
 def _prompt(tokens, vocab: Optional[int]) -> mx.array:
@@ -257,11 +282,13 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
     first time, with room for the rest of the context and ``extra`` rows (what ``compact``
     reserves), and the later chunks are prefilled into its layout. Returns (states, scores of
     the last chunk, the most rows a head held, and the result of that one compaction, made
-    final for the whole context, or None)."""
+    final for the whole context, or None). Unsettled, the device computes a chunk while the
+    host builds the next one's graph."""
     P = context.shape[1]
     parts = bounded_chunks(P, step, policy.window)
     states, scores, held, peak, once = None, None, 0, 0, None
     unscored, carried = 0, None  # a policy scoring what it holds: rows it has not scored yet
+    ahead = None  # unsettled: the arrays of the chunk the device is computing
     for j, (start, stop) in enumerate(parts):
         tokens, n, shown = context[:, start:stop], stop - start, start
         window = 0 if policy.scores_held else min(policy.observation_window(held + n), n)
@@ -286,18 +313,27 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
             # and what compact reserves after it (its plain part then never grows)
             room = parts[j + 1][1] - parts[j + 1][0]
             room = P - stop + extra if policy.bounds_itself else room
-            new, result = compact_states(states, scores, policy, reserve=room, group=fmodel.group)
             if policy.bounds_itself:  # the most a head holds goes on growing (Duo's retrieval)
-                states, once = new, result
-            else:
+                states, once = compact_states(states, scores, policy, reserve=room,
+                                              group=fmodel.group)  # fmt: skip
+            else:  # the rows of states this loop made are known here; no result is kept
+                new = _compacted(states, scores, policy, reserve=room, group=fmodel.group,
+                                 exact=True)[1]  # fmt: skip
                 rows = policy.rows_after(held)
                 if policy.scores_held:
                     carried = kept_scores(scores, states, new, rows)
                 states, held = new, rows
-        if settle or not last:  # a lazy graph of every chunk would hold them all
+        if settle:
             for _ in settling(per_layer(states, scores), layers):
                 yield shown, P
             mx.eval(carried or ())
+        elif not last:  # a lazy graph of every chunk would hold them all
+            # the device computes this chunk while the host builds the next one's graph; the
+            # last chunk's is waited for first, so at most one chunk is in flight (the peak)
+            mx.eval(ahead or ())
+            ahead = None  # held, its buffers could not be written in place by the next chunk
+            mx.async_eval(per_layer(states, scores), carried or ())
+            ahead = [tree.arrays(states), scores, carried or ()]
         yield stop, P
     return states, scores, peak, None if once is None else whole_context(once, states, P)
 

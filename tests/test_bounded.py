@@ -75,6 +75,43 @@ def test_it_is_the_chunk_by_chunk_composition_of_the_public_steps(fm):
     assert mx.array_equal(first_logits(fm, ids, got), first_logits(fm, ids, want)).item()
 
 
+def llama_of(layers: int):
+    """The tiny llama with ``layers`` layers."""
+    from mlx_lm.models import llama
+
+    from tests.tiny import COMMON, FAMILIES
+
+    settings = {**COMMON, **FAMILIES["llama"], "num_hidden_layers": layers}
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(dict(model_type="llama", **settings)))
+    mx.eval(model.parameters())
+    return kvfn.FunctionalModel(model)
+
+
+def test_host_reads_do_not_grow_with_the_layers_or_the_chunks(monkeypatch):
+    """Between chunks the host reads nothing (it knows the rows every layer holds) and waits once
+    a chunk; the final compaction reads every layer's rows at once: as many host reads at 6
+    layers as at 3, and at 25 chunks as at 12."""
+    reads, waits = [], []
+    for name in ("item", "tolist"):
+        real = getattr(mx.array, name)
+        read = lambda x, *a, _real=real, **k: reads.append(1) or _real(x, *a, **k)  # noqa: E731
+        monkeypatch.setattr(mx.array, name, read)
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a, **k: waits.append(1) or real_eval(*a, **k))
+    policy, got = kvfn.SnapKV(budget=32, window=WINDOW), {}
+    for layers in (3, 6):
+        fm = llama_of(layers)
+        for n in (400, 800):
+            ids = prompt(n)
+            reads.clear(), waits.clear()
+            kvfn.compact(fm, ids, policy, max_rows=48, prefill_step_size=STEP)
+            chunks = len(bounded_chunks(n - 1, STEP, WINDOW))
+            got[layers, n] = len(reads)
+            assert len(waits) <= chunks, (layers, n, len(waits), chunks)
+    assert set(got.values()) == {1}, got
+
+
 def test_what_it_keeps_decodes_as_fast_as_a_compaction_after_the_prefill(fm):
     """Rows compacted while prefilling are packed as after the prefill (a slot comparison, not a
     per-head mask from positions): they decode through the same compiled step, and as the same
