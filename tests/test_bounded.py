@@ -112,6 +112,20 @@ def test_host_reads_do_not_grow_with_the_layers_or_the_chunks(monkeypatch):
     assert set(got.values()) == {1}, got
 
 
+def test_compiled_chunk_compactions_keep_what_eager_ones_keep(fm):
+    """``compiled``: each chunk's compaction in its one compiled trace, at prompts of two
+    lengths; the same rows and logits as eagerly."""
+    policy = kvfn.SnapKV(budget=32, window=WINDOW)
+    for n in (300, 333):
+        ids = prompt(n)
+        eager, _ = kvfn.compact(fm, ids, policy, max_rows=48, prefill_step_size=STEP)
+        compiled, _ = kvfn.compact(fm, ids, policy, max_rows=48, prefill_step_size=STEP,
+                                   compiled=True)  # fmt: skip
+        for a, b in zip(eager, compiled):
+            assert mx.array_equal(a.positions[..., :32], b.positions[..., :32]).item()
+        assert mx.array_equal(first_logits(fm, ids, eager), first_logits(fm, ids, compiled)).item()
+
+
 def test_what_it_keeps_decodes_as_fast_as_a_compaction_after_the_prefill(fm):
     """Rows compacted while prefilling are packed as after the prefill (a slot comparison, not a
     per-head mask from positions): they decode through the same compiled step, and as the same
