@@ -243,9 +243,13 @@ def _compaction(fmodel, context, policy, prefill, scored, reserve, compiled, set
     scores = own if own is not None else scores
     if done is not None:  # compacted while prefilling, into a layout that bounds itself
         new, result = tuple(layout.grown(s, reserve) for s in states), done
-    else:
+    elif peak is None:
         new, result = compact_states(states, scores, policy, reserve=reserve, compiled=compiled,
                                      group=fmodel.group)  # fmt: skip
+    else:  # the bounded prefill made its states by appends and gathers: their rows are known
+        rows, new = _compacted(states, scores, policy, reserve=reserve, compiled=compiled,
+                               group=fmodel.group, exact=True)  # fmt: skip
+        result = result_of(states, [rows] * len(states), new)
     if settle:
         for _ in settling(per_layer(new), layers):
             yield last[0]
