@@ -337,7 +337,7 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
             mx.eval(carried or ())
         elif not last:  # a lazy graph of every chunk would hold them all
             # the device computes this chunk while the host builds the next one's graph; the
-            # last chunk's is waited for first, so at most one chunk is in flight (the peak)
+            # chunk before it is waited for first, so at most one is in flight (the peak)
             mx.eval(ahead or ())
             ahead = None  # held, its buffers could not be written in place by the next chunk
             mx.async_eval(per_layer(states, scores), carried or ())
