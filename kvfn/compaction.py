@@ -335,13 +335,12 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
             for _ in settling(per_layer(states, scores), layers):
                 yield shown, P
             mx.eval(carried or ())
-        elif not last:  # a lazy graph of every chunk would hold them all
-            # the device computes this chunk while the host builds the next one's graph; the
-            # chunk before it is waited for first, so at most one is in flight (the peak)
-            mx.eval(ahead or ())
-            ahead = None  # held, its buffers could not be written in place by the next chunk
-            mx.async_eval(per_layer(states, scores), carried or ())
-            ahead = [tree.arrays(states), scores, carried or ()]
+        else:  # the device computed the chunk before while the host built this one's graph
+            mx.eval(ahead or ())  # it is done first: at most one chunk in flight (the peak)
+            ahead = None  # held, its buffers could not be written in place by this chunk
+            if not last:  # a lazy graph of every chunk would hold them all
+                mx.async_eval(per_layer(states, scores), carried or ())
+                ahead = [tree.arrays(states), scores, carried or ()]
         yield stop, P
     return states, scores, peak, None if once is None else whole_context(once, states, P)
 
