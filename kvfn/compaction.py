@@ -300,14 +300,18 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
     for j, (start, stop) in enumerate(parts):
         tokens, n, shown = context[:, start:stop], stop - start, start
         window = 0 if policy.scores_held else min(policy.observation_window(held + n), n)
-        # with ``layers`` the chunk stays lazy here and is evaluated below, layers a step
-        kwargs = dict(states=states, capacity=n, prefill_step_size=n, dtype=dtype, compiled=False,
+        # with ``layers`` the chunk stays lazy here and is evaluated below, layers a step; the
+        # states go to the chunk's loop alone (held here too, its writes would copy them)
+        given, states = [states], None
+        kwargs = dict(capacity=n, prefill_step_size=n, dtype=dtype, compiled=False,
                       settle=settle and layers is None, check_ids=False)  # fmt: skip
         if window:
             states, scores = _drain(_scored_steps(fmodel, tokens, window=window,
-                                                  statistic=policy.statistic, **kwargs), None)  # fmt: skip
+                                                  statistic=policy.statistic,
+                                                  states=given.pop(), **kwargs), None)  # fmt: skip
         else:
-            states, scores = _drain(_prefill_steps(fmodel, tokens, **kwargs), None)[0], None
+            steps = _prefill_steps(fmodel, tokens, states=given.pop(), **kwargs)
+            states, scores = _drain(steps, None)[0], None
         held += n
         peak = max(peak, held)
         last = j + 1 == len(parts)
@@ -330,7 +334,7 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
                 rows = policy.rows_after(held)
                 if policy.scores_held:
                     carried = kept_scores(scores, states, new, rows)
-                states, held = new, rows
+                states, held, new = new, rows, None
         if settle:
             for _ in settling(per_layer(states, scores), layers):
                 yield shown, P

@@ -110,6 +110,7 @@ def _loop(fmodel, tokens, first, window, prefill_step_size, compiled, statistic=
     CUDA only. ``layers``: a chunk is evaluated that many layers a step (``settling``), each
     step but its last yielding the chunk's start."""
     states, scores = first()
+    del first  # its closure holds the caller's states
     n = tokens.shape[1]
     parts = chunks(n, prefill_step_size)
     padded = on_cuda() if padded is None else padded
