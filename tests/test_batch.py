@@ -45,20 +45,29 @@ def alone(model, caches, ids):
     return out, caches
 
 
-def batched(model, entries):
-    """Greedy tokens of several (caches, prompt rest) at once through mlx-lm's BatchGenerator."""
+def batched(model, entries: list, lengths=None, join_at=None) -> tuple[list, list]:
+    """Greedy tokens of several (caches, prompt rest) through mlx-lm's BatchGenerator, each
+    entry's caches copied first, ``STEPS`` tokens each (or ``lengths``): all at once, or the
+    first alone and the rest joining after ``join_at`` steps. Returns each entry's tokens and
+    its caches when it finished."""
+    lengths = lengths or [STEPS] * len(entries)
     gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
-    uids = gen.insert(
-        [rest for _, rest in entries],
-        max_tokens=[STEPS] * len(entries),
-        caches=[copy.deepcopy(c) for c, _ in entries],
-    )
-    tokens, finals = {u: [] for u in uids}, {}
-    while len(finals) < len(uids):
+
+    def insert(part: list, max_tokens: list) -> list:
+        return gen.insert([rest for _, rest in part], max_tokens=max_tokens,
+                          caches=[copy.deepcopy(c) for c, _ in part])  # fmt: skip
+
+    first = len(entries) if join_at is None else 1
+    uids = insert(entries[:first], lengths[:first])
+    tokens, finals, steps = {}, {}, 0
+    while len(finals) < len(entries):
+        if steps == join_at:
+            uids += insert(entries[1:], lengths[1:])
         for r in gen.next_generated():
-            tokens[r.uid].append(r.token)
+            tokens.setdefault(r.uid, []).append(r.token)
             if r.finish_reason is not None:
                 finals[r.uid] = r.prompt_cache
+        steps += 1
     gen.close()
     return [tokens[u] for u in uids], [finals[u] for u in uids]
 
@@ -240,26 +249,6 @@ def test_attending_copy_is_the_model_for_plain_caches(smol):
 
 
 # -- ragged states (Ada-KV, AdaKVzip) in mlx-lm's batching ----------------------------------------
-def batched(model, entries: list, lengths: list, join_at: int = 2) -> tuple[list, list]:
-    """Greedy tokens of ``entries`` (caches, prompt ids) decoded by mlx-lm's ``BatchGenerator``
-    over ``model``, ``lengths`` tokens each: the first alone, the rest joining after ``join_at``
-    steps. Returns each entry's tokens and its caches when it finished."""
-    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
-    uids = gen.insert([entries[0][1]], max_tokens=[lengths[0]], caches=[entries[0][0]])
-    tokens, finals, steps = {}, {}, 0
-    while len(finals) < len(entries):
-        if steps == join_at:
-            uids += gen.insert([e[1] for e in entries[1:]], max_tokens=lengths[1:],
-                               caches=[e[0] for e in entries[1:]])  # fmt: skip
-        for r in gen.next_generated():
-            tokens.setdefault(r.uid, []).append(r.token)
-            if r.finish_reason is not None:
-                finals[r.uid] = r.prompt_cache
-        steps += 1
-    gen.close()
-    return [tokens[u] for u in uids], [finals[u] for u in uids]
-
-
 def kvfn_decode(fm, ids, states, steps=STEPS):
     tokens, token = [], ids[-1]
     for _ in range(steps):
@@ -291,7 +280,7 @@ def test_ragged_batched_decode_equals_kvfn_decode(smol):
     want.append(kvfn_decode(fm, short, full))
     entries.append(([StateCache(as_ragged(s)) for s in full], short[-1:]))
     lengths = [STEPS, STEPS - 4, STEPS]
-    tokens, finals = batched(attending_copy(model), entries, lengths)
+    tokens, finals = batched(attending_copy(model), entries, lengths, join_at=2)
     assert tokens == [w[:n] for w, n in zip(want, lengths)]
     assert all(isinstance(c.layer_state, kvfn.RaggedKVCache) for c in finals[0])
     with pytest.raises(TypeError, match="cannot batch"):

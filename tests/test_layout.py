@@ -197,7 +197,7 @@ def test_a_new_kind_batches_in_mlx_lms_generator_through_the_one_shell(setup):
     steps = [10, 6]
     want = [kvfn_decode(fm, p, states, n) for (states, p), n in zip(entries, steps)]
     caches = [([StateCache(s) for s in states], prompt_ids[-1:]) for states, prompt_ids in entries]
-    got, done = batched(attending_copy(model), caches, steps)
+    got, done = batched(attending_copy(model), caches, steps, join_at=2)
     assert got == want
     assert all(type(c.layer_state) is Halves for c in done[0])
     assert done[0][0].layer_state.front.capacity > halves[0].front.capacity
