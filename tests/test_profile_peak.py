@@ -27,10 +27,12 @@ def test_the_parts_of_each_peak_are_measured_and_sum_to_it(capsys):
         # the peak, above the weights, is no less than what the caches held in it
         assert r["peak"] >= parts["kv"] and r["peak_cache_limit_0"] > 0
     # the KV part is the cache bytes of the config's own objects: mlx-lm's KVCache grows 256
-    # rows at a time, kvfn's states after the prefill are made once, a bucket of the context
+    # rows at a time (generate_step may have queued the next token's step, and its growth,
+    # when the bytes are read), kvfn's states after the prefill are made once, a bucket of the
+    # context
     full = by["mlx-lm full"]
     rows = full["rows_before"] + full["tokens"]
-    assert full["kv"] == -(-rows // 256) * 256 * row
+    assert full["kv"] % (256 * row) == 0 and rows * row <= full["kv"] <= (rows + 256) * row
     fm = kvfn.FunctionalModel(profile_peak.random_model("tiny", mx.float32))
     made = profile_peak.state_bytes(fm.init_states(1, bucket(511)))  # the 511-token context
     # (after a forward the layers share one offset array, counted once)
