@@ -100,12 +100,18 @@ def measured(config: str, model, ids, args) -> dict:
                                           duo="duo" in config))  # fmt: skip
 
 
-def main(argv=None) -> list:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def model_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The model's shape, dtype and quantization, and the prompt's tokens."""
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--bits", type=int, choices=[4, 8], help="quantize the weights")
     p.add_argument("--prompt-tokens", type=int, default=8192)
+    return p
+
+
+def main(argv=None) -> list:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    model_arguments(p)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rows", type=int, default=256, help="kept rows: budget, cap, max_kv_size")
     p.add_argument("--window", type=int, default=32)

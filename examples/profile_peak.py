@@ -472,10 +472,7 @@ def table(r: dict) -> None:
 
 def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--bits", type=int, choices=[4, 8], help="quantize the weights")
-    p.add_argument("--prompt-tokens", type=int, default=8192)
+    bm.model_arguments(p)
     p.add_argument("--new-tokens", type=int, default=2, help="the first tokens after the prompt")
     p.add_argument("--rows", type=int, default=512, help="kept rows: budget, cap, max_kv_size")
     p.add_argument("--window", type=int, default=32)
