@@ -138,6 +138,18 @@ def test_update_past_capacity_raises_before_writing():
     assert (a.max_rows, a.dense, a.packed) == (u.max_rows, u.dense, u.packed) == (3, True, True)
 
 
+def test_append_at_a_counted_row_count_is_the_traced_append():
+    s = kv.update(kv.init(1, 2, 4, 6), mx.ones((1, 2, 3, 4)), mx.ones((1, 2, 3, 4)))
+    packed = s.replace(dense=False)  # rows known to the caller, not to the state
+    assert packed.static_rows is None and packed.packed
+    row = mx.arange(16, dtype=mx.float32).reshape(1, 2, 2, 4)
+    a, b = kv.append(packed, row, -row), kv.append(packed, row, -row, rows=3)
+    assert all(mx.array_equal(x, y).item() for x, y in zip(kv.arrays(a), kv.arrays(b)))
+    assert (b.max_rows, b.packed, int(b.rows.item())) == (a.max_rows, True, 5)
+    with pytest.raises(ValueError, match="only for a packed state"):
+        kv.append(packed.replace(packed=False), row, -row, rows=3)
+
+
 def test_chunked_prefill_past_the_given_capacity_loses_no_token():
     fm = FunctionalModel(tiny_model("llama"))
     ids = mx.array([list(range(1, 90))])

@@ -92,7 +92,8 @@ class CompactedKVCache(StateCache):
         if self.evicting is not None and self.evicting.due(self.rows, False):
             self.layer_state = self.evicting.compact(self.layer_state)
         n = keys.shape[2]
-        self.layer_state = kv.append(layout.grown(self.layer_state, n), keys, values)
+        state = layout.grown(self.layer_state, n)
+        self.layer_state = kv.append(state, keys, values, rows=self.rows)
         self._offset += n
         r = self.rows
         return self.layer_state.keys[:, :, :r], self.layer_state.values[:, :, :r]

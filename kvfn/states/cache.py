@@ -221,13 +221,18 @@ def update(state: State, keys: mx.array, values: mx.array) -> State:
     return append(state, keys, values)
 
 
-def append(state: State, keys: mx.array, values: mx.array) -> State:
+def append(state: State, keys: mx.array, values: mx.array, rows: Optional[int] = None) -> State:
     """``update`` without its type and shape checks (the capacity check stays), for a caller
-    whose keys and values are made for this state: the model wrapper's layers, each call."""
+    whose keys and values are made for this state: the model wrapper's layers, each call.
+
+    ``rows``: the exact row count of a packed state, where the caller counts it on the host
+    (mlx-lm's interop cache of one sequence): the rows are then written at a static slice."""
     n = keys.shape[2]
     bound = grown_bound(state, n)
-    r = state.static_rows
-    if r is not None:  # a plain cache: static slots, which reuse the buffer
+    if rows is not None and not state.packed:
+        raise ValueError("append: a row count (rows) is given only for a packed state")
+    r = state.static_rows if rows is None else rows
+    if r is not None:  # static slots, which reuse the buffer
         return state.replace(
             keys=_write(state.keys, keys, r),
             values=_write(state.values, values, r),
