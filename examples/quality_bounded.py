@@ -25,7 +25,9 @@ Intervals: 95% percentile bootstraps over samples (``kvfn_eval.report``, the gri
 over tasks resampling each task's samples on its own; the paired differences (bounded minus the
 same policy after the prefill; bounded minus mlx-lm's rotating cache) likewise, per sample.
 Samples go seed by seed, every task at each seed, so a run cut short leaves the tasks even;
-``--out`` is rewritten after every question (every answer and the table).
+``--out`` is rewritten after every question (every answer and the table); ``--merge`` prints
+the table of several such files (processes that shared out the samples) with one set of
+intervals.
 """
 
 import argparse
@@ -168,8 +170,44 @@ def write(path, args, rows, names, seconds) -> tuple:
     return table, by_task
 
 
+def print_table(table: list) -> None:
+    for t in table:
+        line = (f"{t['mode']:<9}{t['target_tokens']:>7} {str(t['budget']):>6} "
+                f"{t['config']:<24}{_interval(t['score'], t['lo'], t['hi']):>22} "
+                f"n={t['questions']}")  # fmt: skip
+        for name in ("vs_after_prefill", "vs_rotating"):
+            d = t.get(name)
+            if d:
+                line += f"  {name} {_interval(d['difference'], d['lo'], d['hi'], '+')}"
+        print(line)
+
+
+def merged(paths: list) -> dict:
+    """The table of several runs' ``--out`` files (processes that shared the questions out by
+    length, mode and seed), with intervals over all their samples; a question answered twice (a
+    mode, budget and sample in two files) counts once. One policy throughout."""
+    runs = [json.loads(Path(f).read_text()) for f in paths]
+    policies = {r["args"]["policy"] for r in runs}
+    if len(policies) != 1:
+        raise SystemExit(f"--merge: the files ran different policies: {sorted(policies)}")
+    rows = {}
+    for run in runs:
+        for r in run["rows"]:
+            rows.setdefault((r["task"], r["target_tokens"], r["seed"], r["mode"],
+                             r["budget_index"]), r)  # fmt: skip
+    table, by_task = summary(list(rows.values()), configs(policies.pop()))
+    seconds = sum(r["seconds"] for r in runs)
+    print(f"{len(rows)} (question, mode, budget) rows from {len(runs)} files, {seconds:.0f} s "
+          "of processes. Score % [95% bootstrap interval]; bounded minus after the prefill, "
+          "and minus mlx-lm rotating, in points:")  # fmt: skip
+    print_table(table)
+    return {"table": table, "by_task": by_task, "rows": list(rows.values())}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--merge", nargs="+", metavar="FILE",
+                   help="print the table of these --out files together, and run nothing")
     p.add_argument("--model", help="a .gguf file or mlx-lm folder (default: embedded SmolLM2)")
     p.add_argument("--tasks", nargs="+", choices=sorted(tasks.TASKS),
                    help="default: niah_single passkey niah_multikey (--grid: the grid's)")
@@ -195,6 +233,8 @@ def main(argv=None) -> dict:
     p.add_argument("--cache-limit-gb", type=float,
                    help="MLX's buffer cache limit, for processes sharing a GPU (the grid's: 2)")
     args = p.parse_args(argv)
+    if args.merge:
+        return merged(args.merge)
     if args.tasks is None:
         args.tasks = list(GRID_TASKS if args.grid else ("niah_single", "passkey", "niah_multikey"))
     budgets = args.ratios if args.ratios else (args.rows or [128])
@@ -270,15 +310,7 @@ def main(argv=None) -> dict:
           f"{args.modes}, budgets {budgets}, {args.policy}, prefill chunks of {step}; "
           f"{time.perf_counter() - tic:.0f} s. Score % [95% bootstrap interval]; bounded minus "
           f"after the prefill, and minus mlx-lm rotating, in points:")  # fmt: skip
-    for t in table:
-        line = (f"{t['mode']:<9}{t['target_tokens']:>7} {str(t['budget']):>6} "
-                f"{t['config']:<24}{_interval(t['score'], t['lo'], t['hi']):>22} "
-                f"n={t['questions']}")  # fmt: skip
-        for name in ("vs_after_prefill", "vs_rotating"):
-            d = t.get(name)
-            if d:
-                line += f"  {name} {_interval(d['difference'], d['lo'], d['hi'], '+')}"
-        print(line)
+    print_table(table)
     return {"table": table, "rows": rows}
 
 

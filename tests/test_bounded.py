@@ -402,6 +402,15 @@ def test_quality_bounded_asks_every_config_the_same_questions(capsys, tmp_path):
             theirs = next(t["score"] for t in table if t["config"] == ref)
             assert bounded[name]["difference"] == pytest.approx(bounded["score"] - theirs)
     assert json.loads(out.read_text())["table"] == cut["table"]
+    again = quality_bounded.main(["--merge", str(out), str(out)])  # a question counted once
+    assert again["table"] == cut["table"] and len(again["rows"]) == len(cut["rows"])
+    other = tmp_path / "q1.json"
+    quality_bounded.main(["--tasks", "passkey", "--lengths", "160", "--samples", "1",
+                          "--first-sample", "1", "--ratios", "0.15", "--window", "8",
+                          "--prefill-step-size", "64", "--modes", "aware", "--out", str(other)])  # fmt: skip
+    both = quality_bounded.main(["--merge", str(out), str(other)])
+    assert len(both["rows"]) == 3
+    assert {(t["mode"], t["questions"]) for t in both["table"]} == {("aware", 2), ("agnostic", 1)}
     assert "kvfn chunkkv bounded" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         quality_bounded.main(["--rows", "8", "--window", "8"])
