@@ -41,6 +41,9 @@ case "$SPECS" in *q0.5b*) convert qwen2.5-coder-0.5b-gguf q0.5b ;; esac
 case "$SPECS" in *q1.5b*) convert qwen2.5-coder-1.5b-gguf q1.5b ;; esac
 echo "models ready at $(( $(date +%s) - T0 )) s"
 IFS=';' read -ra specs <<< "$SPECS"
+if [ ${#specs[@]} -gt ${MAXP:-4} ]; then  # ten 0.5B processes at 32K ran an H100 out of memory
+  echo "at most ${MAXP:-4} processes a call (MAXP), got ${#specs[@]}"; exit 2
+fi
 for sp in "${specs[@]}"; do
   IFS=':' read -r short L mode first n <<< "$sp"
   now=$(( $(date +%s) - T0 )); left=$(( END - now )); dl=$(( left - LONGEST ))
