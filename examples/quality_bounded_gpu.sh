@@ -31,6 +31,10 @@ convert() {  # SHIP SHORT
 }
 if [ "$1" = --convert ]; then convert $2 $3; exit; fi
 T0=$(date +%s); TAG=$1; END=$2; SPECS=$3; LONGEST=${LONGEST:-70}
+IFS=';' read -ra specs <<< "$SPECS"
+if [ ${#specs[@]} -gt ${MAXP:-4} ]; then  # ten 0.5B processes at 32K ran an H100 out of memory
+  echo "at most ${MAXP:-4} processes a call (MAXP), got ${#specs[@]}"; exit 2
+fi
 R=/tmp/qb-$TAG; mkdir -p $R
 (while true; do
   echo "$(( $(date +%s) - T0 )) $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader)"
@@ -40,10 +44,6 @@ SMI=$!
 case "$SPECS" in *q0.5b*) convert qwen2.5-coder-0.5b-gguf q0.5b ;; esac
 case "$SPECS" in *q1.5b*) convert qwen2.5-coder-1.5b-gguf q1.5b ;; esac
 echo "models ready at $(( $(date +%s) - T0 )) s"
-IFS=';' read -ra specs <<< "$SPECS"
-if [ ${#specs[@]} -gt ${MAXP:-4} ]; then  # ten 0.5B processes at 32K ran an H100 out of memory
-  echo "at most ${MAXP:-4} processes a call (MAXP), got ${#specs[@]}"; exit 2
-fi
 for sp in "${specs[@]}"; do
   IFS=':' read -r short L mode first n <<< "$sp"
   now=$(( $(date +%s) - T0 )); left=$(( END - now )); dl=$(( left - LONGEST ))
