@@ -65,7 +65,7 @@ def kvfn_run(model, ids, args, bounded: bool, duo: bool = False) -> dict:
     tic = time.perf_counter()
     states, result = kvfn.compact(fm, ids, policy, max_new_tokens=args.new_tokens,
                                   prefill_step_size=args.prefill_step_size,
-                                  max_rows=args.rows if bounded else None)  # fmt: skip
+                                  max_rows=(args.max_rows or args.rows) if bounded else None)  # fmt: skip
     first, done, states = greedy(fm, ids[-1], states, args.new_tokens)
     held = sum(a.nbytes for a in kvfn.tree.arrays(states))
     return {"first_s": first - tic, "decode_tps": (args.new_tokens - 1) / (done - first),
@@ -114,6 +114,9 @@ def main(argv=None) -> list:
     model_arguments(p)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rows", type=int, default=256, help="kept rows: budget, cap, max_kv_size")
+    p.add_argument("--max-rows", type=int,
+                   help="kvfn's cap while prefilling (default: --rows); above it, the bounded "
+                   "configs compact back to --rows only when a chunk leaves more than this")  # fmt: skip
     p.add_argument("--window", type=int, default=32)
     p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2, help="the first is a warm-up")
@@ -128,6 +131,8 @@ def main(argv=None) -> list:
         p.error(f"--configs: unknown {unknown or configs}; choose from {list(CONFIGS + DUO)}")
     if args.rows < args.window + 4 or args.prompt_tokens <= args.rows or args.rounds < 2:
         p.error("need rows >= window + 4, prompt tokens > rows and at least 2 rounds")
+    if args.max_rows is not None and args.max_rows < args.rows:
+        p.error(f"--max-rows {args.max_rows} is below --rows {args.rows}")
     model = random_model(args.shape, getattr(mx, args.dtype))
     if args.bits:
         nn.quantize(model, bits=args.bits)
@@ -148,7 +153,8 @@ def main(argv=None) -> list:
     out = []
     print(f"\n{args.shape} {args.dtype}{f' {args.bits}-bit' if args.bits else ''}, "
           f"prompts of {lengths[1:]} tokens (each new; {lengths[0]} warmed up), "
-          f"{args.new_tokens} new tokens, {args.rows} rows, "
+          f"{args.new_tokens} new tokens, {args.rows} rows"
+          f"{f' (kvfn capped at {args.max_rows} while prefilling)' if args.max_rows else ''}, "
           f"prefill chunks of {args.prefill_step_size}; mean of {args.rounds - 1} rounds"
           f"{f'; {args.ballast_gb} GB of the device held' if args.ballast_gb else ''}")  # fmt: skip
     print(f"{'config':<22}{'first token s':>14}{'decode tok/s':>13}{'peak above weights GB':>23}"

@@ -431,6 +431,14 @@ def test_benchmark_memory_bounds_the_peak_rows_and_prints_each_run(capsys):
     assert by["mlx-lm rotating"]["kv_held_gb"] < by["mlx-lm full"]["kv_held_gb"]
     runs = [line for line in capsys.readouterr().out.splitlines() if line.startswith('{"round"')]
     assert len(runs) == 2 * len(benchmark_memory.CONFIGS)  # a warm-up round and a measured one
+    (capped,) = benchmark_memory.main(["--prompt-tokens", "300", "--rows", "48", "--max-rows",
+                                       "112", "--window", "8", "--new-tokens", "4",
+                                       "--prefill-step-size", "64", "--configs",
+                                       "kvfn snapkv bounded"])  # fmt: skip
+    assert 48 + 64 < capped["peak_rows"] <= 112 + 64  # compacted back to 48 less often
+    assert capped["kv_held_gb"] == pytest.approx(by["kvfn snapkv bounded"]["kv_held_gb"])
+    with pytest.raises(SystemExit):
+        benchmark_memory.main(["--rows", "48", "--max-rows", "40"])
 
 
 def test_benchmark_generation_caps_every_evicting_config_and_prints_each(capsys):
