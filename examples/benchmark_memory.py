@@ -63,9 +63,10 @@ def kvfn_run(model, ids, args, bounded: bool, duo: bool = False) -> dict:
     else:
         policy = kvfn.SnapKV(budget=args.rows, window=args.window)
     tic = time.perf_counter()
+    cap = (args.max_rows or args.rows) if bounded else None
     states, result = kvfn.compact(fm, ids, policy, max_new_tokens=args.new_tokens,
                                   prefill_step_size=args.prefill_step_size,
-                                  max_rows=(args.max_rows or args.rows) if bounded else None)  # fmt: skip
+                                  max_rows=cap)  # fmt: skip
     first, done, states = greedy(fm, ids[-1], states, args.new_tokens)
     held = sum(a.nbytes for a in kvfn.tree.arrays(states))
     return {"first_s": first - tic, "decode_tps": (args.new_tokens - 1) / (done - first),
@@ -116,7 +117,7 @@ def main(argv=None) -> list:
     p.add_argument("--rows", type=int, default=256, help="kept rows: budget, cap, max_kv_size")
     p.add_argument("--max-rows", type=int,
                    help="kvfn's cap while prefilling (default: --rows); above it, the bounded "
-                   "configs compact back to --rows only when a chunk leaves more than this")  # fmt: skip
+                   "configs compact back to --rows only when a chunk leaves more")  # fmt: skip
     p.add_argument("--window", type=int, default=32)
     p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2, help="the first is a warm-up")
@@ -154,7 +155,7 @@ def main(argv=None) -> list:
     print(f"\n{args.shape} {args.dtype}{f' {args.bits}-bit' if args.bits else ''}, "
           f"prompts of {lengths[1:]} tokens (each new; {lengths[0]} warmed up), "
           f"{args.new_tokens} new tokens, {args.rows} rows"
-          f"{f' (kvfn capped at {args.max_rows} while prefilling)' if args.max_rows else ''}, "
+          f"{f' (kvfn: a cap of {args.max_rows})' if args.max_rows else ''}, "
           f"prefill chunks of {args.prefill_step_size}; mean of {args.rounds - 1} rounds"
           f"{f'; {args.ballast_gb} GB of the device held' if args.ballast_gb else ''}")  # fmt: skip
     print(f"{'config':<22}{'first token s':>14}{'decode tok/s':>13}{'peak above weights GB':>23}"
