@@ -18,11 +18,15 @@ kvfn compiled       ``compiled=True``: each chunk's compaction in one compiled t
 The steady chunk (R rows held, one chunk prefilled and scored, compacted back to R): the
 host's ms to build the forward's and the compaction's graphs, the device's ms to evaluate each
 (after its graph is built), eager and compiled, and the host reads (``item``, ``tolist``) and
-evals a whole prefill makes per chunk.
+evals a whole prefill makes per chunk. Then the primitives of a steady chunk's compaction graph
+(what its evaluation asks of the device before any fusion: on a GPU each kernel costs a launch).
 """
 
 import argparse
+import collections
+import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -135,6 +139,32 @@ def steady(fm, ids, args, compiled: bool) -> dict:
     return {k: 1e3 * float(np.median(v[1:])) for k, v in got.items()}
 
 
+VIEWS = {"Broadcast", "ExpandDims", "Slice", "Squeeze", "Reshape"}  # mostly no kernel of their own
+
+
+def graph_ops(arrays) -> collections.Counter:
+    """The primitives of the lazy graph that computes ``arrays`` (``mx.export_to_dot``), by
+    name: what evaluating it asks of the device, before any fusion."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "graph.dot"
+        mx.export_to_dot(str(path), *arrays)
+        return collections.Counter(re.findall(r'label ="?([A-Za-z]+)', path.read_text()))
+
+
+def compaction_graph(fm, ids, args) -> collections.Counter:
+    """``graph_ops`` of one steady chunk's compaction (its inputs evaluated first)."""
+    policy = kvfn.SnapKV(budget=args.rows, window=args.window)
+    toks = mx.array([ids[: args.rows + args.chunk]])
+    n = args.rows + args.chunk
+    steps = _scored_steps(fm, toks, states=None, capacity=n, prefill_step_size=n,
+                          window=args.window, dtype=None, compiled=False, statistic="attention",
+                          check_ids=False)  # fmt: skip
+    states, scores = _drain(steps, None)
+    mx.eval(per_layer(states, scores))
+    new = compaction._compacted(states, scores, policy, reserve=args.chunk, exact=True)[1]
+    return graph_ops(kvfn.tree.arrays(new))
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", choices=["thin", *sorted(SHAPES)], default="thin")
@@ -174,6 +204,12 @@ def main(argv=None) -> dict:
         bounded(fm, ids, args)
     print(f"host reads {count.reads}, evals {count.evals} (every one a wait), in {chunks} chunks")
     out = {"times": times, "reads": count.reads, "evals": count.evals}
+    ops = out["compaction graph"] = compaction_graph(fm, ids, args)
+    layers, total = len(model.layers), sum(ops.values())
+    views = sum(n for k, n in ops.items() if k in VIEWS)
+    print(f"steady chunk's compaction graph: {total} primitives ({total / layers:.0f} a layer), "
+          f"{views} of them views; the others: "
+          + ", ".join(f"{k} {n}" for k, n in ops.most_common() if k not in VIEWS))  # fmt: skip
     for compiled in (False, True):
         ms = steady(fm, ids, args, compiled)
         out[f"steady compiled={compiled}"] = ms

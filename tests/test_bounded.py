@@ -454,6 +454,20 @@ def test_benchmark_generation_caps_every_evicting_config_and_prints_each(capsys)
     assert "mlx-lm over kvfn evicting" in capsys.readouterr().out
 
 
+def test_profile_bounded_reads_nothing_and_counts_one_selection_a_layer(capsys):
+    """The bounded prefill's profile: no host read in a whole prefill, and a steady chunk's
+    compaction graph selects once and gathers keys, values and positions in every layer."""
+    from examples import profile_bounded
+
+    out = profile_bounded.main(["--prompt-tokens", "300", "--rows", "48", "--chunk", "32",
+                                "--window", "8", "--rounds", "1", "--repeats", "1"])  # fmt: skip
+    layers = profile_bounded.THIN["num_hidden_layers"]
+    ops = out["compaction graph"]
+    assert out["reads"] == 0 and out["evals"] >= 1
+    assert ops["ArgPartition"] == layers and ops["GatherAxis"] == 3 * layers
+    assert "compaction graph" in capsys.readouterr().out
+
+
 def test_perplexity_bounded_reads_the_text_the_full_cache_reads_until_the_cap(capsys):
     """Until the cap is first reached every capped cache is the full cache (the same losses);
     after it they hold at most the cap."""
