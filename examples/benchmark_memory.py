@@ -18,6 +18,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -56,14 +57,15 @@ def mlx_lm_run(model, ids, args, rotating: bool) -> dict:
             "kv_held_gb": held / 1e9}  # fmt: skip
 
 
-def kvfn_run(model, ids, args, bounded: bool, duo: bool = False) -> dict:
+def kvfn_run(model, ids, args, bounded: bool, duo: bool = False,
+             max_rows: Optional[int] = None) -> dict:  # fmt: skip
     fm = kvfn.FunctionalModel(model)
     if duo:
         policy = make_policy("duo", fm, args.rows, args.window)
     else:
         policy = kvfn.SnapKV(budget=args.rows, window=args.window)
     tic = time.perf_counter()
-    cap = (args.max_rows or args.rows) if bounded else None
+    cap = (max_rows or args.rows) if bounded else None
     states, result = kvfn.compact(fm, ids, policy, max_new_tokens=args.new_tokens,
                                   prefill_step_size=args.prefill_step_size,
                                   max_rows=cap)  # fmt: skip
@@ -86,19 +88,21 @@ def above_weights(measure) -> dict:
 
 def run(config: str, model, ids, args) -> dict:
     try:
-        return measured(config, model, ids, args)
+        return measured(config, model, ids, args, max_rows=args.max_rows)
     except Exception as e:  # an allocation the device cannot make (under --ballast-gb)
         mx.clear_cache()
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def measured(config: str, model, ids, args) -> dict:
+def measured(config: str, model, ids, args, max_rows: Optional[int] = None) -> dict:
+    """``config``'s run, its peak above the weights; ``max_rows``: kvfn's cap while prefilling
+    (default: the budget, ``--rows``)."""
     if config.startswith("mlx-lm"):
         return above_weights(
             lambda: mlx_lm_run(model, ids, args, rotating=config.endswith("rotating"))
         )
     return above_weights(lambda: kvfn_run(model, ids, args, bounded=config.endswith("bounded"),
-                                          duo="duo" in config))  # fmt: skip
+                                          duo="duo" in config, max_rows=max_rows))  # fmt: skip
 
 
 def model_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

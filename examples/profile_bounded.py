@@ -110,8 +110,9 @@ def bounded(fm, ids, args, compiled=False, synchronous=False) -> float:
         mx.async_eval = real
 
 
-def steady(fm, ids, args, compiled: bool) -> dict:
-    """One steady chunk's host and device ms (median of ``--repeats``)."""
+def steady(fm, ids, args, compiled: bool) -> tuple[dict, collections.Counter]:
+    """One steady chunk's host and device ms (median of ``--repeats``), and the primitives of
+    its compaction's graph (``graph_ops``; eager: a compiled one is one primitive)."""
     policy = kvfn.SnapKV(budget=args.rows, window=args.window)
     toks = mx.array([ids[: args.rows + args.chunk]])
     scored = dict(window=args.window, dtype=None, compiled=False, statistic="attention",
@@ -121,7 +122,7 @@ def steady(fm, ids, args, compiled: bool) -> dict:
     mx.eval(per_layer(held, sc))
     got = {k: [] for k in ("forward host", "forward device", "compaction host",
                            "compaction device")}  # fmt: skip
-    for _ in range(args.repeats + 1):  # the first: traces, warms
+    for r in range(args.repeats + 1):  # the first: traces, warms, and its graph is counted
         t0 = time.perf_counter()
         states, scores = _drain(_scored_steps(fm, toks[:, args.rows :], states=held,
                                               capacity=args.chunk, prefill_step_size=args.chunk,
@@ -132,11 +133,12 @@ def steady(fm, ids, args, compiled: bool) -> dict:
         new = compaction._compacted(states, scores, policy, reserve=args.chunk, exact=True,
                                     compiled=compiled)[1]  # fmt: skip
         t3 = time.perf_counter()
+        ops = graph_ops(kvfn.tree.arrays(new)) if r == 0 else ops
         mx.eval(per_layer(new))
         t4 = time.perf_counter()
         for k, v in zip(got, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             got[k].append(v)
-    return {k: 1e3 * float(np.median(v[1:])) for k, v in got.items()}
+    return {k: 1e3 * float(np.median(v[1:])) for k, v in got.items()}, ops
 
 
 VIEWS = {"Broadcast", "ExpandDims", "Slice", "Squeeze", "Reshape"}  # mostly no kernel of their own
@@ -149,20 +151,6 @@ def graph_ops(arrays) -> collections.Counter:
         path = Path(d) / "graph.dot"
         mx.export_to_dot(str(path), *arrays)
         return collections.Counter(re.findall(r'label ="?([A-Za-z]+)', path.read_text()))
-
-
-def compaction_graph(fm, ids, args) -> collections.Counter:
-    """``graph_ops`` of one steady chunk's compaction (its inputs evaluated first)."""
-    policy = kvfn.SnapKV(budget=args.rows, window=args.window)
-    toks = mx.array([ids[: args.rows + args.chunk]])
-    n = args.rows + args.chunk
-    steps = _scored_steps(fm, toks, states=None, capacity=n, prefill_step_size=n,
-                          window=args.window, dtype=None, compiled=False, statistic="attention",
-                          check_ids=False)  # fmt: skip
-    states, scores = _drain(steps, None)
-    mx.eval(per_layer(states, scores))
-    new = compaction._compacted(states, scores, policy, reserve=args.chunk, exact=True)[1]
-    return graph_ops(kvfn.tree.arrays(new))
 
 
 def main(argv=None) -> dict:
@@ -204,17 +192,19 @@ def main(argv=None) -> dict:
         bounded(fm, ids, args)
     print(f"host reads {count.reads}, evals {count.evals} (every one a wait), in {chunks} chunks")
     out = {"times": times, "reads": count.reads, "evals": count.evals}
-    ops = out["compaction graph"] = compaction_graph(fm, ids, args)
+    for compiled in (False, True):
+        ms, ops = steady(fm, ids, args, compiled)
+        out[f"steady compiled={compiled}"] = ms
+        print(f"steady chunk, compaction {'compiled' if compiled else 'eager':8s} ms: "
+              + "  ".join(f"{k} {v:.2f}" for k, v in ms.items()))  # fmt: skip
+        if not compiled:
+            out["compaction graph"] = ops
+    ops = out["compaction graph"]
     layers, total = len(model.layers), sum(ops.values())
     views = sum(n for k, n in ops.items() if k in VIEWS)
     print(f"steady chunk's compaction graph: {total} primitives ({total / layers:.0f} a layer), "
           f"{views} of them views; the others: "
           + ", ".join(f"{k} {n}" for k, n in ops.most_common() if k not in VIEWS))  # fmt: skip
-    for compiled in (False, True):
-        ms = steady(fm, ids, args, compiled)
-        out[f"steady compiled={compiled}"] = ms
-        print(f"steady chunk, compaction {'compiled' if compiled else 'eager':8s} ms: "
-              + "  ".join(f"{k} {v:.2f}" for k, v in ms.items()))  # fmt: skip
     return out
 
 

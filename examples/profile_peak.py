@@ -486,7 +486,6 @@ def main(argv=None) -> list:
         p.error(f"--configs: choose from {list(bm.CONFIGS)}")
     if args.rows < args.window + 4 or args.prompt_tokens <= args.rows or args.new_tokens < 2:
         p.error("need rows >= window + 4, prompt tokens > rows and at least 2 new tokens")
-    args.max_rows = None  # benchmark_memory's runs: the cap is the budget (--rows)
     args.cache_limit = mx.set_cache_limit(0)  # read back, and set again
     mx.set_cache_limit(args.cache_limit)
     model = random_model(args.shape, getattr(mx, args.dtype))

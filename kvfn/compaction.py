@@ -49,16 +49,14 @@ def _evictor(policy: BasePolicy, plan: Optional[Plan], P: int, extra: int, stati
     layout = []
 
     def run(flat, scores):
+        states = [kv.unflatten(arrays, static) for arrays, static in zip(flat, statics)]
+        full = {i: s for i, s in enumerate(states) if s.sliding_window is None}
+        cut = {i: scores[i][..., :P] for i in full} if scores else None
+        kept = policy.compact_layers(full, cut, prompt_length=P, n_layers=len(states),
+                                     reserve=extra, group=group, plan=plan)  # fmt: skip
         out, shapes = [], []
-        for i, (arrays, static) in enumerate(zip(flat, statics)):
-            s = kv.unflatten(arrays, static)
-            if s.sliding_window is not None:
-                new = _window_cut(s, P, extra)
-            else:
-                sc = scores[i][..., :P] if scores else None
-                layer_policy = policy.for_layer(i, len(statics))
-                new = layer_policy.compact_layer(s, sc, prompt_length=P, layer=i, reserve=extra,
-                                                 group=group, plan=plan)  # fmt: skip
+        for i, s in enumerate(states):
+            new = kept[i] if i in kept else _window_cut(s, P, extra)
             arrays_out, static_out, host = tree.flatten(new)
             out.append(arrays_out)
             shapes.append((static_out, host))

@@ -145,6 +145,46 @@ def test_contract_compact_is_exact_for_every_policy(policy):
     assert result.rows_after == rows and result.rows_before == (39,) * 3
 
 
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_compacting_every_layer_at_once_is_each_layer_compacted(policy):
+    """``compact_layers`` (one selection for every layer where the policy is the same in every
+    layer) keeps, array by array, what each layer's own ``compact_layer`` keeps."""
+    from kvfn.policies.policy import BasePolicy
+
+    B, n_kv, P, L = 2, 3, 50, 4
+    rng = np.random.default_rng(3)
+    states, scores = {}, {}
+    for i in range(L):
+        k, v = (mx.array(rng.standard_normal((B, n_kv, P, 8)), mx.float32) for _ in "kv")
+        states[i] = kvfn.cache.from_full(k, v)
+        scores[i] = scores_for(policy, B=B, P=P, seed=i)
+    scores = scores if policy.needs_scores else None
+    if policy.plan(scores and [scores[i] for i in range(L)], prompt_length=P,
+                   n_kv_heads=(n_kv,) * L) is not None:  # fmt: skip
+        pytest.skip("a policy that plans across layers is given its plan (test_ragged)")
+    settings = dict(prompt_length=P, n_layers=L, reserve=5)
+    together = policy.compact_layers(states, scores, **settings)
+    apart = BasePolicy.compact_layers(policy, states, scores, **settings)
+    for i in range(L):
+        a, b = kvfn.tree.arrays(together[i]), kvfn.tree.arrays(apart[i])
+        assert len(a) == len(b) and all(np.array_equal(np.array(x), np.array(y))
+                                        for x, y in zip(a, b))  # fmt: skip
+
+
+def test_a_policy_says_it_is_the_same_in_every_layer_and_a_subclass_says_it_again():
+    assert SnapKV.same_in_every_layer and KVzip.same_in_every_layer
+    assert not RandomRows.same_in_every_layer and not kvfn.Duo.same_in_every_layer
+    assert not EveryOther.same_in_every_layer  # a scorer of its own, that did not say
+
+    @dataclass(frozen=True)
+    class ByLayer(SnapKV):
+        def row_scores(self, scores, *, prompt_length, n_kv_heads, batch, layer):
+            return super().row_scores(scores, prompt_length=prompt_length,
+                                      n_kv_heads=n_kv_heads, batch=batch, layer=layer) * layer
+
+    assert not ByLayer.same_in_every_layer
+
+
 def test_parser_names_policies_and_options():
     p = parse_policy("snapkv-k15-avg-layer-gmax", budget=64, window=16)
     assert p == SnapKV(budget=64, window=16, kernel_size=15, pooling="avg", per_head=False,

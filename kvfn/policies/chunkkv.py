@@ -18,6 +18,7 @@ class ChunkKV(Policy):
     chunk_size: int = 20
 
     name: ClassVar[str] = "chunkkv"
+    same_in_every_layer: ClassVar[bool] = True
     cannot_recompact: ClassVar[str] = ""
     needs_scores: ClassVar[bool] = True
     numbers: ClassVar[dict] = {"c": "chunk_size"}

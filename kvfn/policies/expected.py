@@ -66,6 +66,7 @@ class ExpectedAttention(Policy):
     per_head: bool = True
 
     name: ClassVar[str] = "expected"
+    same_in_every_layer: ClassVar[bool] = True
     needs_scores: ClassVar[bool] = True
     statistic: ClassVar[str] = "moments"
     cannot_recompact: ClassVar[str] = (

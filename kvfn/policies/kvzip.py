@@ -266,6 +266,7 @@ class KVzip(Policy):
     overlap: int = 8
 
     name: ClassVar[str] = "kvzip"
+    same_in_every_layer: ClassVar[bool] = True
     query_agnostic: ClassVar[bool] = True
     needs_scores: ClassVar[bool] = True
     words: ClassVar[dict] = {"layer": {"per_head": False}}

@@ -51,6 +51,16 @@ class BasePolicy:
     # option prefix -> int field, for names like "snapkv-k15"
     numbers: ClassVar[dict] = {}
 
+    def compact_layers(self, states: dict, scores: Optional[dict], *, prompt_length: int,
+                       n_layers: int, reserve: int, group=None, plan=None) -> dict:  # fmt: skip
+        """Freshly prefilled full-attention layers ``states`` ({layer: state} of a model of
+        ``n_layers``; ``scores`` likewise, or None) compacted, each by ``for_layer``'s
+        ``compact_layer`` (its arguments, there). Traceable."""
+        return {i: self.for_layer(i, n_layers).compact_layer(
+                    s, None if scores is None else scores[i], prompt_length=prompt_length,
+                    layer=i, reserve=reserve, group=group, plan=plan)
+                for i, s in states.items()}  # fmt: skip
+
     def check_ints(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -161,6 +171,16 @@ class Policy(BasePolicy):
     # streaming heads, rings): evicting while prefilling, it compacts once, when the cap is first
     # passed, and later chunks are prefilled into its layout
     bounds_itself: ClassVar[bool] = False
+    # True when row_scores never reads its layer and compact_layer is the base's: every layer's
+    # rows are one function of its own scores (compact_layers then selects them all at once). A
+    # subclass that defines its own scoring or selection is False unless it says so again.
+    same_in_every_layer: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = ("row_scores", "keep_indices", "compact_layer", "for_layer")
+        if "same_in_every_layer" not in vars(cls) and any(m in vars(cls) for m in own):
+            cls.same_in_every_layer = False
 
     def __post_init__(self):
         self.validate()
@@ -330,13 +350,33 @@ class Policy(BasePolicy):
         state holds this rank's heads of a tensor-parallel model (``kvfn.distributed``).
         ``plan``: the prompt's ``plan`` (the base has none)."""
         P = prompt_length
+        if self.keeps_whole(P):
+            return kv.fitted(state.replace(max_rows=P), P + reserve)
         B, H = state.keys.shape[:2]
-        if not self.keeps_whole(P):
-            idx = rank_keep_indices(self, scores, prompt_length=P, n_kv_heads=H, batch=B,
-                                    layer=layer, group=group)  # fmt: skip
-            state = kv.gather(state, idx, packed=state.packed)
-        rows = self.rows_after(P)
-        return kv.fitted(state.replace(max_rows=rows), rows + reserve)
+        idx = rank_keep_indices(self, scores, prompt_length=P, n_kv_heads=H, batch=B,
+                                layer=layer, group=group)  # fmt: skip
+        return kv.gather(state, idx, packed=state.packed, room=reserve)
+
+    def compact_layers(self, states: dict, scores: Optional[dict], *, prompt_length: int,
+                       n_layers: int, reserve: int, group=None, plan=None) -> dict:  # fmt: skip
+        """``BasePolicy.compact_layers``; a policy ``same_in_every_layer`` selects the rows of
+        all its layers of one shape at once (the layers folded into the batch: one scoring and
+        one top-k instead of one a layer), then gathers each layer's."""
+        P, kept = prompt_length, {}
+        shapes = {(s.keys.shape[:2], None if scores is None else scores[i].shape)
+                  for i, s in states.items()}  # fmt: skip
+        if not self.same_in_every_layer or self.keeps_whole(P) or len(shapes) != 1:
+            return super().compact_layers(states, scores, prompt_length=P, n_layers=n_layers,
+                                          reserve=reserve, group=group, plan=plan)  # fmt: skip
+        (((B, H), _),) = shapes
+        layers = list(states)
+        every = None if scores is None else mx.concatenate([scores[i] for i in layers])
+        idx = rank_keep_indices(self, every, prompt_length=P, n_kv_heads=H,
+                                batch=B * len(layers), layer=0, group=group)  # fmt: skip
+        for j, i in enumerate(layers):
+            kept[i] = kv.gather(states[i], idx[j * B : (j + 1) * B], packed=states[i].packed,
+                                room=reserve)  # fmt: skip
+        return kept
 
 
 def parse_policy(spec: str, **settings) -> BasePolicy:

@@ -45,6 +45,7 @@ class SnapKV(Policy):
     group_reduce: Literal["mean", "max"] = "mean"
 
     name: ClassVar[str] = "snapkv"
+    same_in_every_layer: ClassVar[bool] = True
     cannot_recompact: ClassVar[str] = ""
     needs_scores: ClassVar[bool] = True
     words: ClassVar[dict] = {

@@ -18,6 +18,7 @@ class StreamingLLM(Policy):
     window: int = 0
 
     name: ClassVar[str] = "streaming"
+    same_in_every_layer: ClassVar[bool] = True
     query_agnostic: ClassVar[bool] = True
     cannot_recompact: ClassVar[str] = ""
 

@@ -374,17 +374,22 @@ def check_keep_indices(state: State, keep_indices) -> None:
         )
 
 
-def gather(state: State, keep_indices: mx.array, packed: bool = False) -> State:
+def gather(state: State, keep_indices: mx.array, packed: bool = False, room: int = 0) -> State:
     """``evict`` without the eager check, for traced code whose indices are valid by
     construction (a policy's ``keep_indices``); ``packed``: the caller knows every index is a
-    stored row of a packed state."""
+    stored row of a packed state. ``room``: free slots after the kept rows (``reserve``'s), in
+    the same gathers: they hold copies of the last kept row, never read, as any free slot."""
     idx = keep_indices.astype(mx.int32)
-    k = idx.shape[2]
+    B, H, k = idx.shape
+    if room:
+        check_capacity(k + room)
+        idx = mx.concatenate([idx, mx.broadcast_to(idx[..., -1:], (B, H, room))], axis=2)
     positions = mx.take_along_axis(state.positions, idx, axis=2)
+    positions = positions if packed else mx.where(idx < state.rows, positions, EMPTY)
     return state.replace(
         keys=mx.take_along_axis(state.keys, idx[..., None], axis=2),
         values=mx.take_along_axis(state.values, idx[..., None], axis=2),
-        positions=mx.where(idx < state.rows, positions, EMPTY),
+        positions=tail_positions(positions, state.offset, k) if room else positions,
         rows=mx.array(k, mx.int32),
         max_rows=k,
         dense=False,
