@@ -286,6 +286,7 @@ def main(argv=None) -> dict:
                     for b, budget in enumerate(budgets):
                         R = budget_rows(budget, held, args.window)
                         pol = kvfn.parse_policy(args.policy, budget=R, window=args.window)
+                        pol = pol.for_tokenizer(tokenizer)  # KVzip: the repeat instruction
                         got["mlx-lm full"] = (full, None)
                         rotating = mlx_lm_answer(model, [] if not ask else context,
                                                  ask or context, n, R, step, eos)  # fmt: skip
