@@ -36,6 +36,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -78,15 +79,16 @@ def mlx_lm_answer(model, context, question, n: int, rows, step: int, eos: set) -
     return out
 
 
-def kvfn_answer(fm, context, question, n: int, policy, step: int, bounded: bool, eos: set):
+def kvfn_answer(fm, context, question, n: int, policy, step: int, cap: Optional[int], eos: set):
     """Greedy answer and the most rows held: ``kvfn.compact`` over ``context`` (aware: the
-    whole prompt, ``question`` empty), then the question's tokens run over the compacted states
-    (the evaluator's agnostic mode) and the answer decoded by kvfn's steps."""
+    whole prompt, ``question`` empty), evicting while prefilling at ``cap`` rows (None: after
+    the prefill), then the question's tokens run over the compacted states (the evaluator's
+    agnostic mode) and the answer decoded by kvfn's steps."""
     ids = context if not question else context + question
     rest = [context[-1]] + list(question)  # compact prefills all but the context's last token
     states, result = kvfn.compact(fm, context, policy, max_new_tokens=len(rest) + n,
                                   prefill_step_size=step,
-                                  max_rows=policy.budget if bounded else None)  # fmt: skip
+                                  max_rows=cap)  # fmt: skip
 
     def first():
         logits, after = fm.forward(mx.array([rest]), states)
@@ -227,6 +229,10 @@ def main(argv=None) -> dict:
     p.add_argument("--samples", type=int, default=4, help="per task and length")
     p.add_argument("--first-sample", type=int, default=0, help="the first sample's seed")
     p.add_argument("--window", type=int, default=32)
+    p.add_argument("--cap-factor", type=float, default=1.0,
+                   help="kvfn's cap while prefilling as a multiple of the rows (1: the budget); "
+                   "above 1 the last compaction (in aware mode, scored by the question's "
+                   "window) chooses the rows from more")  # fmt: skip
     p.add_argument("--prefill-step-size", type=int, default=256)
     p.add_argument("--deadline", type=float, help="seconds after which no question starts")
     p.add_argument("--out", help="a JSON file: every answer and the table, after each question")
@@ -242,6 +248,8 @@ def main(argv=None) -> dict:
         p.error("--ratios: each a fraction in (0, 1)")
     if args.rows and min(args.rows) < args.window + SINKS:
         p.error(f"need --rows >= --window + {SINKS}")
+    if not args.cap_factor >= 1:
+        p.error(f"--cap-factor must be >= 1 (the cap is at least the budget), got {args.cap_factor}")
     if args.samples < 1:
         p.error("need --samples >= 1")
     try:
@@ -291,8 +299,9 @@ def main(argv=None) -> dict:
                         rotating = mlx_lm_answer(model, [] if not ask else context,
                                                  ask or context, n, R, step, eos)  # fmt: skip
                         got[names[1]] = (rotating, None)
-                        got[names[2]] = kvfn_answer(fm, context, ask, n, pol, step, False, eos)
-                        got[names[3]] = kvfn_answer(fm, context, ask, n, pol, step, True, eos)
+                        cap = max(R, round(args.cap_factor * R))
+                        got[names[2]] = kvfn_answer(fm, context, ask, n, pol, step, None, eos)
+                        got[names[3]] = kvfn_answer(fm, context, ask, n, pol, step, cap, eos)
                         row = dict(task=task, target_tokens=L, length=len(prompt.head)
                                    + len(prompt.tail), seed=seed, mode=mode, budget=budget,
                                    budget_index=b, rows=R, held=held,

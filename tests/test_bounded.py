@@ -412,6 +412,14 @@ def test_quality_bounded_asks_every_config_the_same_questions(capsys, tmp_path):
     assert len(both["rows"]) == 3
     assert {(t["mode"], t["questions"]) for t in both["table"]} == {("aware", 2), ("agnostic", 1)}
     assert "kvfn chunkkv bounded" in capsys.readouterr().out
+    # a cap above the prompt: nothing is evicted while prefilling, the same answer as after it
+    (never,) = quality_bounded.main(["--tasks", "passkey", "--lengths", "160", "--samples", "1",
+                                     "--ratios", "0.15", "--window", "8", "--prefill-step-size",
+                                     "64", "--cap-factor", "100"])["rows"]  # fmt: skip
+    assert never["answers"]["kvfn chunkkv bounded"] == never["answers"]["kvfn chunkkv"]
+    assert never["peak_rows"] > never["rows"] + 64
+    with pytest.raises(SystemExit):
+        quality_bounded.main(["--cap-factor", "0.5"])
     with pytest.raises(SystemExit):
         quality_bounded.main(["--rows", "8", "--window", "8"])
     with pytest.raises(SystemExit):
