@@ -9,7 +9,8 @@
 # SHORT: q0.5b | q1.5b (qwen2.5-coder-0.5b-gguf | qwen2.5-coder-1.5b-gguf, converted once a
 # machine to bf16 at $HOME/conv/SHORT/model; a second caller waits for the first). END: seconds
 # from the start by which every process has ended (no question starts after END - LONGEST).
-# POLICY: the policy each process runs (default snapkv), e.g. POLICY=kvzip bash ... TAG END SPECS.
+# POLICY: the policy each process runs (default snapkv), e.g. POLICY=kvzip bash ... TAG END SPECS;
+# CAP: quality_bounded.py's --cap-factor (default 1: the cap is the budget).
 # Results: /tmp/qb-TAG/*.json (every answer and the table), packed into $OUT/qb-TAG.tgz.
 set -u
 cd "$(dirname "$0")/.."
@@ -52,6 +53,7 @@ for sp in "${specs[@]}"; do
   echo "$name: samples $first..$((first + n - 1)) deadline $dl timeout $left"
   timeout -k 10 $left python3 examples/quality_bounded.py --model $HOME/conv/$short/model \
     --grid --lengths $L --modes $mode --ratios 0.125 0.25 --policy ${POLICY:-snapkv} \
+    --cap-factor ${CAP:-1} \
     --prefill-step-size 2048 --samples $n --first-sample $first --deadline $dl \
     --cache-limit-gb 2 --out $R/$name.json > $R/$name.log 2>&1 &
 done
