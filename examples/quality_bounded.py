@@ -299,7 +299,7 @@ def main(argv=None) -> dict:
                         rotating = mlx_lm_answer(model, [] if not ask else context,
                                                  ask or context, n, R, step, eos)  # fmt: skip
                         got[names[1]] = (rotating, None)
-                        cap = max(R, round(args.cap_factor * R))
+                        cap = round(args.cap_factor * R)  # >= R: the factor is checked
                         got[names[2]] = kvfn_answer(fm, context, ask, n, pol, step, None, eos)
                         got[names[3]] = kvfn_answer(fm, context, ask, n, pol, step, cap, eos)
                         row = dict(task=task, target_tokens=L, length=len(prompt.head)

@@ -145,11 +145,20 @@ def test_contract_compact_is_exact_for_every_policy(policy):
     assert result.rows_after == rows and result.rows_before == (39,) * 3
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
-def test_compacting_every_layer_at_once_is_each_layer_compacted(policy):
-    """``compact_layers`` (one selection for every layer where the policy is the same in every
-    layer) keeps, array by array, what each layer's own ``compact_layer`` keeps."""
+BATCHED = [p for p in POLICIES if isinstance(p, Policy) and p.same_in_every_layer]
+
+
+@pytest.mark.parametrize("policy", BATCHED, ids=[repr(p) for p in BATCHED])
+def test_compacting_every_layer_at_once_is_each_layer_compacted(policy, monkeypatch):
+    """``compact_layers`` of a policy the same in every layer selects once for all its layers
+    and keeps, array by array, what each layer's own ``compact_layer`` keeps."""
+    from kvfn.policies import policy as module
     from kvfn.policies.policy import BasePolicy
+
+    selections = []
+    real = module.rank_keep_indices
+    monkeypatch.setattr(module, "rank_keep_indices",
+                        lambda *a, **k: selections.append(k["batch"]) or real(*a, **k))  # fmt: skip
 
     B, n_kv, P, L = 2, 3, 50, 4
     rng = np.random.default_rng(3)
@@ -159,12 +168,11 @@ def test_compacting_every_layer_at_once_is_each_layer_compacted(policy):
         states[i] = kvfn.cache.from_full(k, v)
         scores[i] = scores_for(policy, B=B, P=P, seed=i)
     scores = scores if policy.needs_scores else None
-    if policy.plan(scores and [scores[i] for i in range(L)], prompt_length=P,
-                   n_kv_heads=(n_kv,) * L) is not None:  # fmt: skip
-        pytest.skip("a policy that plans across layers is given its plan (test_ragged)")
     settings = dict(prompt_length=P, n_layers=L, reserve=5)
     together = policy.compact_layers(states, scores, **settings)
+    assert selections == [L * B]  # one selection, the layers folded into the batch
     apart = BasePolicy.compact_layers(policy, states, scores, **settings)
+    assert selections == [L * B] + [B] * L
     for i in range(L):
         a, b = kvfn.tree.arrays(together[i]), kvfn.tree.arrays(apart[i])
         assert len(a) == len(b) and all(np.array_equal(np.array(x), np.array(y))
