@@ -10,7 +10,7 @@ python examples/profile_first_request.py --shape 8b --dtype bfloat16 --prompt-to
 
 Steps: ``first chunk`` (a forward over an empty cache), ``filling`` (the chunks before the rows
 held pass the cap), ``first compaction`` (the chunk whose rows first pass the cap: its forward
-and the compaction back to the budget), ``steady`` (every later chunk but the last, summed),
+and the compaction back to the cap), ``steady`` (every later chunk but the last, summed),
 ``last chunk`` (evaluated with the final selection its window scores, of other shapes; where the
 first chunk passes the cap, ``first chunk`` holds the first compaction), ``first token`` (the
 first decode step over the compacted states) and ``decode`` (the other new tokens). Waiting at

@@ -276,9 +276,10 @@ def bounded_chunks(P: int, step: int, window: int) -> list[tuple[int, int]]:
 def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_step=None,
                    layers=None, extra=0, compiled=False):  # fmt: skip
     """The prefill of ``compact_steps(max_rows=...)``, a chunk a step: whenever the rows held
-    pass ``max_rows`` before the last chunk, the states are compacted back to the policy's
-    budget with what the chunk just read can score (its last ``window`` queries' attention over
-    every row held; nothing for a scoring-free policy), with room for the next chunk. Rows
+    pass ``max_rows`` before the last chunk, the states are compacted back to ``max_rows`` rows
+    (by ``policy.holding(max_rows)``) with what the chunk just read can score (its last
+    ``window`` queries' attention over every row held; nothing for a scoring-free policy), with
+    room for the next chunk; the last chunk's compaction keeps the policy's budget. Rows
     keep their true positions, so later chunks attend to what is kept at the right distances.
     At most ``max_rows`` plus a chunk (the last: up to ``step + window``) rows are ever held.
     A policy whose layers bound themselves (``Policy.bounds_itself``: Duo) compacts once, the
@@ -292,6 +293,7 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
     device computes a chunk while the host builds the next one's graph."""
     P = context.shape[1]
     parts = bounded_chunks(P, step, policy.window)
+    holding = policy.holding(max_rows)  # the compactions before the last one
     states, scores, held, peak, once = None, None, 0, 0, None
     unscored, carried = 0, None  # a policy scoring what it holds: rows it has not scored yet
     ahead = None  # unsettled: the arrays of the chunk the device is computing
@@ -327,9 +329,9 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
                 states, once = compact_states(states, scores, policy, reserve=room,
                                               group=fmodel.group)  # fmt: skip
             else:  # the rows of states this loop made are known here; no result is kept
-                new = _compacted(states, scores, policy, reserve=room, group=fmodel.group,
+                new = _compacted(states, scores, holding, reserve=room, group=fmodel.group,
                                  compiled=compiled and room == step, exact=True)[1]  # fmt: skip
-                rows = policy.rows_after(held)
+                rows = holding.rows_after(held)
                 if policy.scores_held:
                     carried = kept_scores(scores, states, new, rows)
                 states, held, new = new, rows, None
@@ -422,13 +424,14 @@ def compact(
 
     ``max_rows``: evict while prefilling, so that no more than ``max_rows`` plus one chunk of
     ``prefill_step_size`` rows are ever held, however long the prompt: each time a chunk leaves
-    more, the states are compacted back to the budget with the scores that chunk's last queries
-    give, and the last chunk's window makes the final selection
+    more, the states are compacted back to ``max_rows`` rows (``Policy.holding``: a policy
+    keeping ``max_rows`` where its budget is less) with the scores that chunk's last queries
+    give, and the last chunk's window makes the final selection of the budget's rows
     (``EvictionResult.peak_rows``: the most held; ``rows_before``: what the final compaction
     took). Not the same selection as without it: rows evicted early are never seen by the later
     prompt tokens (as with mlx-lm's rotating cache, but chosen by the policy). A policy that
     cannot (``Policy.cannot_recompact`` says why) is refused by name. With ``compiled``, each
-    chunk's compaction runs compiled too: its shapes are the same for every prompt (the budget
+    chunk's compaction runs compiled too: its shapes are the same for every prompt (the cap
     plus a chunk), so it is traced once a process (worth it after the first long prompt: on
     this CPU a compiled chunk's graph took 2 ms to build against 16-20 ms eager, 32 layers)."""
     steps = compact_steps(fmodel, prompt_tokens, policy, max_new_tokens=max_new_tokens,

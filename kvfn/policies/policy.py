@@ -61,6 +61,11 @@ class BasePolicy:
                     layer=i, reserve=reserve, group=group, plan=plan)
                 for i, s in states.items()}  # fmt: skip
 
+    def holding(self, max_rows: int) -> "BasePolicy":
+        """The policy of a compaction while prefilling under a cap of ``max_rows`` rows, before
+        the last one (which keeps this policy's rows): this one by default."""
+        return self
+
     def check_ints(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -200,6 +205,11 @@ class Policy(BasePolicy):
 
     def replace(self, **changes) -> "Policy":
         return dataclasses.replace(self, **changes)
+
+    def holding(self, max_rows: int) -> "Policy":
+        """Itself with a budget of ``max_rows``: a compaction before the last one keeps as many
+        rows as the cap holds, so the last one chooses from all of them."""
+        return self if max_rows == self.budget else self.replace(budget=max_rows)
 
     def keeps_whole(self, prompt_length: int) -> bool:
         """Whether a prompt this long is kept whole (it fits the budget, or is below
