@@ -121,7 +121,8 @@ def main(argv=None) -> list:
     p.add_argument("--rows", type=int, default=256, help="kept rows: budget, cap, max_kv_size")
     p.add_argument("--max-rows", type=int,
                    help="kvfn's cap while prefilling (default: --rows); above it, the bounded "
-                   "configs compact back to --rows only when a chunk leaves more")  # fmt: skip
+                   "configs compact back to --max-rows after each chunk that leaves more, and "
+                   "to --rows at the prompt's end")  # fmt: skip
     p.add_argument("--window", type=int, default=32)
     p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2, help="the first is a warm-up")

@@ -287,13 +287,14 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
     reserves), and the later chunks are prefilled into its layout. Returns (states, scores of
     the last chunk, the most rows a head held, and the result of that one compaction, made
     final for the whole context, or None). ``compiled``: each compaction that makes room for a
-    whole ``step`` runs compiled (``compact_states``): its shapes (the budget plus a chunk of
+    whole ``step`` runs compiled (``compact_states``): its shapes (the cap plus a chunk of
     rows, room for a chunk) are the same at every chunk of every prompt, so its one trace serves
     the process's life; the one that makes room for the last chunk stays eager. Unsettled, the
     device computes a chunk while the host builds the next one's graph."""
     P = context.shape[1]
     parts = bounded_chunks(P, step, policy.window)
-    holding = policy.holding(max_rows)  # the compactions before the last one
+    # the compactions before the last one (a layout that bounds itself compacts once)
+    holding = policy if policy.bounds_itself else policy.holding(max_rows)
     states, scores, held, peak, once = None, None, 0, 0, None
     unscored, carried = 0, None  # a policy scoring what it holds: rows it has not scored yet
     ahead = None  # unsettled: the arrays of the chunk the device is computing

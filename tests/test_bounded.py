@@ -167,7 +167,8 @@ def test_kvzip_scores_each_chunk_once_over_what_is_held(fm):
     """KVzip evicting while prefilling: when a compaction is due, the chunks not scored yet are
     scored by the reconstruction pass over what is held (the first time: KVzip's own pass over
     a plain prefill of the context so far), the states are compacted back to the cap, and a
-    kept row keeps its score, by position, until it is evicted. Composed here from the public steps, the scores carried on the host."""
+    kept row keeps its score, by position, until it is evicted. Composed here from the public
+    steps, the scores carried on the host."""
     from kvfn.passes import _drain
     from kvfn.policies.kvzip import held_reconstruction_steps, reconstruction_scores
 
@@ -233,9 +234,29 @@ def test_every_policy_evicts_while_prefilling_or_is_refused_by_name(fm, name):
         _, r = kvfn.compact(fm, ids, policy, max_rows=10, prefill_step_size=16)  # heads whole
         assert r.peak_rows == len(ids) - 1
         return
-    _, r = kvfn.compact(fm, ids, policy, max_rows=policy.budget, prefill_step_size=16)
-    assert r.peak_rows <= policy.budget + 16 + policy.window
-    assert set(r.rows_after) == {policy.budget}
+    for cap in (policy.budget, policy.budget + 16):  # a cap above the budget: held, then cut
+        _, r = kvfn.compact(fm, ids, policy, max_rows=cap, prefill_step_size=16)
+        assert r.peak_rows <= cap + 16 + policy.window
+        assert set(r.rows_after) == {policy.budget}
+
+
+def test_a_policy_holds_the_cap_while_prefilling_and_an_allocation_its_budget():
+    """``holding(R)``: what a compaction before the last keeps under a cap of R rows."""
+    p = kvfn.SnapKV(budget=32, window=WINDOW)
+    assert p.holding(32) is p and p.holding(48) == p.replace(budget=48)
+    ada = kvfn.AdaKV(budget=32, window=WINDOW)
+    assert ada.holding(48) is ada
+
+
+def test_past_the_cap_every_chunk_holds_the_cap_plus_a_chunk(fm):
+    """A cap above the budget is held: once reached, every chunk brings R rows to R + a chunk."""
+    policy, cap = kvfn.SnapKV(budget=32, window=WINDOW), 80
+    for n in (400, 733):
+        _, r = kvfn.compact(fm, prompt(n), policy, max_rows=cap, prefill_step_size=STEP)
+        last = bounded_chunks(n - 1, STEP, WINDOW)[-1]
+        assert r.peak_rows == cap + max(STEP, last[1] - last[0])
+        assert set(r.rows_before) == {cap + last[1] - last[0]}
+        assert set(r.rows_after) == {32}
 
 
 @pytest.mark.parametrize(

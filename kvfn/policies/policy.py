@@ -231,6 +231,8 @@ class Policy(BasePolicy):
                              f"{self.min_tokens}, which it would hold whole")  # fmt: skip
         if self.cannot_recompact:
             raise ValueError(f"{self.name} cannot evict while {during}: {self.cannot_recompact}")
+        if during == "prefilling" and not self.bounds_itself:
+            self.holding(max_rows)  # what compacts while prefilling: checked here, before work
 
     def observation_window(self, prompt_length: int) -> int:
         """How many of the prompt's last queries the prefill must score (0: none)."""
