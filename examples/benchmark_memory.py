@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
 from benchmark_shapes import SHAPES, greedy, make_policy, random_model  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache  # noqa: E402
@@ -139,10 +138,7 @@ def main(argv=None) -> list:
         p.error("need rows >= window + 4, prompt tokens > rows and at least 2 rounds")
     if args.max_rows is not None and args.max_rows < args.rows:
         p.error(f"--max-rows {args.max_rows} is below --rows {args.rows}")
-    model = random_model(args.shape, getattr(mx, args.dtype))
-    if args.bits:
-        nn.quantize(model, bits=args.bits)
-        mx.eval(model.parameters())
+    model = random_model(args.shape, getattr(mx, args.dtype), args.bits)
     vocab = SHAPES[args.shape][1]["vocab_size"]
     ids = np.random.default_rng(args.seed).integers(0, vocab, size=args.prompt_tokens).tolist()
     # every round its own prompt length (a user's prompts all differ): the first a warm-up

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import llama, qwen2  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
@@ -53,12 +54,15 @@ SHAPES = {
 POLICIES = "full,snapkv,streaming,chunkkv,kvzip,adakvzip-global,duo"
 
 
-def random_model(shape: str, dtype):
+def random_model(shape: str, dtype, bits: Optional[int] = None):
+    """A random-weight model of ``shape`` in ``dtype``, its weights quantized to ``bits``."""
     module, settings = SHAPES[shape]
     args = module.ModelArgs(rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
                             **settings)  # fmt: skip
     model = module.Model(args)
     model.set_dtype(dtype)
+    if bits:
+        nn.quantize(model, bits=bits)
     mx.eval(model.parameters())
     return model
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
+from benchmark_memory import model_arguments  # noqa: E402
 from benchmark_shapes import SHAPES, random_model  # noqa: E402
 
 STEPS = ("first chunk", "filling", "first compaction", "steady", "last chunk", "first token",
@@ -74,10 +74,7 @@ def request(fm, ids, args) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--bits", type=int, choices=[4, 8], help="quantize the weights")
-    p.add_argument("--prompt-tokens", type=int, default=4096)
+    model_arguments(p).set_defaults(prompt_tokens=4096)
     p.add_argument("--rows", type=int, default=256, help="the budget and the cap")
     p.add_argument("--window", type=int, default=32)
     p.add_argument("--prefill-step-size", type=int, default=512)
@@ -87,10 +84,7 @@ def main(argv=None) -> dict:
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     mx.random.seed(args.seed)
-    model = random_model(args.shape, getattr(mx, args.dtype))
-    if args.bits:
-        nn.quantize(model, bits=args.bits)
-    mx.eval(model.parameters())
+    model = random_model(args.shape, getattr(mx, args.dtype), args.bits)
     fm = kvfn.FunctionalModel(model)
     V = SHAPES[args.shape][1]["vocab_size"]
     rows = []

@@ -51,7 +51,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import benchmark_memory as bm  # noqa: E402
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
 from benchmark_shapes import SHAPES, random_model  # noqa: E402
 from mlx_lm.models.cache import KVCache, RotatingKVCache  # noqa: E402
 
@@ -488,10 +487,7 @@ def main(argv=None) -> list:
         p.error("need rows >= window + 4, prompt tokens > rows and at least 2 new tokens")
     args.cache_limit = mx.set_cache_limit(0)  # read back, and set again
     mx.set_cache_limit(args.cache_limit)
-    model = random_model(args.shape, getattr(mx, args.dtype))
-    if args.bits:
-        nn.quantize(model, bits=args.bits)
-        mx.eval(model.parameters())
+    model = random_model(args.shape, getattr(mx, args.dtype), args.bits)
     fm = kvfn.FunctionalModel(model)
     vocab = SHAPES[args.shape][1]["vocab_size"]
     ids = np.random.default_rng(args.seed).integers(0, vocab, size=args.prompt_tokens).tolist()

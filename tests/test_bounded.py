@@ -452,6 +452,20 @@ def test_quality_bounded_asks_every_config_the_same_questions(capsys, tmp_path):
         quality_bounded.main(["--policy", "adakv", "--samples", "1", "--lengths", "160"])  # ragged
 
 
+def test_profile_first_request_times_every_chunk_of_each_request(capsys):
+    from examples import profile_first_request as pfr
+
+    out = pfr.main(["--prompt-tokens", "300", "--rows", "48", "--window", "8", "--new-tokens",
+                    "3", "--prefill-step-size", "64", "--requests", "2"])  # fmt: skip
+    assert [r["prompt_tokens"] for r in out["rows"]] == [300, 263]
+    for r in out["rows"]:
+        assert r["chunks"] == len(bounded_chunks(r["prompt_tokens"] - 1, 64, 8))
+        assert r["peak_rows"] <= 48 + 64 + 8
+        steps = [r[s] for s in pfr.STEPS]
+        assert min(steps) >= 0 and sum(steps) <= r["total"] + 1e-6
+    assert "first request less the mean of the later ones" in capsys.readouterr().out
+
+
 def test_benchmark_memory_bounds_the_peak_rows_and_prints_each_run(capsys):
     from examples import benchmark_memory
 
