@@ -187,17 +187,18 @@ def print_table(table: list) -> None:
 def merged(paths: list) -> dict:
     """The table of several runs' ``--out`` files (processes that shared the questions out by
     length, mode and seed), with intervals over all their samples; a question answered twice (a
-    mode, budget and sample in two files) counts once. One policy throughout."""
+    mode, budget and sample in two files) counts once. One policy and cap factor throughout."""
     runs = [json.loads(Path(f).read_text()) for f in paths]
-    policies = {r["args"]["policy"] for r in runs}
-    if len(policies) != 1:
-        raise SystemExit(f"--merge: the files ran different policies: {sorted(policies)}")
+    for setting in ("policy", "cap_factor"):
+        values = {r["args"].get(setting, 1.0) for r in runs}  # files before --cap-factor: 1
+        if len(values) != 1:
+            raise SystemExit(f"--merge: the files ran different {setting}s: {sorted(values)}")
     rows = {}
     for run in runs:
         for r in run["rows"]:
             rows.setdefault((r["task"], r["target_tokens"], r["seed"], r["mode"],
                              r["budget_index"]), r)  # fmt: skip
-    table, by_task = summary(list(rows.values()), configs(policies.pop()))
+    table, by_task = summary(list(rows.values()), configs(runs[0]["args"]["policy"]))
     seconds = sum(r["seconds"] for r in runs)
     print(f"{len(rows)} (question, mode, budget) rows from {len(runs)} files, {seconds:.0f} s "
           "of processes. Score % [95% bootstrap interval]; bounded minus after the prefill, "

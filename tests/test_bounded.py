@@ -436,6 +436,11 @@ def test_quality_bounded_asks_every_config_the_same_questions(capsys, tmp_path):
     assert len(both["rows"]) == 3
     assert {(t["mode"], t["questions"]) for t in both["table"]} == {("aware", 2), ("agnostic", 1)}
     assert "kvfn chunkkv bounded" in capsys.readouterr().out
+    capped = json.loads(other.read_text())
+    capped["args"]["cap_factor"] = 2.0
+    (tmp_path / "q2.json").write_text(json.dumps(capped))
+    with pytest.raises(SystemExit, match="different cap_factors"):  # not one table's questions
+        quality_bounded.main(["--merge", str(out), str(tmp_path / "q2.json")])
     # a cap above the prompt: nothing is evicted while prefilling, the same answer as after it
     (never,) = quality_bounded.main(["--tasks", "passkey", "--lengths", "160", "--samples", "1",
                                      "--ratios", "0.15", "--window", "8", "--prefill-step-size",
