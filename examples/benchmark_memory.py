@@ -11,6 +11,9 @@ python examples/benchmark_memory.py --shape 8b --prompt-tokens 131072 --dtype bf
 ``--ballast-gb G`` holds G GB of the device's memory before the first config, so that the
 device itself has too little left for a config (mlx-lm's full cache at a long prompt) and its
 allocation fails; a config that fails is reported with its error and the next one runs.
+On request: ``kvfn duo``, ``kvfn duo bounded`` and ``kvfn snapkv bounded per-layer`` (the same
+rows as ``kvfn snapkv bounded``, each layer's selected on its own: what one selection for every
+layer costs or saves in memory and time).
 """
 
 import argparse
@@ -35,6 +38,16 @@ CONFIGS = ("mlx-lm full", "mlx-lm rotating", "kvfn snapkv", "kvfn snapkv bounded
 # DuoAttention (half the KV heads of each layer retrieval heads, the others sinks + recent in
 # `rows`): after the prefill, and evicting while it prefills (its chunked prefill); on request
 DUO = ("kvfn duo", "kvfn duo bounded")
+# SnapKV evicting while prefilling with each layer's rows selected on its own (as before one
+# selection served every layer, 597d48f): the batched selection's cost in memory, on request
+PER_LAYER = ("kvfn snapkv bounded per-layer",)
+
+
+class PerLayerSnapKV(kvfn.SnapKV):
+    """SnapKV whose compaction selects each layer's rows on its own (``Policy.compact_layers``'
+    default), not all layers' in one batch: the same rows, another graph."""
+
+    same_in_every_layer = False
 
 
 def mlx_lm_run(model, ids, args, rotating: bool) -> dict:
@@ -57,12 +70,12 @@ def mlx_lm_run(model, ids, args, rotating: bool) -> dict:
 
 
 def kvfn_run(model, ids, args, bounded: bool, duo: bool = False,
-             max_rows: Optional[int] = None) -> dict:  # fmt: skip
+             max_rows: Optional[int] = None, kind: type = kvfn.SnapKV) -> dict:  # fmt: skip
     fm = kvfn.FunctionalModel(model)
     if duo:
         policy = make_policy("duo", fm, args.rows, args.window)
     else:
-        policy = kvfn.SnapKV(budget=args.rows, window=args.window)
+        policy = kind(budget=args.rows, window=args.window)
     tic = time.perf_counter()
     cap = (max_rows or args.rows) if bounded else None
     states, result = kvfn.compact(fm, ids, policy, max_new_tokens=args.new_tokens,
@@ -100,8 +113,10 @@ def measured(config: str, model, ids, args, max_rows: Optional[int] = None) -> d
         return above_weights(
             lambda: mlx_lm_run(model, ids, args, rotating=config.endswith("rotating"))
         )
-    return above_weights(lambda: kvfn_run(model, ids, args, bounded=config.endswith("bounded"),
-                                          duo="duo" in config, max_rows=max_rows))  # fmt: skip
+    kind = PerLayerSnapKV if config in PER_LAYER else kvfn.SnapKV
+    return above_weights(lambda: kvfn_run(model, ids, args, bounded="bounded" in config,
+                                          duo="duo" in config, max_rows=max_rows,
+                                          kind=kind))  # fmt: skip
 
 
 def model_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -131,9 +146,10 @@ def main(argv=None) -> list:
                    help="device memory held before the first config")  # fmt: skip
     args = p.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in CONFIGS + DUO]
+    unknown = [c for c in configs if c not in CONFIGS + DUO + PER_LAYER]
     if unknown or not configs:
-        p.error(f"--configs: unknown {unknown or configs}; choose from {list(CONFIGS + DUO)}")
+        p.error(f"--configs: unknown {unknown or configs}; choose from "
+                f"{list(CONFIGS + DUO + PER_LAYER)}")
     if args.rows < args.window + 4 or args.prompt_tokens <= args.rows or args.rounds < 2:
         p.error("need rows >= window + 4, prompt tokens > rows and at least 2 rounds")
     if args.max_rows is not None and args.max_rows < args.rows:
@@ -159,18 +175,19 @@ def main(argv=None) -> list:
           f"{f' (kvfn: a cap of {args.max_rows})' if args.max_rows else ''}, "
           f"prefill chunks of {args.prefill_step_size}; mean of {args.rounds - 1} rounds"
           f"{f'; {args.ballast_gb} GB of the device held' if args.ballast_gb else ''}")  # fmt: skip
-    print(f"{'config':<22}{'first token s':>14}{'decode tok/s':>13}{'peak above weights GB':>23}"
+    w = max(22, *(len(c) + 1 for c in configs))
+    print(f"{'config':<{w}}{'first token s':>14}{'decode tok/s':>13}{'peak above weights GB':>23}"
           f"{'KV held after GB':>18}{'peak rows':>10}")  # fmt: skip
     for c in configs:
         failed = [x["error"] for x in rows[c] if "error" in x]
         if failed:
             out.append({"config": c, "error": failed[0]})
-            print(f"{c:<22}failed: {failed[0][:120]}")
+            print(f"{c:<{w}}failed: {failed[0][:120]}")
             continue
         mean = {k: float(np.mean([x[k] for x in rows[c]])) for k in rows[c][0] if k != "peak_rows"}
         peak = rows[c][0].get("peak_rows")
         out.append({"config": c, **{k: round(v, 4) for k, v in mean.items()}, "peak_rows": peak})
-        print(f"{c:<22}{mean['first_s']:>14.3f}{mean['decode_tps']:>13.1f}"
+        print(f"{c:<{w}}{mean['first_s']:>14.3f}{mean['decode_tps']:>13.1f}"
               f"{mean['peak_above_weights_gb']:>23.4f}{mean['kv_held_gb']:>18.4f}"
               f"{'-' if peak is None else peak:>10}")  # fmt: skip
     print(json.dumps(out))

@@ -488,6 +488,12 @@ def test_benchmark_memory_bounds_the_peak_rows_and_prints_each_run(capsys):
                                        "kvfn snapkv bounded"])  # fmt: skip
     assert 48 + 64 < capped["peak_rows"] <= 112 + 64  # compacted back to 112, not 48
     assert capped["kv_held_gb"] == pytest.approx(by["kvfn snapkv bounded"]["kv_held_gb"])
+    (per_layer,) = benchmark_memory.main(["--prompt-tokens", "300", "--rows", "48", "--window",
+                                          "8", "--new-tokens", "4", "--prefill-step-size", "64",
+                                          "--configs", "kvfn snapkv bounded per-layer"])  # fmt: skip
+    for key in ("peak_rows", "kv_held_gb"):  # the same rows, selected a layer at a time
+        assert per_layer[key] == by["kvfn snapkv bounded"][key]
+    assert not benchmark_memory.PerLayerSnapKV.same_in_every_layer
     with pytest.raises(SystemExit):
         benchmark_memory.main(["--rows", "48", "--max-rows", "40"])
 
