@@ -58,14 +58,15 @@ def request(fm, ids, args) -> dict:
         token = mx.argmax(logits, axis=-1)[:, None]
         mx.eval(token)
         times.append(time.perf_counter())
-    # one mark a chunk (its last); the chunk whose rows first pass the cap compacts
+    # one mark a chunk (its last); the first chunk before the last whose rows pass the cap
+    # compacts (none: k is the last chunk, whose compaction is the final one)
     ends = sorted({d: t for d, t in marks}.items())
-    spans = [(d, t - (ends[i - 1][1] if i else tic)) for i, (d, t) in enumerate(ends)]
-    first_cap = next((i for i, (d, _) in enumerate(spans) if d > args.rows), len(spans) - 1)
-    s = [t for _, t in spans]
-    out = dict(zip(STEPS, (s[0], sum(s[1:first_cap], 0.0), s[first_cap] if first_cap else 0.0,
-                           sum(s[first_cap + 1:-1], 0.0), s[-1] + prefilled - ends[-1][1],
-                           times[0] - prefilled, times[-1] - times[0])))  # fmt: skip
+    s = [t - (ends[i - 1][1] if i else tic) for i, (_, t) in enumerate(ends)]
+    last = len(s) - 1
+    k = next((i for i, (d, _) in enumerate(ends[:last]) if d > args.rows), last)
+    out = dict(zip(STEPS, (s[0], sum(s[1:k], 0.0), s[k] if 0 < k < last else 0.0,
+                           sum(s[k + 1:last], 0.0), (s[last] if last else 0.0) + prefilled
+                           - ends[-1][1], times[0] - prefilled, times[-1] - times[0])))  # fmt: skip
     out["chunks"] = len(s)
     out["total"] = times[-1] - tic
     out["peak_rows"] = result.peak_rows

@@ -293,8 +293,7 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
     device computes a chunk while the host builds the next one's graph."""
     P = context.shape[1]
     parts = bounded_chunks(P, step, policy.window)
-    # the compactions before the last one (a layout that bounds itself compacts once)
-    holding = policy if policy.bounds_itself else policy.holding(max_rows)
+    holding = policy.holding(max_rows)  # the compactions before the last one
     states, scores, held, peak, once = None, None, 0, 0, None
     unscored, carried = 0, None  # a policy scoring what it holds: rows it has not scored yet
     ahead = None  # unsettled: the arrays of the chunk the device is computing

@@ -463,9 +463,15 @@ def test_profile_first_request_times_every_chunk_of_each_request(capsys):
     out = pfr.main(["--prompt-tokens", "300", "--rows", "48", "--window", "8", "--new-tokens",
                     "3", "--prefill-step-size", "64", "--requests", "2"])  # fmt: skip
     assert [r["prompt_tokens"] for r in out["rows"]] == [300, 263]
-    for r in out["rows"]:
+    # a cap only the last chunk passes (every step counted once), and a single chunk
+    late = pfr.main(["--prompt-tokens", "300", "--rows", "256", "--window", "8", "--new-tokens",
+                     "3", "--prefill-step-size", "64", "--requests", "1"])  # fmt: skip
+    one = pfr.main(["--prompt-tokens", "60", "--rows", "48", "--window", "8", "--new-tokens",
+                    "3", "--prefill-step-size", "64", "--requests", "1"])  # fmt: skip
+    assert late["rows"][0]["first compaction"] == 0.0 and one["rows"][0]["chunks"] == 1
+    for r in out["rows"] + late["rows"] + one["rows"]:
         assert r["chunks"] == len(bounded_chunks(r["prompt_tokens"] - 1, 64, 8))
-        assert r["peak_rows"] <= 48 + 64 + 8
+        assert r["peak_rows"] <= 48 + 64 + 8 or r is late["rows"][0]
         steps = [r[s] for s in pfr.STEPS]
         assert min(steps) >= 0 and sum(steps) <= r["total"] + 1e-6
     assert "first request less the mean of the later ones" in capsys.readouterr().out

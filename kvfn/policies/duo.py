@@ -212,6 +212,10 @@ class Duo(Policy):
             raise ValueError(f"max_rows must be an int >= duo's sink_tokens + recent (and "
                              f"min_tokens) {least}, got {max_rows!r}")  # fmt: skip
 
+    def holding(self, max_rows: int) -> "Duo":
+        """Itself: its layout bounds itself, so it compacts once while prefilling."""
+        return self
+
     def keeps_whole(self, prompt_length: int) -> bool:
         return prompt_length <= max(self.min_tokens, self.sink_tokens + self.recent)
 

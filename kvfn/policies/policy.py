@@ -231,7 +231,7 @@ class Policy(BasePolicy):
                              f"{self.min_tokens}, which it would hold whole")  # fmt: skip
         if self.cannot_recompact:
             raise ValueError(f"{self.name} cannot evict while {during}: {self.cannot_recompact}")
-        if during == "prefilling" and not self.bounds_itself:
+        if during == "prefilling":
             self.holding(max_rows)  # what compacts while prefilling: checked here, before work
 
     def observation_window(self, prompt_length: int) -> int:
