@@ -4,14 +4,15 @@
 # the tree after the staging calls (.device-stage/c1, c2: MLX CUDA in $HOME/mlx-env.sh),
 # evaluate.py's pybible copied to pp/ beside this tree, and one call per model chunk
 # (.ship/NAME/cNNN copied to $HOME/ship/NAME/):
-#   bash examples/quality_bounded_gpu.sh TAG END "SHORT:LENGTH:MODE:FIRST:SAMPLES[:POLICY[:CAP]];..."
+#   bash examples/quality_bounded_gpu.sh TAG END "SHORT:LENGTH:MODE:FIRST:SAMPLES[:POLICY[:CAP[:RATIOS]]];..."
 #   bash examples/quality_bounded_gpu.sh --convert SHIP SHORT   # alone (setsid: in the background)
 # SHORT: q0.5b | q1.5b (qwen2.5-coder-0.5b-gguf | qwen2.5-coder-1.5b-gguf, converted once a
 # machine to bf16 at $HOME/conv/SHORT/model; a second caller waits for the first). END: seconds
 # from the start by which every process has ended (no question starts after END - LONGEST).
 # POLICY: the policy each process runs (default snapkv), e.g. POLICY=kvzip bash ... TAG END SPECS;
 # CAP: quality_bounded.py's --cap-factor (default 1: the cap is the budget). A spec's own POLICY
-# and CAP (its 6th and 7th fields) override these for its process.
+# and CAP (its 6th and 7th fields) override these for its process; RATIOS (8th, comma-separated,
+# default 0.125,0.25) the kept fractions it asks, e.g. 0.125 alone where 4x 0.25 is the prompt.
 # Results: /tmp/qb-TAG/*.json (every answer and the table), packed into $OUT/qb-TAG.tgz.
 set -u
 cd "$(dirname "$0")/.."
@@ -48,13 +49,13 @@ case "$SPECS" in *q0.5b*) convert qwen2.5-coder-0.5b-gguf q0.5b ;; esac
 case "$SPECS" in *q1.5b*) convert qwen2.5-coder-1.5b-gguf q1.5b ;; esac
 echo "models ready at $(( $(date +%s) - T0 )) s"
 for sp in "${specs[@]}"; do
-  IFS=':' read -r short L mode first n policy cap <<< "$sp"
-  policy=${policy:-${POLICY:-snapkv}}; cap=${cap:-${CAP:-1}}
+  IFS=':' read -r short L mode first n policy cap ratios <<< "$sp"
+  policy=${policy:-${POLICY:-snapkv}}; cap=${cap:-${CAP:-1}}; ratios=${ratios:-0.125,0.25}
   now=$(( $(date +%s) - T0 )); left=$(( END - now )); dl=$(( left - LONGEST ))
   name=$short-$L-$mode-$first-$policy-cap$cap
   echo "$name: samples $first..$((first + n - 1)) deadline $dl timeout $left"
   timeout -k 10 $left python3 examples/quality_bounded.py --model $HOME/conv/$short/model \
-    --grid --lengths $L --modes $mode --ratios 0.125 0.25 --policy $policy \
+    --grid --lengths $L --modes $mode --ratios ${ratios//,/ } --policy $policy \
     --cap-factor $cap \
     --prefill-step-size 2048 --samples $n --first-sample $first --deadline $dl \
     --cache-limit-gb 2 --out $R/$name.json > $R/$name.log 2>&1 &
