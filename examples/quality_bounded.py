@@ -27,7 +27,8 @@ same policy after the prefill; bounded minus mlx-lm's rotating cache) likewise, 
 Samples go seed by seed, every task at each seed, so a run cut short leaves the tasks even;
 ``--out`` is rewritten after every question (every answer and the table); ``--merge`` prints
 the table of several such files (processes that shared out the samples) with one set of
-intervals.
+intervals. A question that runs the device out of memory (processes sharing a GPU) is asked
+once more, then skipped in every config and listed under ``skipped`` in ``--out``.
 """
 
 import argparse
@@ -54,6 +55,7 @@ MLX_LM = ("mlx-lm full", "mlx-lm rotating")
 MODES = ("aware", "agnostic")
 GRID_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
 SINKS = 4  # the rotating cache's keep; a ratio's rows are never below these and the window
+RETRY_SECONDS = 10  # before asking again a question that ran out of device memory
 
 
 def configs(policy: str) -> tuple:
@@ -161,13 +163,13 @@ def _interval(value, lo, hi, sign="") -> str:
     return text if lo is None else f"{text} [{lo:{sign}.1f}, {hi:{sign}.1f}]"
 
 
-def write(path, args, rows, names, seconds) -> tuple:
+def write(path, args, rows, names, seconds, skipped=()) -> tuple:
     table, by_task = summary(rows, names)
     if path:
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(dict(args=vars(args), seconds=round(seconds, 1), table=table,
-                           by_task=by_task, rows=rows), f)  # fmt: skip
+                           by_task=by_task, rows=rows, skipped=list(skipped)), f)  # fmt: skip
         os.replace(tmp, path)
     return table, by_task
 
@@ -204,7 +206,62 @@ def merged(paths: list) -> dict:
           "of processes. Score % [95% bootstrap interval]; bounded minus after the prefill, "
           "and minus mlx-lm rotating, in points:")  # fmt: skip
     print_table(table)
-    return {"table": table, "by_task": by_task, "rows": list(rows.values())}
+    skipped = [q for run in runs for q in run.get("skipped", [])]
+    if skipped:
+        print(f"{len(skipped)} questions skipped, out of device memory twice: {skipped}")
+    return {"table": table, "by_task": by_task, "rows": list(rows.values()), "skipped": skipped}
+
+
+def answer_question(fm, tokenizer, args, budgets, prompt, question, asked: dict, eos) -> list:
+    """One question in one mode through every config at every budget: a row a budget."""
+    model, mode, step = fm.model, asked["mode"], args.prefill_step_size
+    names, n, t0 = configs(args.policy), ANSWER_TOKENS[asked["task"]], time.perf_counter()
+    if mode == "aware":  # the whole prompt at once
+        context, ask = prompt.head + prompt.tail, []
+    else:
+        context, ask = prompt.head, prompt.tail
+    held = len(context)  # the rows a budget's ratio counts
+    full = mlx_lm_answer(model, [] if not ask else context, ask or context, n, None, step, eos)
+    rows = []
+    for b, budget in enumerate(budgets):
+        R = budget_rows(budget, held, args.window)
+        pol = kvfn.parse_policy(args.policy, budget=R, window=args.window)
+        pol = pol.for_tokenizer(tokenizer)  # KVzip: the repeat instruction
+        got = {names[0]: (full, None)}
+        rotating = mlx_lm_answer(model, [] if not ask else context, ask or context, n, R, step,
+                                 eos)  # fmt: skip
+        got[names[1]] = (rotating, None)
+        cap = round(args.cap_factor * R)  # >= R: the factor is checked
+        got[names[2]] = kvfn_answer(fm, context, ask, n, pol, step, None, eos)
+        got[names[3]] = kvfn_answer(fm, context, ask, n, pol, step, cap, eos)
+        row = dict(asked, length=len(prompt.head) + len(prompt.tail), budget=budget,
+                   budget_index=b, rows=R, held=held, peak_rows=got[names[3]][1], answers={},
+                   scores={})  # fmt: skip
+        for c in names:
+            row["answers"][c] = tokenizer.decode(got[c][0])
+            row["scores"][c] = answers.match_all(row["answers"][c], question.answers)
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def retried(ask, asked: dict, skipped: list) -> list:
+    """``ask()``'s rows. Processes sharing a GPU can run it out of memory for a moment: such a
+    question is asked once more after ``RETRY_SECONDS``, then recorded in ``skipped``."""
+    for attempt in range(2):
+        try:
+            return ask()
+        except RuntimeError as e:
+            if "out of memory" not in str(e):
+                raise
+            mx.clear_cache()
+            print(f"{asked}: {e}; " + ("skipped" if attempt else "asking again"), flush=True)
+            if attempt:
+                skipped.append({**asked, "error": str(e)})
+            else:
+                time.sleep(RETRY_SECONDS)
+    return []
 
 
 def main(argv=None) -> dict:
@@ -271,6 +328,7 @@ def main(argv=None) -> dict:
     count = token_counter(tokenizer)
     step = args.prefill_step_size
     rows: list = []
+    skipped: list = []  # questions that ran out of device memory twice
     print(f"loaded in {time.perf_counter() - tic:.1f} s", flush=True)
     for L in args.lengths:
         for seed in range(args.first_sample, args.first_sample + args.samples):
@@ -281,48 +339,22 @@ def main(argv=None) -> dict:
                                         n_questions=1)  # fmt: skip
                 question = sample.questions[0]
                 prompt = prompt_tokens(tokenizer, sample, question)
-                n = ANSWER_TOKENS[task]
                 for mode in args.modes:
-                    t0 = time.perf_counter()
-                    if mode == "aware":  # the whole prompt at once
-                        context, ask = prompt.head + prompt.tail, []
-                    else:
-                        context, ask = prompt.head, prompt.tail
-                    held = len(context)  # the rows a budget's ratio counts
-                    got = {}
-                    full = mlx_lm_answer(model, [] if not ask else context, ask or context, n,
-                                         None, step, eos)  # fmt: skip
-                    for b, budget in enumerate(budgets):
-                        R = budget_rows(budget, held, args.window)
-                        pol = kvfn.parse_policy(args.policy, budget=R, window=args.window)
-                        pol = pol.for_tokenizer(tokenizer)  # KVzip: the repeat instruction
-                        got["mlx-lm full"] = (full, None)
-                        rotating = mlx_lm_answer(model, [] if not ask else context,
-                                                 ask or context, n, R, step, eos)  # fmt: skip
-                        got[names[1]] = (rotating, None)
-                        cap = round(args.cap_factor * R)  # >= R: the factor is checked
-                        got[names[2]] = kvfn_answer(fm, context, ask, n, pol, step, None, eos)
-                        got[names[3]] = kvfn_answer(fm, context, ask, n, pol, step, cap, eos)
-                        row = dict(task=task, target_tokens=L, length=len(prompt.head)
-                                   + len(prompt.tail), seed=seed, mode=mode, budget=budget,
-                                   budget_index=b, rows=R, held=held,
-                                   peak_rows=got[names[3]][1], answers={}, scores={})  # fmt: skip
-                        for c in names:
-                            row["answers"][c] = tokenizer.decode(got[c][0])
-                            row["scores"][c] = answers.match_all(row["answers"][c],
-                                                                 question.answers)  # fmt: skip
-                        row["seconds"] = round(time.perf_counter() - t0, 2)
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
-                    write(args.out, args, rows, names, time.perf_counter() - tic)
-    table, _ = write(args.out, args, rows, names, time.perf_counter() - tic)
+                    asked = dict(task=task, target_tokens=L, seed=seed, mode=mode)
+                    rows += retried(lambda: answer_question(fm, tokenizer, args, budgets, prompt,
+                                                            question, asked, eos),
+                                    asked, skipped)  # fmt: skip
+                    write(args.out, args, rows, names, time.perf_counter() - tic, skipped)
+    table, _ = write(args.out, args, rows, names, time.perf_counter() - tic, skipped)
     samples = len({(r["task"], r["target_tokens"], r["seed"]) for r in rows})
     print(f"\n{samples} samples ({', '.join(args.tasks)}) at {args.lengths} tokens, modes "
           f"{args.modes}, budgets {budgets}, {args.policy}, prefill chunks of {step}; "
           f"{time.perf_counter() - tic:.0f} s. Score % [95% bootstrap interval]; bounded minus "
           f"after the prefill, and minus mlx-lm rotating, in points:")  # fmt: skip
     print_table(table)
-    return {"table": table, "rows": rows}
+    if skipped:
+        print(f"{len(skipped)} questions skipped, out of device memory twice: {skipped}")
+    return {"table": table, "rows": rows, "skipped": skipped}
 
 
 if __name__ == "__main__":

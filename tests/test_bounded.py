@@ -457,6 +457,49 @@ def test_quality_bounded_asks_every_config_the_same_questions(capsys, tmp_path):
         quality_bounded.main(["--policy", "adakv", "--samples", "1", "--lengths", "160"])  # ragged
 
 
+def test_quality_bounded_asks_again_a_question_that_ran_out_of_memory(capsys, tmp_path,
+                                                                       monkeypatch):
+    """Processes sharing a GPU can run it out of memory for a moment: that question is asked
+    once more, then skipped in every config and recorded; any other error still stops the run."""
+    import json
+
+    from examples import quality_bounded
+
+    monkeypatch.setattr(quality_bounded, "RETRY_SECONDS", 0)
+    answer, failures = quality_bounded.mlx_lm_answer, [1]
+
+    def flaky(*args, **kwargs):
+        if failures[0]:
+            failures[0] -= 1
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+        return answer(*args, **kwargs)
+
+    monkeypatch.setattr(quality_bounded, "mlx_lm_answer", flaky)
+    run = ["--tasks", "passkey", "--lengths", "160", "--samples", "2", "--ratios", "0.15",
+           "--window", "8", "--prefill-step-size", "64"]  # fmt: skip
+    clean = quality_bounded.main(run[:5] + ["1"] + run[6:])["rows"]
+    out = tmp_path / "q.json"
+    failures[0] = 1
+    once = quality_bounded.main(run + ["--out", str(out)])
+    assert [r["seed"] for r in once["rows"]] == [0, 1] and once["skipped"] == []
+    assert once["rows"][0]["answers"] == clean[0]["answers"]
+    assert "asking again" in capsys.readouterr().out
+    failures[0] = 2  # the first question runs out twice: skipped, the second answered
+    twice = quality_bounded.main(run + ["--out", str(out)])
+    assert [r["seed"] for r in twice["rows"]] == [1]
+    assert [(q["task"], q["seed"], q["mode"]) for q in twice["skipped"]] == [("passkey", 0,
+                                                                               "aware")]
+    assert json.loads(out.read_text())["skipped"] == twice["skipped"]
+    assert quality_bounded.main(["--merge", str(out)])["skipped"] == twice["skipped"]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("[gather] indices out of bounds")
+
+    monkeypatch.setattr(quality_bounded, "mlx_lm_answer", broken)
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        quality_bounded.main(run)
+
+
 def test_profile_first_request_times_every_chunk_of_each_request(capsys):
     from examples import profile_first_request as pfr
 
