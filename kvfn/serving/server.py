@@ -1192,18 +1192,30 @@ def make_generator(args) -> KVResponseGenerator:
 WARM_UP_TOKENS = 32768  # the longest warm-up prompt where the model does not say its context
 
 
+def warm_up_tokens(policy, longest: int, max_rows: Optional[int], step: int) -> int:
+    """The warm-up prompt's length: the shortest power of two (from 64) that ``policy``
+    compacts; under a cap (``max_rows``), long enough that two chunks of ``step`` pass it before
+    the last chunk, so the first compaction while prefilling and a steady one (the cap plus a
+    chunk, back to the cap) are both built, where a prompt the model takes can pass the cap; at
+    most ``longest``."""
+    n = 64
+    while policy.keeps_whole(n - 1):
+        n *= 2
+    passed = None if max_rows is None else (max_rows // step + 1) * step  # the cap's first pass
+    if passed is not None and passed < longest - 1:  # that chunk, one more, and the last
+        n = max(n, passed + 2 * step)
+    return min(n, longest)
+
+
 def warm_up(generator, args) -> Optional[tuple]:
     """One request of the server's policy through the generation thread: a synthetic prompt the
-    policy compacts, and a few decoded tokens. (tokens, seconds), or None without a policy or
-    where it keeps every prompt the model takes whole."""
+    policy compacts (``warm_up_tokens``), and a few decoded tokens. (tokens, seconds), or None
+    without a policy or where it keeps every prompt the model takes whole."""
     policy = args.policy
     longest = generator.model_provider.context_length or WARM_UP_TOKENS
     if policy is None or policy.keeps_whole(longest - 1):
         return None
-    n = 64
-    while policy.keeps_whole(n - 1):
-        n *= 2
-    n = min(n, longest)
+    n = warm_up_tokens(policy, longest, args.kv_max_rows, args.prefill_step_size)
     tokenizer = generator.model_provider.tokenizer
     words = " ".join(f"warm up {i % 97}" for i in range(n))
     prompt = tokenizer.decode(tokenizer.encode(words)[:n])
