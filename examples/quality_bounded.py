@@ -206,7 +206,14 @@ def merged(paths: list) -> dict:
           "of processes. Score % [95% bootstrap interval]; bounded minus after the prefill, "
           "and minus mlx-lm rotating, in points:")  # fmt: skip
     print_table(table)
-    skipped = [q for run in runs for q in run.get("skipped", [])]
+    answered = {(r["task"], r["target_tokens"], r["seed"], r["mode"]) for r in rows.values()}
+    skipped = {}
+    for run in runs:  # once each, and not where another file answered it
+        for q in run.get("skipped", []):
+            key = (q["task"], q["target_tokens"], q["seed"], q["mode"])
+            if key not in answered:
+                skipped.setdefault(key, q)
+    skipped = list(skipped.values())
     if skipped:
         print(f"{len(skipped)} questions skipped, out of device memory twice: {skipped}")
     return {"table": table, "by_task": by_task, "rows": list(rows.values()), "skipped": skipped}
@@ -246,22 +253,24 @@ def answer_question(fm, tokenizer, args, budgets, prompt, question, asked: dict,
     return rows
 
 
-def retried(ask, asked: dict, skipped: list) -> list:
+def retried(ask, asked: dict, skipped: list, late=lambda: False) -> list:
     """``ask()``'s rows. Processes sharing a GPU can run it out of memory for a moment: such a
-    question is asked once more after ``RETRY_SECONDS``, then recorded in ``skipped``."""
+    question is asked once more after ``RETRY_SECONDS`` (unless ``late()``), then recorded in
+    ``skipped``."""
     for attempt in range(2):
         try:
             return ask()
         except RuntimeError as e:
             if "out of memory" not in str(e):
                 raise
-            mx.clear_cache()
-            print(f"{asked}: {e}; " + ("skipped" if attempt else "asking again"), flush=True)
-            if attempt:
-                skipped.append({**asked, "error": str(e)})
-            else:
-                time.sleep(RETRY_SECONDS)
-    return []
+            error = str(e)
+        mx.clear_cache()  # out of the except block: the failed attempt's arrays are gone
+        again = attempt == 0 and not late()
+        print(f"{asked}: {error}; " + ("asking again" if again else "skipped"), flush=True)
+        if not again:
+            skipped.append({**asked, "error": error})
+            return []
+        time.sleep(RETRY_SECONDS)
 
 
 def main(argv=None) -> dict:
@@ -329,11 +338,15 @@ def main(argv=None) -> dict:
     step = args.prefill_step_size
     rows: list = []
     skipped: list = []  # questions that ran out of device memory twice
+
+    def late() -> bool:
+        return bool(args.deadline) and time.perf_counter() - tic > args.deadline
+
     print(f"loaded in {time.perf_counter() - tic:.1f} s", flush=True)
     for L in args.lengths:
         for seed in range(args.first_sample, args.first_sample + args.samples):
             for task in args.tasks:
-                if args.deadline and time.perf_counter() - tic > args.deadline:
+                if late():
                     break
                 sample = tasks.generate(task, seed=seed, target_tokens=L, count_tokens=count,
                                         n_questions=1)  # fmt: skip
@@ -343,7 +356,7 @@ def main(argv=None) -> dict:
                     asked = dict(task=task, target_tokens=L, seed=seed, mode=mode)
                     rows += retried(lambda: answer_question(fm, tokenizer, args, budgets, prompt,
                                                             question, asked, eos),
-                                    asked, skipped)  # fmt: skip
+                                    asked, skipped, late)  # fmt: skip
                     write(args.out, args, rows, names, time.perf_counter() - tic, skipped)
     table, _ = write(args.out, args, rows, names, time.perf_counter() - tic, skipped)
     samples = len({(r["task"], r["target_tokens"], r["seed"]) for r in rows})

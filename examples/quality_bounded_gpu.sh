@@ -53,6 +53,7 @@ for sp in "${specs[@]}"; do
   policy=${policy:-${POLICY:-snapkv}}; cap=${cap:-${CAP:-1}}; ratios=${ratios:-0.125,0.25}
   now=$(( $(date +%s) - T0 )); left=$(( END - now )); dl=$(( left - LONGEST ))
   name=$short-$L-$mode-$first-$policy-cap$cap
+  [ "$ratios" = 0.125,0.25 ] || name=$name-r${ratios//,/_}  # two specs apart by ratios alone
   echo "$name: samples $first..$((first + n - 1)) deadline $dl timeout $left"
   timeout -k 10 $left python3 examples/quality_bounded.py --model $HOME/conv/$short/model \
     --grid --lengths $L --modes $mode --ratios ${ratios//,/ } --policy $policy \

@@ -460,42 +460,57 @@ def test_quality_bounded_asks_every_config_the_same_questions(capsys, tmp_path):
 def test_quality_bounded_asks_again_a_question_that_ran_out_of_memory(capsys, tmp_path,
                                                                        monkeypatch):
     """Processes sharing a GPU can run it out of memory for a moment: that question is asked
-    once more, then skipped in every config and recorded; any other error still stops the run."""
+    once more (the rows of its budgets already answered are dropped, not kept twice), then
+    skipped in every config and recorded; any other error still stops the run."""
     import json
 
     from examples import quality_bounded
 
     monkeypatch.setattr(quality_bounded, "RETRY_SECONDS", 0)
-    answer, failures = quality_bounded.mlx_lm_answer, [1]
+    answer, calls, fail = quality_bounded.kvfn_answer, [0], set()
 
-    def flaky(*args, **kwargs):
-        if failures[0]:
-            failures[0] -= 1
+    def flaky(*args, **kwargs):  # 4 calls a question: 2 budgets, after the prefill and bounded
+        calls[0] += 1
+        if calls[0] in fail:
             raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
         return answer(*args, **kwargs)
 
-    monkeypatch.setattr(quality_bounded, "mlx_lm_answer", flaky)
-    run = ["--tasks", "passkey", "--lengths", "160", "--samples", "2", "--ratios", "0.15",
+    monkeypatch.setattr(quality_bounded, "kvfn_answer", flaky)
+    run = ["--tasks", "passkey", "--lengths", "160", "--samples", "2", "--ratios", "0.15", "0.3",
            "--window", "8", "--prefill-step-size", "64"]  # fmt: skip
     clean = quality_bounded.main(run[:5] + ["1"] + run[6:])["rows"]
+    assert "out of memory" not in capsys.readouterr().out
     out = tmp_path / "q.json"
-    failures[0] = 1
+    calls[0], fail = 0, {3}  # the first question's second budget
     once = quality_bounded.main(run + ["--out", str(out)])
-    assert [r["seed"] for r in once["rows"]] == [0, 1] and once["skipped"] == []
-    assert once["rows"][0]["answers"] == clean[0]["answers"]
-    assert "asking again" in capsys.readouterr().out
-    failures[0] = 2  # the first question runs out twice: skipped, the second answered
+    assert [(r["seed"], r["budget_index"]) for r in once["rows"]] == [(0, 0), (0, 1), (1, 0),
+                                                                      (1, 1)]  # fmt: skip
+    assert [r["answers"] for r in once["rows"][:2]] == [r["answers"] for r in clean]
+    assert once["skipped"] == [] and "asking again" in capsys.readouterr().out
+    calls[0], fail = 0, {3, 7}  # the first question runs out twice: skipped, the next answered
     twice = quality_bounded.main(run + ["--out", str(out)])
-    assert [r["seed"] for r in twice["rows"]] == [1]
+    assert [r["seed"] for r in twice["rows"]] == [1, 1]
     assert [(q["task"], q["seed"], q["mode"]) for q in twice["skipped"]] == [("passkey", 0,
                                                                                "aware")]
     assert json.loads(out.read_text())["skipped"] == twice["skipped"]
     assert quality_bounded.main(["--merge", str(out)])["skipped"] == twice["skipped"]
+    answered = tmp_path / "q1.json"
+    quality_bounded.main(run[:5] + ["1"] + run[6:] + ["--out", str(answered)])
+    assert quality_bounded.main(["--merge", str(out), str(answered)])["skipped"] == []
+    tries, skipped = [], []
+
+    def out_of_memory():
+        tries.append(1)
+        raise RuntimeError("out of memory")
+
+    # past the deadline: no second try
+    assert quality_bounded.retried(out_of_memory, {"seed": 0}, skipped, late=lambda: True) == []
+    assert len(tries) == 1 and skipped == [{"seed": 0, "error": "out of memory"}]
 
     def broken(*args, **kwargs):
         raise RuntimeError("[gather] indices out of bounds")
 
-    monkeypatch.setattr(quality_bounded, "mlx_lm_answer", broken)
+    monkeypatch.setattr(quality_bounded, "kvfn_answer", broken)
     with pytest.raises(RuntimeError, match="out of bounds"):
         quality_bounded.main(run)
 

@@ -185,16 +185,18 @@ def test_a_warm_up_at_start_leaves_no_trace_but_its_kernels(evicting):
     proc.terminate()
     proc.wait(30)
     assert len(proc.started) == 1 and "listening on" in proc.started[0]
-    # under a cap, long enough for two chunks past it before the last (warm_up_tokens: 256)
+    # under a cap, long enough for two chunks past it before the last (warm_up_tokens: 265)
     proc, _ = start([*EVICT, "--kv-warmup", "--kv-max-rows", "96", "--prefill-step-size", "64"])
     proc.terminate()
     proc.wait(30)
     tokens = int(re.search(r"\(a (\d+)-token prompt", proc.started[0]).group(1))
-    assert 96 + 2 * 64 < tokens <= 256
+    assert 96 + 2 * 64 < tokens <= 265
 
 
-@pytest.mark.parametrize("max_rows,step", [(None, 64), (96, 64), (128, 64), (40, 16)])
-def test_a_capped_warm_up_builds_the_first_and_a_steady_compaction(max_rows, step, monkeypatch):
+@pytest.mark.parametrize("max_rows,step,window", [(None, 64, 8), (96, 64, 8), (128, 64, 8),
+                                                  (40, 16, 8), (96, 16, 32), (96, 16, 64)])
+def test_a_capped_warm_up_builds_the_first_and_a_steady_compaction(max_rows, step, window,
+                                                                   monkeypatch):
     """Under ``--kv-max-rows`` the warm-up prompt is long enough that two chunks pass the cap
     before the last: the first compaction while prefilling and a steady one (the cap plus a
     chunk, back to the cap) are both built before a client's first long prompt."""
@@ -206,7 +208,7 @@ def test_a_capped_warm_up_builds_the_first_and_a_steady_compaction(max_rows, ste
     from tests.tiny import tiny_model
 
     fm = kvfn.FunctionalModel(tiny_model("llama"))
-    policy = kvfn.SnapKV(budget=32, window=8)
+    policy = kvfn.SnapKV(budget=window + 24, window=window)
     n = warm_up_tokens(policy, 10_000, max_rows, step)
     assert not policy.keeps_whole(n - 1) and n <= 10_000
     assert warm_up_tokens(policy, 100, max_rows, step) <= 100  # never past the model's context
@@ -215,16 +217,17 @@ def test_a_capped_warm_up_builds_the_first_and_a_steady_compaction(max_rows, ste
     held, compact = [], compaction._compacted
 
     def counted(states, *args, **kwargs):
-        held.append(int(states[0].rows))
+        held.append((int(states[0].rows), kwargs.get("reserve")))
         return compact(states, *args, **kwargs)
 
     monkeypatch.setattr(compaction, "_compacted", counted)
-    prompt = mx.array([[t % 97 for t in range(n - 1)]])  # the server compacts all but the last
+    prompt = mx.array([[t % 97 for t in range(n)]])  # compacted but its last token, as served
     kvfn.compact(fm, prompt, policy, prefill_step_size=step, max_rows=max_rows)
     if max_rows is None:
         assert len(held) == 1  # once, after the prefill
-    else:  # the first pass, a steady one, then the last compaction to the budget
-        assert len(held) >= 3 and held[1] == max_rows + step and held[0] > max_rows
+    else:  # the first pass, a steady one (the cap and a chunk, room for a chunk), the last
+        assert len(held) >= 3 and held[0][0] > max_rows
+        assert held[1] == (max_rows + step, step)
 
 
 def test_one_request_path_compacts_at_once(evicting):

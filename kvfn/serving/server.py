@@ -1202,8 +1202,10 @@ def warm_up_tokens(policy, longest: int, max_rows: Optional[int], step: int) -> 
     while policy.keeps_whole(n - 1):
         n *= 2
     passed = None if max_rows is None else (max_rows // step + 1) * step  # the cap's first pass
-    if passed is not None and passed < longest - 1:  # that chunk, one more, and the last
-        n = max(n, passed + 2 * step)
+    if passed is not None and passed < longest - 1:
+        # that chunk, a whole one more, and a last one holding the observation window
+        # (``bounded_chunks``), so the steady compaction makes room for a whole chunk
+        n = max(n, passed + 2 * step + policy.window + 1)
     return min(n, longest)
 
 
