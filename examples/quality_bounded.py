@@ -186,6 +186,16 @@ def print_table(table: list) -> None:
         print(line)
 
 
+def question_key(d: dict) -> tuple:
+    """A question asked in one mode (a row's or a skipped question's)."""
+    return d["task"], d["target_tokens"], d["seed"], d["mode"]
+
+
+def print_skipped(skipped: list) -> None:
+    if skipped:
+        print(f"{len(skipped)} questions skipped, out of device memory twice: {skipped}")
+
+
 def merged(paths: list) -> dict:
     """The table of several runs' ``--out`` files (processes that shared the questions out by
     length, mode and seed), with intervals over all their samples; a question answered twice (a
@@ -198,24 +208,21 @@ def merged(paths: list) -> dict:
     rows = {}
     for run in runs:
         for r in run["rows"]:
-            rows.setdefault((r["task"], r["target_tokens"], r["seed"], r["mode"],
-                             r["budget_index"]), r)  # fmt: skip
+            rows.setdefault((*question_key(r), r["budget_index"]), r)
     table, by_task = summary(list(rows.values()), configs(runs[0]["args"]["policy"]))
     seconds = sum(r["seconds"] for r in runs)
     print(f"{len(rows)} (question, mode, budget) rows from {len(runs)} files, {seconds:.0f} s "
           "of processes. Score % [95% bootstrap interval]; bounded minus after the prefill, "
           "and minus mlx-lm rotating, in points:")  # fmt: skip
     print_table(table)
-    answered = {(r["task"], r["target_tokens"], r["seed"], r["mode"]) for r in rows.values()}
+    answered = {question_key(r) for r in rows.values()}
     skipped = {}
     for run in runs:  # once each, and not where another file answered it
         for q in run.get("skipped", []):
-            key = (q["task"], q["target_tokens"], q["seed"], q["mode"])
-            if key not in answered:
-                skipped.setdefault(key, q)
+            if question_key(q) not in answered:
+                skipped.setdefault(question_key(q), q)
     skipped = list(skipped.values())
-    if skipped:
-        print(f"{len(skipped)} questions skipped, out of device memory twice: {skipped}")
+    print_skipped(skipped)
     return {"table": table, "by_task": by_task, "rows": list(rows.values()), "skipped": skipped}
 
 
@@ -365,8 +372,7 @@ def main(argv=None) -> dict:
           f"{time.perf_counter() - tic:.0f} s. Score % [95% bootstrap interval]; bounded minus "
           f"after the prefill, and minus mlx-lm rotating, in points:")  # fmt: skip
     print_table(table)
-    if skipped:
-        print(f"{len(skipped)} questions skipped, out of device memory twice: {skipped}")
+    print_skipped(skipped)
     return {"table": table, "rows": rows, "skipped": skipped}
 
 
