@@ -17,6 +17,7 @@ layer costs or saves in memory and time).
 """
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -90,6 +91,7 @@ def kvfn_run(model, ids, args, bounded: bool, duo: bool = False,
 def above_weights(measure) -> dict:
     """``measure()``'s results and ``peak_above_weights_gb``: the peak memory it reached above
     what was held before it (the weights, and anything made for it beforehand)."""
+    gc.collect()  # arrays in reference cycles, freed mid-measure, would hide its own peak
     mx.clear_cache()
     base = mx.get_active_memory()
     mx.reset_peak_memory()

@@ -39,7 +39,14 @@ import kvfn_models  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from kvfn_eval import report, tasks  # noqa: E402
-from kvfn_eval.evaluator import MODES, Evaluator, Method, peak_gib, token_counter  # noqa: E402
+from kvfn_eval.evaluator import (  # noqa: E402
+    MODES,
+    Evaluator,
+    Method,
+    peak_gib,
+    reset_peak,
+    token_counter,
+)
 
 DEFAULT_METHODS = ["full", "snapkv", "streaming", "random", "kv8", "kv4", "snapkv+kv8",
                    "snapkv+kv4"]  # fmt: skip
@@ -276,7 +283,7 @@ def run(args) -> dict:
                                 count_tokens=count, n_questions=args.questions)  # fmt: skip
         if args.ask is not None:  # the other keys stay in the context as distractors
             sample = dataclasses.replace(sample, questions=sample.questions[: args.ask])
-        mx.reset_peak_memory()
+        reset_peak()
         try:
             out = ev.run(sample, args.methods, args.budgets, args.modes)
         except Exception as e:

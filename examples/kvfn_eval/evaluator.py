@@ -15,6 +15,7 @@ mlx-lm's own ``mx.quantize`` + quantized attention; an evicted cell by kvfn's de
 states stacked with other cells' (``Evaluator.answers``).
 """
 
+import gc
 import time
 from dataclasses import dataclass, replace
 from functools import partial
@@ -302,8 +303,16 @@ def fitted(state, room: int):
     return with_room(state, room)
 
 
+def reset_peak() -> None:
+    """MLX's peak memory reset to what is live now, Python's garbage collected first: arrays
+    held only by reference cycles and freed mid-sample would leave the reset's level as every
+    later phase's peak."""
+    gc.collect()
+    mx.reset_peak_memory()
+
+
 def peak_gib() -> float:
-    """MLX's peak memory so far (since the caller's ``mx.reset_peak_memory()``), in GiB: read
+    """MLX's peak memory so far (since the caller's ``reset_peak()``), in GiB: read
     after each phase of a sample, it says which phase set the sample's peak."""
     return round(mx.get_peak_memory() / 2**30, 3)
 
