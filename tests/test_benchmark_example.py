@@ -644,3 +644,26 @@ def test_profile_new_length_refuses_lengths_it_cannot_compare(argv, capsys):
     with pytest.raises(SystemExit):
         profile_new_length.main(argv)
     assert "need two or more distinct lengths, each past budget + window" in capsys.readouterr().err
+
+
+def test_the_warm_up_benchmark_gives_mlx_lms_server_the_flags_less_kvfns(capsys):
+    """``benchmark_warmup``'s ``none`` server takes --flags less every ``--kv-*`` flag and its
+    value (the same prefill step, model and limits); the others add the warm-up flag; a bad kind,
+    length or a warm-up flag of the caller's is refused by name."""
+    from examples import benchmark_warmup as bw
+
+    flags = ("--kv-eviction snapkv --kv-budget 256 --prefill-step-size 512 --kv-max-rows 1024 "
+             "--max-tokens 9")
+    args = bw.parse_args(["--flags", flags, "--model", "m.gguf", "--lengths", "300,700"])
+    assert bw.server_flags("none", args) == ["--prefill-step-size", "512", "--max-tokens", "9",
+                                             "--model", "m.gguf", "--kv-eviction", "none"]  # fmt: skip
+    assert bw.server_flags("warmup", args)[-1] == "--kv-warmup"
+    assert bw.server_flags("no-warmup", args)[:-1] == [*flags.split(), "--model", "m.gguf"]
+    assert args.lengths == [300, 700]
+    bad_args = [(["--kinds", "warmup,cold"], "'cold'"), (["--lengths", "300,x"], "300,x"),
+                (["--lengths", "8"], "8 tokens"),
+                (["--flags", "--kv-budget 9 --no-kv-warmup"], "warm-up")]
+    for bad, named in bad_args:
+        with pytest.raises(SystemExit):
+            bw.parse_args(bad)
+        assert named in capsys.readouterr().err

@@ -193,6 +193,33 @@ def test_a_warm_up_at_start_leaves_no_trace_but_its_kernels(evicting):
     assert 96 + 2 * 64 < tokens <= 265
 
 
+@pytest.mark.parametrize("interval", [None, 16])
+def test_a_warm_up_under_a_decode_interval_builds_its_first_compaction(interval, monkeypatch):
+    """Under ``--kv-decode-interval N`` the warm-up decodes N tokens more, the end of text
+    banned, so every layer compacts once while generating before a client's first long answer;
+    without one it decodes its few tokens and compacts nothing while generating."""
+    from kvfn.serving import interop, server
+
+    flags = [*COMMON[2:], *EVICT, "--no-kv-warmup"]
+    args = server.parse_args(flags + ([] if interval is None else ["--kv-decode-interval", "16"]))
+    layers, compact = [], interop.Evicting.compact
+
+    def counted(self, state):
+        layers.append(self.layer)
+        return compact(self, state)
+
+    monkeypatch.setattr(interop.Evicting, "compact", counted)
+    generator = server.make_generator(args)
+    try:
+        tokens, decoded, _ = server.warm_up(generator, args)
+        n = len(generator.model_provider.model.layers)
+    finally:
+        generator.stop_and_join()
+    assert tokens == server.warm_up_tokens(args.policy, 8192, None, 512)
+    assert decoded == server.WARM_UP_DECODE + (interval or 0)
+    assert sorted(set(layers)) == ([] if interval is None else list(range(n)))
+
+
 @pytest.mark.parametrize("max_rows,step,window", [(None, 64, 8), (96, 64, 8), (128, 64, 8),
                                                   (40, 16, 8), (96, 16, 32), (96, 16, 64)])
 def test_a_capped_warm_up_builds_the_first_and_a_steady_compaction(max_rows, step, window,

@@ -1190,6 +1190,7 @@ def make_generator(args) -> KVResponseGenerator:
 
 
 WARM_UP_TOKENS = 32768  # the longest warm-up prompt where the model does not say its context
+WARM_UP_DECODE = 4  # the tokens the warm-up decodes (and the decode interval's, under one)
 
 
 def warm_up_tokens(policy, longest: int, max_rows: Optional[int], step: int) -> int:
@@ -1211,8 +1212,10 @@ def warm_up_tokens(policy, longest: int, max_rows: Optional[int], step: int) -> 
 
 def warm_up(generator, args) -> Optional[tuple]:
     """One request of the server's policy through the generation thread: a synthetic prompt the
-    policy compacts (``warm_up_tokens``), and a few decoded tokens. (tokens, seconds), or None
-    without a policy or where it keeps every prompt the model takes whole."""
+    policy compacts (``warm_up_tokens``), and a few decoded tokens; under
+    ``--kv-decode-interval N``, N more with the end of text banned, so the first compaction
+    while generating is built too. (prompt tokens, decoded tokens, seconds), or None without a
+    policy or where it keeps every prompt the model takes whole."""
     policy = args.policy
     longest = generator.model_provider.context_length or WARM_UP_TOKENS
     if policy is None or policy.keeps_whole(longest - 1):
@@ -1221,20 +1224,24 @@ def warm_up(generator, args) -> Optional[tuple]:
     tokenizer = generator.model_provider.tokenizer
     words = " ".join(f"warm up {i % 97}" for i in range(n))
     prompt = tokenizer.decode(tokenizer.encode(words)[:n])
+    interval = args.kv_decode_interval
+    # the cache compacts once its rows reach the budget plus the interval: the prompt's kept
+    # rows, its last token and interval - 1 decoded ones; a few more decode after it
+    decode = WARM_UP_DECODE + (interval or 0)
+    ban = None if interval is None else {t: -1e9 for t in tokenizer.eos_token_ids}
     request = mlx_server.CompletionRequest("text", prompt, [], None, None)
     settings = mlx_server.GenerationArguments(
         model=mlx_server.ModelDescription("default_model", None, None),
         sampling=mlx_server.SamplingArguments(0.0, 1.0, 0, 0.0, 0.0, 0.0),
-        logits=mlx_server.LogitsProcessorArguments(None, 0.0, 20, 0.0, 20, 0.0, 20),
-        stop_words=[], max_tokens=4, num_draft_tokens=0, logprobs=False, top_logprobs=0,
+        logits=mlx_server.LogitsProcessorArguments(ban, 0.0, 20, 0.0, 20, 0.0, 20),
+        stop_words=[], max_tokens=decode, num_draft_tokens=0, logprobs=False, top_logprobs=0,
         seed=None, chat_template_kwargs=None,
     )  # fmt: skip
     tic = time.perf_counter()
     ctx, responses = generator.generate(request, settings)
-    for _ in responses:
-        pass
+    decoded = sum(1 for _ in responses)
     generator.prompt_cache.compacted_requests = 0
-    return len(ctx.prompt), time.perf_counter() - tic
+    return len(ctx.prompt), decoded, time.perf_counter() - tic
 
 
 def make_server(args) -> tuple:
@@ -1266,9 +1273,9 @@ def main(argv=None) -> None:
         warm = mx.default_device() == mx.gpu
     done = warm_up(generator, args) if warm else None
     if done is not None:
-        tokens, seconds = done
+        tokens, decoded, seconds = done
         print(f"kvfn-server warmed up {args.kv_eviction} in {seconds:.1f} s (a {tokens}-token "
-              "prompt; --no-kv-warmup skips it)", flush=True)  # fmt: skip
+              f"prompt, {decoded} tokens decoded; --no-kv-warmup skips it)", flush=True)  # fmt: skip
     host, port = httpd.server_address[:2]
     print(f"kvfn-server listening on http://{host}:{port} (kv-eviction {args.kv_eviction})",
           flush=True)  # fmt: skip
