@@ -21,8 +21,9 @@ import gc
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -70,13 +71,12 @@ def mlx_lm_run(model, ids, args, rotating: bool) -> dict:
             "kv_held_gb": held / 1e9}  # fmt: skip
 
 
-def kvfn_run(model, ids, args, bounded: bool, duo: bool = False,
-             max_rows: Optional[int] = None, kind: type = kvfn.SnapKV) -> dict:  # fmt: skip
+def kvfn_run(model, ids, args, policy_of: Callable, bounded: bool,
+             max_rows: Optional[int] = None) -> dict:  # fmt: skip
+    """``policy_of(fm)``'s compaction (``bounded``: capped at ``max_rows``, default the budget,
+    while prefilling) and greedy decode."""
     fm = kvfn.FunctionalModel(model)
-    if duo:
-        policy = make_policy("duo", fm, args.rows, args.window)
-    else:
-        policy = kind(budget=args.rows, window=args.window)
+    policy = policy_of(fm)
     tic = time.perf_counter()
     cap = (max_rows or args.rows) if bounded else None
     states, result = kvfn.compact(fm, ids, policy, max_new_tokens=args.new_tokens,
@@ -115,10 +115,13 @@ def measured(config: str, model, ids, args, max_rows: Optional[int] = None) -> d
         return above_weights(
             lambda: mlx_lm_run(model, ids, args, rotating=config.endswith("rotating"))
         )
-    kind = PerLayerSnapKV if config in PER_LAYER else kvfn.SnapKV
-    return above_weights(lambda: kvfn_run(model, ids, args, bounded="bounded" in config,
-                                          duo="duo" in config, max_rows=max_rows,
-                                          kind=kind))  # fmt: skip
+    if "duo" in config:
+        policy_of = partial(make_policy, "duo", budget=args.rows, window=args.window)
+    else:
+        kind = PerLayerSnapKV if config in PER_LAYER else kvfn.SnapKV
+        policy_of = lambda fm: kind(budget=args.rows, window=args.window)  # noqa: E731
+    return above_weights(lambda: kvfn_run(model, ids, args, policy_of, "bounded" in config,
+                                          max_rows=max_rows))  # fmt: skip
 
 
 def model_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -558,6 +558,12 @@ def test_benchmark_memory_bounds_the_peak_rows_and_prints_each_run(capsys):
     for key in ("peak_rows", "kv_held_gb"):  # the same rows, selected a layer at a time
         assert per_layer[key] == by["kvfn snapkv bounded"][key]
     assert not benchmark_memory.PerLayerSnapKV.same_in_every_layer
+    duo, capped_duo = benchmark_memory.main(["--prompt-tokens", "300", "--rows", "48",
+                                             "--window", "8", "--new-tokens", "4",
+                                             "--prefill-step-size", "64", "--configs",
+                                             "kvfn duo,kvfn duo bounded"])  # fmt: skip
+    assert duo["peak_rows"] is None and capped_duo["peak_rows"] is not None
+    assert duo["kv_held_gb"] == pytest.approx(capped_duo["kv_held_gb"])
     with pytest.raises(SystemExit):
         benchmark_memory.main(["--rows", "48", "--max-rows", "40"])
 
