@@ -394,13 +394,15 @@ def test_generating_cuts_a_callers_larger_room_to_one_capacity(fm):
     assert {s.capacity for s in final} == {kvfn.wrapper.bucket(72)}
 
 
-def test_quality_bounded_asks_every_config_the_same_questions(capsys, tmp_path):
+def test_quality_bounded_asks_every_config_the_same_questions(capsys, tmp_path, monkeypatch):
     """The quality example's four configs: with more rows than the prompt nothing is evicted
     and all answer as mlx-lm's full cache (both modes); with fewer (rows, or a ratio of the
     prompt), each is scored on the same question, and the table pairs bounded with the rest."""
     import json
 
     from examples import quality_bounded
+
+    monkeypatch.setitem(quality_bounded.ANSWER_TOKENS, "passkey", 4)  # answers compared, not scored
 
     whole = quality_bounded.main(["--tasks", "passkey", "--lengths", "160", "--samples", "1",
                                   "--rows", "512", "--window", "8", "--prefill-step-size", "64",
@@ -467,6 +469,7 @@ def test_quality_bounded_asks_again_a_question_that_ran_out_of_memory(capsys, tm
     from examples import quality_bounded
 
     monkeypatch.setattr(quality_bounded, "RETRY_SECONDS", 0)
+    monkeypatch.setitem(quality_bounded.ANSWER_TOKENS, "passkey", 4)  # answers compared, not scored
     answer, calls, fail = quality_bounded.kvfn_answer, [0], set()
 
     def flaky(*args, **kwargs):  # 4 calls a question: 2 budgets, after the prefill and bounded
@@ -478,7 +481,8 @@ def test_quality_bounded_asks_again_a_question_that_ran_out_of_memory(capsys, tm
     monkeypatch.setattr(quality_bounded, "kvfn_answer", flaky)
     run = ["--tasks", "passkey", "--lengths", "160", "--samples", "2", "--ratios", "0.15", "0.3",
            "--window", "8", "--prefill-step-size", "64"]  # fmt: skip
-    clean = quality_bounded.main(run[:5] + ["1"] + run[6:])["rows"]
+    answered = tmp_path / "q1.json"  # the first question alone, clean
+    clean = quality_bounded.main(run[:5] + ["1"] + run[6:] + ["--out", str(answered)])["rows"]
     assert "out of memory" not in capsys.readouterr().out
     out = tmp_path / "q.json"
     calls[0], fail = 0, {3}  # the first question's second budget
@@ -494,8 +498,6 @@ def test_quality_bounded_asks_again_a_question_that_ran_out_of_memory(capsys, tm
                                                                                "aware")]
     assert json.loads(out.read_text())["skipped"] == twice["skipped"]
     assert quality_bounded.main(["--merge", str(out)])["skipped"] == twice["skipped"]
-    answered = tmp_path / "q1.json"
-    quality_bounded.main(run[:5] + ["1"] + run[6:] + ["--out", str(answered)])
     assert quality_bounded.main(["--merge", str(out), str(answered)])["skipped"] == []
     tries, skipped = [], []
 

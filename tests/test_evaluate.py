@@ -70,7 +70,7 @@ def test_evaluator_accounts_memory_and_time_and_keeps_whole_prompts_exact(smollm
     methods = [Method.parse(m) for m in ["full", "snapkv", "random", "kv8", "snapkv+kv8"]]
     reset_peak()
     t0 = time.perf_counter()
-    records = ev.run(sample, methods, budgets=[40, 4096])
+    records = ev.run(sample, methods, budgets=[40, 4096], max_new_tokens=4)
     elapsed = time.perf_counter() - t0
     peak = mx.get_peak_memory() / 2**30
     by = {(r["mode"], r["method"], r["budget"], r["question"]): r for r in records}
@@ -302,7 +302,7 @@ def test_many_methods_decode_in_one_batch_as_they_would_alone(smollm2, sample):
                                recent_size=32)  # fmt: skip
     runs = {
         batch: Evaluator(model, tokenizer, window=16, batch=batch, head_pattern=pattern).run(
-            sample, methods, budgets=[40, 72]
+            sample, methods, budgets=[40, 72], max_new_tokens=4  # a batch's loop, 60 questions
         )
         for batch in (1, 3, 64)
     }
