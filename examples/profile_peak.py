@@ -38,6 +38,7 @@ mlx-lm's ``prompt_progress_callback``, kvfn's ``progress`` and its internal ``pe
 
 import argparse
 import copy
+import gc
 import json
 import sys
 from contextlib import contextmanager
@@ -76,6 +77,7 @@ class Recorder:
     The peak is reset at every end, so each segment's peak is its own."""
 
     def __init__(self):
+        gc.collect()  # as in ``cleared``
         self.base = mx.get_active_memory()
         self.segments, self.seg = [], self._new()
         mx.reset_peak_memory()
@@ -187,6 +189,7 @@ def run_config(config: str, model, ids, args) -> dict:
 
 
 def cleared():
+    gc.collect()  # arrays in reference cycles, freed mid-step, would hide the step's own peak
     mx.synchronize()
     mx.clear_cache()
 

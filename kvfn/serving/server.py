@@ -1190,7 +1190,7 @@ def make_generator(args) -> KVResponseGenerator:
 
 
 WARM_UP_TOKENS = 32768  # the longest warm-up prompt where the model does not say its context
-WARM_UP_DECODE = 4  # the tokens the warm-up decodes (and the decode interval's, under one)
+WARM_UP_DECODE = 4  # the tokens the warm-up decodes past its decode interval's, if any
 
 
 def warm_up_tokens(policy, longest: int, max_rows: Optional[int], step: int) -> int:
