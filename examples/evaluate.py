@@ -74,6 +74,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--questions", type=int, default=4, help="questions per multi-key sample")
     p.add_argument("--ask", type=int, help="questions asked of each sample (default: all); "
                    "the other keys stay as distractors (RULER's multi-key asks one)")  # fmt: skip
+    p.add_argument("--answer-tokens", type=int, metavar="N",
+                   help="the most tokens an answer takes (default: its task's own; fewer makes "
+                   "a quicker run whose scores are not the grid's)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=int, default=32, help="SnapKV observation window")
     p.add_argument("--sink-tokens", type=int, default=4)
@@ -131,9 +134,9 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"argument --first-sample: must be >= 0, got {args.first_sample}")
     if args.deadline is not None and not args.deadline > 0:
         p.error(f"argument --deadline: must be > 0 seconds, got {args.deadline:g}")
-    for name in ("samples", "questions", "batch", "workers", "fill"):
+    for name in ("samples", "questions", "batch", "workers", "fill", "answer_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"argument --{name}: must be >= 1, got {getattr(args, name)}")
+            p.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.have and args.fill is None:
         p.error("argument --have: counts samples for --fill N; give --fill")
     out = result_path(args.out, args.gzip).resolve()
@@ -285,7 +288,7 @@ def run(args) -> dict:
             sample = dataclasses.replace(sample, questions=sample.questions[: args.ask])
         reset_peak()
         try:
-            out = ev.run(sample, args.methods, args.budgets, args.modes)
+            out = ev.run(sample, args.methods, args.budgets, args.modes, args.answer_tokens)
         except Exception as e:
             if not args.shard:
                 raise

@@ -170,8 +170,10 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
     out = tmp_path / "smoke"
     result = evaluate_example.main(["--lengths", "200", "--budgets", "48", "--tasks", "passkey",
                                     "niah_single", "--samples", "1", "--methods", "full", "snapkv",
-                                    "streaming", "kv4", "--out", str(out), "--quiet"])  # fmt: skip
+                                    "streaming", "kv4", "--out", str(out), "--quiet",
+                                    "--answer-tokens", "4"])  # fmt: skip
     saved = json.loads((tmp_path / "smoke.json").read_text())
+    assert saved["config"]["answer_tokens"] == 4  # scores of a quicker run, told apart
     assert len(saved["records"]) == len(result["records"]) == 2 * 2 * 4
     assert saved["config"]["methods"] == ["full", "snapkv", "streaming", "kv4"]
     assert saved["config"]["card"] == mx.device_info()["device_name"]  # which card made them
@@ -188,7 +190,8 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
     later = evaluate_example.main(["--lengths", "200", "--budgets", "48", "--tasks", "passkey",
                                    "niah_single", "--samples", "1", "--first-sample", "1",
                                    "--methods", "full", "snapkv", "streaming", "kv4",
-                                   "--out", str(tmp_path / "later"), "--quiet"])  # fmt: skip
+                                   "--out", str(tmp_path / "later"), "--quiet",
+                                   "--answer-tokens", "4"])  # fmt: skip
     merged = evaluate_example.main(["--merge", str(tmp_path / "smoke.json"),
                                     str(tmp_path / "later.json"), "--out",
                                     str(tmp_path / "both")])  # fmt: skip
@@ -230,6 +233,7 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
         (["--samples", "0"], "--samples: must be >= 1, got 0"),
         (["--ask", "0"], "--ask: must be >= 1, got 0"),
         (["--workers", "0"], "--workers: must be >= 1, got 0"),
+        (["--answer-tokens", "0"], "--answer-tokens: must be >= 1, got 0"),
         (["--first-sample", "-1"], "--first-sample: must be >= 0, got -1"),
         (["--deadline", "0"], "--deadline: must be > 0 seconds, got 0"),
         (["--deadline", "nan"], "--deadline: must be > 0 seconds, got nan"),
@@ -426,7 +430,7 @@ def test_workers_share_the_jobs_and_give_one_process_records(tmp_path):
     cells evenly sampled), and the merged records equal one process's."""
     argv = ["--lengths", "200", "--budgets", "48", "--tasks", "passkey", "niah_multikey",
             "--samples", "2", "--questions", "2", "--ask", "1", "--methods", "full", "snapkv",
-            "streaming", "--quiet"]  # fmt: skip
+            "streaming", "--quiet", "--answer-tokens", "4"]  # fmt: skip
     args = evaluate_example.parse(argv)
     order = evaluate_example.jobs(args)
     assert order == [(0, 200, "passkey"), (0, 200, "niah_multikey"), (1, 200, "passkey"),
