@@ -349,7 +349,7 @@ def test_a_cells_rows_are_freed_once_answered(smollm2, sample):
     budgets = [round(0.95 - 0.05 * i, 2) for i in range(16)]
     reset_peak()
     records = Evaluator(model, tokenizer, window=16, batch=1).run(
-        sample, [Method.parse("random")], budgets, modes=["agnostic"]
+        sample, [Method.parse("random")], budgets, modes=["agnostic"], max_new_tokens=4
     )
     rise = records[0]["sample_answer_peak_gib"] - records[0]["compact_peak_gib"]
     cells = sum(r["kv_bytes"] for r in records if r["question"] == 0) / 2**30
