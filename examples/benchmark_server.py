@@ -33,6 +33,7 @@ smaller chunk.
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -81,13 +82,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def spawn(flags: list, log: Optional[str] = None) -> subprocess.Popen:
-    """A kvfn-server process on a free port, its stderr appended to ``log`` (where given);
-    ``address`` waits for it, so several can load at once."""
+def spawn(flags: list, log: Optional[str] = None, env: Optional[dict] = None) -> subprocess.Popen:
+    """A kvfn-server process on a free port, its stderr appended to ``log`` (where given), its
+    environment this one's updated by ``env``; ``address`` waits for it, so several can load at
+    once."""
     err = open(log, "ab") if log else subprocess.DEVNULL
     command = [sys.executable, "-m", "kvfn.serving.server", "--port", "0", "--log-level", "ERROR"]
     proc = subprocess.Popen([*command, *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
-                            text=True)  # fmt: skip
+                            text=True, env={**os.environ, **(env or {})})  # fmt: skip
     if log:
         err.close()  # the child holds its own
     proc.flags, proc.log = flags, log
@@ -118,11 +120,17 @@ def prompt(tag: str, n_tokens: int) -> str:
     return " ".join(sentences) + " What was the value of entry 3?"
 
 
-def stream(url: str, text: str, max_tokens: int) -> dict:
-    body = {"model": "default_model", "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    req = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode())
+def stream(url: str, text: str, max_tokens: int, chat: bool = True) -> dict:
+    """A streamed greedy request (a chat, or with ``chat=False`` a text completion of ``text``):
+    the times of its first and last content chunks and its usage."""
+    body = {"model": "default_model", "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    if chat:
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    req = urllib.request.Request(f"{url}{path}", json.dumps(body).encode())
     first = last = None
     usage = {}
     with urllib.request.urlopen(req, timeout=3600) as r:
@@ -132,7 +140,8 @@ def stream(url: str, text: str, max_tokens: int) -> dict:
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            elif chunk["choices"] and chunk["choices"][0].get("delta", {}).get("content"):
+            elif chunk["choices"] and (chunk["choices"][0].get("delta", {}).get("content")
+                                       or chunk["choices"][0].get("text")):
                 last = time.perf_counter()
                 first = first or last
     return {"first": first, "last": last, "usage": usage}

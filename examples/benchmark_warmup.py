@@ -16,7 +16,6 @@ its last (streamed chat completions, greedy, --max-tokens). ``none`` takes --fla
 
 import argparse
 import json
-import os
 import re
 import shlex
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark_server import prompt, spawn, stream  # noqa: E402
+from benchmark_server import COUNTING, prompt, spawn, stream  # noqa: E402
 
 KINDS = ("no-warmup", "warmup", "none")
 
@@ -35,9 +34,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="kvfn-server's --model (default: the embedded SmolLM2)")
     p.add_argument("--flags", default="--kv-eviction snapkv --kv-budget 128 --kv-max-rows 256 "
-                   "--prefill-step-size 128", help="kvfn-server's eviction flags")  # fmt: skip
+                   "--prefill-step-size 128", help="kvfn-server's eviction flags (one flag "
+                   "alone: --flags=--kv-budget=64)")  # fmt: skip
     p.add_argument("--lengths", default="600,900,1300", help="prompt tokens a request, about")
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--count", action="store_true", help="text completions that go on counting "
+                   "to --max-tokens (past a --kv-decode-interval), not chats")  # fmt: skip
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {KINDS}")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -51,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--lengths: {args.lengths!r} is not comma-separated integers")
     if min(args.lengths) < 16:
         p.error(f"--lengths: {min(args.lengths)} tokens is too short a prompt")
-    if "--kv-warmup" in args.flags or "--no-kv-warmup" in args.flags:
+    if {"--kv-warmup", "--no-kv-warmup"} & set(shlex.split(args.flags)):
         p.error("--flags: the warm-up flag is this script's (--kinds)")
     return args
 
@@ -71,14 +73,15 @@ def server_flags(kind: str, args) -> list[str]:
 
 
 def serve(kind: str, cache: str, tag: str, args) -> dict:
-    """One server from start to its last request's last token; then stopped."""
-    os.environ["MLX_PTX_CACHE_DIR"] = cache  # the child's
+    """One server from start to its last request's last token; then stopped. ``cache``: its
+    MLX_PTX_CACHE_DIR (its stderr goes to a log beside it)."""
+    log = f"{cache}-{tag}.log"
     tic = time.perf_counter()
-    proc = spawn(server_flags(kind, args))
+    proc = spawn(server_flags(kind, args), log=log, env={"MLX_PTX_CACHE_DIR": cache})
     warm = url = None
     for line in proc.stdout:
-        m = re.search(r"warmed up \S+ in ([\d.]+) s \(a (\d+)-token", line)
-        warm = (float(m.group(1)), int(m.group(2))) if m else warm
+        m = re.search(r"warmed up \S+ in ([\d.]+) s \(a (\d+)-token prompt, (\d+) tokens", line)
+        warm = (float(m.group(1)), int(m.group(2)), int(m.group(3))) if m else warm
         m = re.search(r"listening on http://[^:]+:(\d+)", line)
         if m:
             url = f"http://127.0.0.1:{m.group(1)}"
@@ -86,35 +89,43 @@ def serve(kind: str, cache: str, tag: str, args) -> dict:
     up = time.perf_counter() - tic
     if url is None:
         proc.kill()
-        raise SystemExit(f"kvfn-server {' '.join(proc.flags)} did not start")
+        raise SystemExit(f"kvfn-server {' '.join(proc.flags)} did not start: "
+                         f"{Path(log).read_text()[-2000:]}")
     try:
         requests = []
         for i, n in enumerate(args.lengths):
+            text = prompt(f"{tag}-{i}", n) + (" " + COUNTING if args.count else "")
             sent = time.perf_counter()
-            got = stream(url, prompt(f"{tag}-{i}", n), args.max_tokens)
+            got = stream(url, text, args.max_tokens, chat=not args.count)
+            if got["first"] is None:
+                raise SystemExit(f"{kind} ({tag}): request {i} streamed no text")
             requests.append(dict(prompt_tokens=got["usage"].get("prompt_tokens"),
+                                 completion_tokens=got["usage"].get("completion_tokens"),
                                  first_s=got["first"] - sent,
                                  last_s=got["last"] - sent))  # fmt: skip
     finally:
         proc.kill()
         proc.wait()
     return dict(kind=kind, up_s=up, warm_up_s=warm and warm[0], warm_up_tokens=warm and warm[1],
-                requests=requests)  # fmt: skip
+                warm_up_decoded=warm and warm[2], requests=requests)  # fmt: skip
 
 
 def table(runs: list) -> str:
-    lines = ["| server | kernel cache | up | warm-up (its tokens) | first request: first token | "
-             "last token | later requests: first token | prompt tokens |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| server | kernel cache | up | warm-up (prompt, decoded tokens) | first request: "
+             "first token | last token | later requests: first token | prompt tokens | "
+             "completion tokens |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in runs:
         first, later = r["requests"][0], r["requests"][1:]
-        warm = "" if r["warm_up_s"] is None else f"{r['warm_up_s']:.1f} s ({r['warm_up_tokens']})"
+        warm = ""
+        if r["warm_up_s"] is not None:
+            warm = f"{r['warm_up_s']:.1f} s ({r['warm_up_tokens']}, {r['warm_up_decoded']})"
         rest = "" if not later else (f"{min(q['first_s'] for q in later):.2f}-"
                                      f"{max(q['first_s'] for q in later):.2f} s")  # fmt: skip
         tokens = ",".join(str(q["prompt_tokens"]) for q in r["requests"])
+        answers = ",".join(str(q["completion_tokens"]) for q in r["requests"])
         lines.append(f"| {r['kind']} | {r['cache']} | {r['up_s']:.1f} s | {warm} | "
                      f"{first['first_s']:.2f} s | {first['last_s']:.2f} s | {rest} | "
-                     f"{tokens} |")  # fmt: skip
+                     f"{tokens} | {answers} |")  # fmt: skip
     return "\n".join(lines)
 
 

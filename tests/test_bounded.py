@@ -565,6 +565,7 @@ def test_benchmark_memory_bounds_the_peak_rows_and_prints_each_run(capsys):
                                              "--prefill-step-size", "64", "--configs",
                                              "kvfn duo,kvfn duo bounded"])  # fmt: skip
     assert duo["peak_rows"] is None and capped_duo["peak_rows"] is not None
+    assert capped_duo["peak_rows"] > by["kvfn snapkv bounded"]["peak_rows"]  # a retrieval head
     assert duo["kv_held_gb"] == pytest.approx(capped_duo["kv_held_gb"])
     with pytest.raises(SystemExit):
         benchmark_memory.main(["--rows", "48", "--max-rows", "40"])

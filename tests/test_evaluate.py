@@ -526,4 +526,5 @@ def test_a_peak_reset_frees_arrays_held_only_by_reference_cycles():
     live = mx.get_active_memory()
     del holder
     reset_peak()
-    assert mx.get_peak_memory() <= live - (1 << 24)
+    mx.eval(mx.zeros((4,)))  # the peak counts what is live again at the next allocation
+    assert mx.get_peak_memory() < live

@@ -304,9 +304,9 @@ def fitted(state, room: int):
 
 
 def reset_peak() -> None:
-    """MLX's peak memory reset to what is live now, Python's garbage collected first: arrays
-    held only by reference cycles and freed mid-sample would leave the reset's level as every
-    later phase's peak."""
+    """MLX's peak memory reset, Python's garbage collected first: the next allocation counts
+    what is live, and an array held only by a reference cycle, freed mid-sample, would stay in
+    every later phase's peak."""
     gc.collect()
     mx.reset_peak_memory()
 
