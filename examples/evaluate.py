@@ -359,6 +359,13 @@ def run_workers(args, argv: list) -> dict:
 ANSWER_KEY = ("task", "target_tokens", "seed", "mode", "method", "budget", "question")
 
 
+def answer_lengths(config: dict) -> set:
+    """The --answer-tokens of a run's config, or of every run a merged one holds."""
+    if "configs" in config:
+        return set().union(*(answer_lengths(c) for c in config["configs"]))
+    return {config.get("answer_tokens")}
+
+
 def merge(args) -> dict:
     runs = []
     for path in args.merge:
@@ -366,6 +373,10 @@ def merge(args) -> dict:
             runs.append(load(Path(path)))
         except ValueError as e:
             raise SystemExit(f"error: --merge {e}")
+    lengths = [answer_lengths(r["config"]) for r in runs]
+    if len(set().union(*lengths)) > 1:  # scores of shorter answers are not the grid's
+        said = ", ".join(f"{p!r}: {sorted(n, key=str)}" for p, n in zip(args.merge, lengths))
+        raise SystemExit(f"error: --merge: runs of different --answer-tokens ({said})")
     records = [r for run_ in runs for r in run_["records"]]
     seen: dict = {}
     for path, run_ in zip(args.merge, runs):

@@ -196,6 +196,11 @@ def test_example_writes_json_tables_and_plots(tmp_path, capsys):
                                     str(tmp_path / "later.json"), "--out",
                                     str(tmp_path / "both")])  # fmt: skip
     assert merged["records"] == saved["records"] + later["records"]
+    whole = dict(saved, config=dict(saved["config"], answer_tokens=None))  # each task's own
+    (tmp_path / "whole.json").write_text(json.dumps(whole))
+    with pytest.raises(SystemExit, match=r"different --answer-tokens .*\[4\].*\[None\]"):
+        evaluate_example.main(["--merge", str(tmp_path / "both.json"),
+                               str(tmp_path / "whole.json"), "--out", str(tmp_path / "mixed")])
     filling = ["--lengths", "200", "--tasks", "passkey", "niah_single", "--samples", "9",
                "--fill", "3", "--have", str(tmp_path / "smoke.json"),
                str(tmp_path / "later.json")]  # fmt: skip
