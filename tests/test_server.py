@@ -201,7 +201,8 @@ def test_a_warm_up_under_a_decode_interval_builds_its_first_compaction(interval,
     from kvfn.serving import interop, server
 
     flags = [*COMMON[2:], *EVICT, "--no-kv-warmup"]
-    args = server.parse_args(flags + ([] if interval is None else ["--kv-decode-interval", "16"]))
+    args = server.parse_args(flags + ([] if interval is None else
+                                      ["--kv-decode-interval", str(interval)]))  # fmt: skip
     layers, compact = [], interop.Evicting.compact
 
     def counted(self, state):
@@ -213,9 +214,10 @@ def test_a_warm_up_under_a_decode_interval_builds_its_first_compaction(interval,
     try:
         tokens, decoded, _ = server.warm_up(generator, args)
         n = len(generator.model_provider.model.layers)
+        longest = generator.model_provider.context_length
     finally:
         generator.stop_and_join()
-    assert tokens == server.warm_up_tokens(args.policy, 8192, None, 512)
+    assert tokens == server.warm_up_tokens(args.policy, longest, None, 512)
     assert decoded == server.WARM_UP_DECODE + (interval or 0)
     assert sorted(set(layers)) == ([] if interval is None else list(range(n)))
 
