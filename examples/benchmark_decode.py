@@ -30,7 +30,6 @@ decode   ms per step: mlx-lm's eager step over a KVCache of L and of R rows; kvf
 """
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -47,6 +46,7 @@ from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from kvfn.kernels import window as window_kernel  # noqa: E402
+from kvfn_eval.memory import cleared  # noqa: E402
 
 SHAPES = {
     "tiny": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1408,
@@ -138,14 +138,6 @@ def host_ms(build, steps: int) -> float:
         times.append(time.perf_counter() - t)
         mx.eval(out)
     return 1e3 * statistics.median(times)
-
-
-def cleared() -> None:
-    """Garbage collected and MLX's buffer cache emptied, once the device is idle: a run starts
-    as after a fresh load, whatever ran before it."""
-    gc.collect()
-    mx.synchronize()
-    mx.clear_cache()
 
 
 def measured(fn):

@@ -17,7 +17,6 @@ layer costs or saves in memory and time).
 """
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import mlx.core as mx  # noqa: E402
 from benchmark_shapes import SHAPES, greedy, make_policy, random_model  # noqa: E402
+from kvfn_eval.memory import baseline  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache  # noqa: E402
 
@@ -91,10 +91,7 @@ def kvfn_run(model, ids, args, policy_of: Callable, bounded: bool,
 def above_weights(measure) -> dict:
     """``measure()``'s results and ``peak_above_weights_gb``: the peak memory it reached above
     what was held before it (the weights, and anything made for it beforehand)."""
-    gc.collect()  # arrays in reference cycles, freed mid-measure, would hide its own peak
-    mx.clear_cache()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
+    base = baseline()
     out = measure()
     out["peak_above_weights_gb"] = (mx.get_peak_memory() - base) / 1e9
     return out

@@ -43,10 +43,9 @@ from kvfn_eval.evaluator import (  # noqa: E402
     MODES,
     Evaluator,
     Method,
-    peak_gib,
-    reset_peak,
     token_counter,
 )
+from kvfn_eval.memory import peak_gib, reset_peak  # noqa: E402
 
 DEFAULT_METHODS = ["full", "snapkv", "streaming", "random", "kv8", "kv4", "snapkv+kv8",
                    "snapkv+kv4"]  # fmt: skip

@@ -38,7 +38,6 @@ mlx-lm's ``prompt_progress_callback``, kvfn's ``progress`` and its internal ``pe
 
 import argparse
 import copy
-import gc
 import json
 import sys
 from contextlib import contextmanager
@@ -53,6 +52,7 @@ import kvfn  # isort: skip  (puts OpenBLAS in front before mlx loads)
 import benchmark_memory as bm  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from benchmark_shapes import SHAPES, random_model  # noqa: E402
+from kvfn_eval.memory import baseline  # noqa: E402
 from mlx_lm.models.cache import KVCache, RotatingKVCache  # noqa: E402
 
 from kvfn import compaction, passes  # noqa: E402
@@ -77,10 +77,8 @@ class Recorder:
     The peak is reset at every end, so each segment's peak is its own."""
 
     def __init__(self):
-        gc.collect()  # as in ``cleared``
-        self.base = mx.get_active_memory()
         self.segments, self.seg = [], self._new()
-        mx.reset_peak_memory()
+        self.base = baseline()
 
     @staticmethod
     def _new() -> dict:
@@ -188,12 +186,6 @@ def run_config(config: str, model, ids, args) -> dict:
 # -- the replays: one chunk over a cache of the kind and rows the peak chunk read ------------
 
 
-def cleared():
-    gc.collect()  # arrays in reference cycles, freed mid-step, would hide the step's own peak
-    mx.synchronize()
-    mx.clear_cache()
-
-
 def fresh(a: mx.array) -> mx.array:
     """A copy in its own buffer (a shared one would be copied by the first write into it)."""
     b = a + mx.zeros((), a.dtype)
@@ -204,9 +196,7 @@ def fresh(a: mx.array) -> mx.array:
 def measured_step(hold: list, step) -> dict:
     """``step(hold.pop())``'s arrays evaluated: its peak above what was active before it and
     what it left allocated (the input is handed over, so that its buffers can be reused)."""
-    cleared()
-    before = mx.get_active_memory()
-    mx.reset_peak_memory()
+    before = baseline()
     out = step(hold.pop())
     mx.eval(out["eval"])
     rise = mx.get_peak_memory() - before

@@ -18,10 +18,10 @@ from kvfn_eval.evaluator import (
     Method,
     prompt_tokens,
     quantized_row_fraction,
-    reset_peak,
     rows_for,
     token_counter,
 )
+from kvfn_eval.memory import reset_peak
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ mlx-lm's own ``mx.quantize`` + quantized attention; an evicted cell by kvfn's de
 states stacked with other cells' (``Evaluator.answers``).
 """
 
-import gc
 import time
 from dataclasses import dataclass, replace
 from functools import partial
@@ -30,6 +29,7 @@ from kvfn.passes import with_room
 from kvfn.serving.interop import to_mlx_cache
 
 from . import answers
+from .memory import peak_gib
 from .tasks import Question, Sample
 
 MODES = ("aware", "agnostic")
@@ -301,20 +301,6 @@ def fitted(state, room: int):
     if isinstance(state, kvfn.HeadPartitionedKVCache):
         return state.replace(parts=tuple(with_room(g, room) for g in state.parts))
     return with_room(state, room)
-
-
-def reset_peak() -> None:
-    """MLX's peak memory reset, Python's garbage collected first: the next allocation counts
-    what is live, and an array held only by a reference cycle, freed mid-sample, would stay in
-    every later phase's peak."""
-    gc.collect()
-    mx.reset_peak_memory()
-
-
-def peak_gib() -> float:
-    """MLX's peak memory so far (since the caller's ``reset_peak()``), in GiB: read
-    after each phase of a sample, it says which phase set the sample's peak."""
-    return round(mx.get_peak_memory() / 2**30, 3)
 
 
 def kv_bytes(caches: Sequence, with_positions: bool) -> int:
