@@ -81,16 +81,18 @@ def mlx_lm_answer(model, context, question, n: int, rows, step: int, eos: set) -
     return out
 
 
-def kvfn_answer(fm, context, question, n: int, policy, step: int, cap: Optional[int], eos: set):
+def kvfn_answer(fm, context, question, n: int, policy, step: int, cap: Optional[int], eos: set,
+                probe: bool = False):  # fmt: skip
     """Greedy answer and the most rows held: ``kvfn.compact`` over ``context`` (aware: the
     whole prompt, ``question`` empty), evicting while prefilling at ``cap`` rows (None: after
-    the prefill), then the question's tokens run over the compacted states (the evaluator's
+    the prefill; ``probe``: its compactions scored by the context's last window), then the
+    question's tokens run over the compacted states (the evaluator's
     agnostic mode) and the answer decoded by kvfn's steps."""
     ids = context if not question else context + question
     rest = [context[-1]] + list(question)  # compact prefills all but the context's last token
     states, result = kvfn.compact(fm, context, policy, max_new_tokens=len(rest) + n,
                                   prefill_step_size=step,
-                                  max_rows=cap)  # fmt: skip
+                                  max_rows=cap, probe=probe)  # fmt: skip
 
     def first():
         logits, after = fm.forward(mx.array([rest]), states)
@@ -199,10 +201,11 @@ def print_skipped(skipped: list) -> None:
 def merged(paths: list) -> dict:
     """The table of several runs' ``--out`` files (processes that shared the questions out by
     length, mode and seed), with intervals over all their samples; a question answered twice (a
-    mode, budget and sample in two files) counts once. One policy and cap factor throughout."""
+    mode, budget and sample in two files) counts once. One policy, cap factor and probe
+    throughout."""
     runs = [json.loads(Path(f).read_text()) for f in paths]
-    for setting in ("policy", "cap_factor"):
-        values = {r["args"].get(setting, 1.0) for r in runs}  # files before --cap-factor: 1
+    for setting, before in (("policy", None), ("cap_factor", 1.0), ("probe", False)):
+        values = {r["args"].get(setting, before) for r in runs}  # files before the flag
         if len(values) != 1:
             raise SystemExit(f"--merge: the files ran different {setting}s: {sorted(values)}")
     rows = {}
@@ -247,7 +250,7 @@ def answer_question(fm, tokenizer, args, budgets, prompt, question, asked: dict,
         got[names[1]] = (rotating, None)
         cap = round(args.cap_factor * R)  # >= R: the factor is checked
         got[names[2]] = kvfn_answer(fm, context, ask, n, pol, step, None, eos)
-        got[names[3]] = kvfn_answer(fm, context, ask, n, pol, step, cap, eos)
+        got[names[3]] = kvfn_answer(fm, context, ask, n, pol, step, cap, eos, args.probe)
         row = dict(asked, length=len(prompt.head) + len(prompt.tail), budget=budget,
                    budget_index=b, rows=R, held=held, peak_rows=got[names[3]][1], answers={},
                    scores={})  # fmt: skip
@@ -307,6 +310,9 @@ def main(argv=None) -> dict:
                    help="kvfn's cap while prefilling as a multiple of the rows (1: the budget); "
                    "above 1 the last compaction (in aware mode, scored by the question's "
                    "window) chooses the rows from more")  # fmt: skip
+    p.add_argument("--probe", action="store_true",
+                   help="kvfn bounded: each compaction while prefilling scored by the prompt's "
+                   "last window (kvfn.compact(probe=True)), not by the chunk's last queries")
     p.add_argument("--prefill-step-size", type=int, default=256)
     p.add_argument("--deadline", type=float, help="seconds after which no question starts")
     p.add_argument("--out", help="a JSON file: every answer and the table, after each question")

@@ -13,6 +13,7 @@
 # CAP: quality_bounded.py's --cap-factor (default 1: the cap is the budget). A spec's own POLICY
 # and CAP (its 6th and 7th fields) override these for its process; RATIOS (8th, comma-separated,
 # default 0.125,0.25) the kept fractions it asks, e.g. 0.125 alone where 4x 0.25 is the prompt.
+# PROBE=1: every process's bounded config scored by the prompt's last window (--probe).
 # Results: /tmp/qb-TAG/*.json (every answer and the table), packed into $OUT/qb-TAG.tgz.
 set -u
 cd "$(dirname "$0")/.."
@@ -54,10 +55,11 @@ for sp in "${specs[@]}"; do
   now=$(( $(date +%s) - T0 )); left=$(( END - now )); dl=$(( left - LONGEST ))
   name=$short-$L-$mode-$first-$policy-cap$cap
   [ "$ratios" = 0.125,0.25 ] || name=$name-r${ratios//,/_}  # two specs apart by ratios alone
+  [ -n "${PROBE:-}" ] && name=$name-probe
   echo "$name: samples $first..$((first + n - 1)) deadline $dl timeout $left"
   timeout -k 10 $left python3 examples/quality_bounded.py --model $HOME/conv/$short/model \
     --grid --lengths $L --modes $mode --ratios ${ratios//,/ } --policy $policy \
-    --cap-factor $cap \
+    --cap-factor $cap ${PROBE:+--probe} \
     --prefill-step-size 2048 --samples $n --first-sample $first --deadline $dl \
     --cache-limit-gb 2 --out $R/$name.json > $R/$name.log 2>&1 &
 done

@@ -23,6 +23,7 @@ from .passes import (
     chunks,
     per_layer,
     settling,
+    with_room,
 )
 from .policies.policy import BasePolicy, Plan
 from .policies.snapkv import SnapKV
@@ -174,6 +175,7 @@ def compact_steps(
     compiled: bool = False,
     settle: bool = True,
     max_rows: Optional[int] = None,
+    probe: bool = False,
     pass_step_size: Optional[int] = None,
     layers_per_step: Optional[int] = None,
 ) -> Generator[tuple[int, int], None, tuple[tuple, EvictionResult]]:
@@ -184,7 +186,8 @@ def compact_steps(
     pass's own total when it starts), then compacts and returns ``(states, EvictionResult)`` as
     its StopIteration value. With ``settle`` each step's arrays are evaluated before it yields,
     and the compacted states before it returns, so that a step's work is done inside it;
-    ``compact`` drains it unsettled. ``max_rows``: evict while prefilling (``_bounded_steps``).
+    ``compact`` drains it unsettled. ``max_rows``: evict while prefilling (``_bounded_steps``);
+    ``probe``: its compactions scored by the prompt's last window (``compact``).
     ``pass_step_size``: the policy's own pass (KVzip's reconstruction) in forwards of at most
     this many tokens, a step each, with the same scores (None: a chunk of the pass a step), so
     that no step of the job is much longer than a prefill chunk of that size.
@@ -198,11 +201,12 @@ def compact_steps(
     kv.check_capacity(context.shape[1] + max_new_tokens + 1, "the prompt plus max_new_tokens")
     P = context.shape[1]
     policy.check_prompt(P)
+    check_probe(policy, max_rows, probe, P)
     if max_rows is not None:
         check_bounded(fmodel.sliding_windows, policy, max_rows, prefill_step_size)
         prefill = _bounded_steps(fmodel, context, policy, max_rows, prefill_step_size, dtype,
                                  settle, pass_step_size, layers, max_new_tokens + 1,
-                                 compiled)  # fmt: skip
+                                 compiled, probe)  # fmt: skip
         return _compaction(fmodel, context, policy, prefill, True, max_new_tokens + 1, compiled,
                            settle, own_pass=not policy.scores_held,
                            pass_step_size=pass_step_size, layers=layers)  # fmt: skip
@@ -266,6 +270,30 @@ def check_bounded(sliding_windows: Sequence, policy: BasePolicy, max_rows, step:
         raise ValueError(f"prefill_step_size must be positive, got {step}")
 
 
+def check_probe(policy: BasePolicy, max_rows: Optional[int], probe: bool, P: int) -> None:
+    """Refuses, by name, a ``probe`` that would score nothing."""
+    if not probe:
+        return
+    if max_rows is None:
+        raise ValueError("probe scores the compactions while prefilling: it takes max_rows")
+    if policy.scores_held or policy.bounds_itself or not policy.observation_window(P):
+        raise ValueError(f"probe reads the prompt's last window to score what {policy.name!r} "
+                         f"keeps, but {policy.name!r} is not scored by an observation window's "
+                         f"queries")  # fmt: skip
+
+
+def probed(fmodel, probe: mx.array, states: tuple, statistic: str, dtype) -> tuple:
+    """(``states`` as they were, the scores ``probe``'s tokens give every row held): the
+    probe is read after the rows held, at the next positions, all its queries scoring, and its
+    own rows rolled back."""
+    w = probe.shape[1]
+    states, scores = _drain(_scored_steps(fmodel, probe, window=w, statistic=statistic,
+                                          states=states, capacity=w, prefill_step_size=w,
+                                          dtype=dtype, compiled=False, check_ids=False),
+                            None)  # fmt: skip
+    return tuple(layout.of(s).rollback(s, w) for s in states), scores
+
+
 def bounded_chunks(P: int, step: int, window: int) -> list[tuple[int, int]]:
     """The prefill chunks of an eviction while prefilling: ``step`` tokens each, the last one
     holding at least the whole observation window (it starts no later than ``P - window``)."""
@@ -274,7 +302,7 @@ def bounded_chunks(P: int, step: int, window: int) -> list[tuple[int, int]]:
 
 
 def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_step=None,
-                   layers=None, extra=0, compiled=False):  # fmt: skip
+                   layers=None, extra=0, compiled=False, probe=False):  # fmt: skip
     """The prefill of ``compact_steps(max_rows=...)``, a chunk a step: whenever the rows held
     pass ``max_rows`` before the last chunk, the states are compacted back to ``max_rows`` rows
     (by ``policy.holding(max_rows)``) with what the chunk just read can score (its last
@@ -290,9 +318,14 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
     whole ``step`` runs compiled (``compact_states``): its shapes (the cap plus a chunk of
     rows, room for a chunk) are the same at every chunk of every prompt, so its one trace serves
     the process's life; the one that makes room for the last chunk stays eager. Unsettled, the
-    device computes a chunk while the host builds the next one's graph."""
+    device computes a chunk while the host builds the next one's graph. ``probe``: each
+    compaction before the last is scored instead by the context's last window, read after the
+    rows held (``probed``; they have room for it: at most the window more rows are held then),
+    and the chunks before the last are not scored."""
     P = context.shape[1]
     parts = bounded_chunks(P, step, policy.window)
+    probe = context[:, P - policy.observation_window(P) :] if probe else None
+    w = 0 if probe is None else probe.shape[1]
     holding = policy.holding(max_rows)  # the compactions before the last one
     states, scores, held, peak, once = None, None, 0, 0, None
     unscored, carried = 0, None  # a policy scoring what it holds: rows it has not scored yet
@@ -300,10 +333,13 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
     for j, (start, stop) in enumerate(parts):
         tokens, n, shown = context[:, start:stop], stop - start, start
         window = 0 if policy.scores_held else min(policy.observation_window(held + n), n)
+        window = 0 if probe is not None and j + 1 < len(parts) else window
+        if probe is not None and states is not None and held + n > max_rows:
+            states = tuple(with_room(s, n + w) for s in states)  # the probe's room, in one copy
         # with ``layers`` the chunk stays lazy here and is evaluated below, layers a step; the
         # states go to the chunk's loop alone (held here too, its writes would copy them)
         given, states = [states], None
-        kwargs = dict(capacity=n, prefill_step_size=n, dtype=dtype, compiled=False,
+        kwargs = dict(capacity=n + w, prefill_step_size=n, dtype=dtype, compiled=False,
                       settle=settle and layers is None, check_ids=False)  # fmt: skip
         if window:
             states, scores = _drain(_scored_steps(fmodel, tokens, window=window,
@@ -329,7 +365,10 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
                 states, once = compact_states(states, scores, policy, reserve=room,
                                               group=fmodel.group)  # fmt: skip
             else:  # the rows of states this loop made are known here; no result is kept
-                new = _compacted(states, scores, holding, reserve=room, group=fmodel.group,
+                if probe is not None:
+                    states, scores = probed(fmodel, probe, states, policy.statistic, dtype)
+                    peak = max(peak, held + w)
+                new = _compacted(states, scores, holding, reserve=room + w, group=fmodel.group,
                                  compiled=compiled and room == step, exact=True)[1]  # fmt: skip
                 rows = holding.rows_after(held)
                 if policy.scores_held:
@@ -412,6 +451,7 @@ def compact(
     progress: Optional[Callable[[int, int], None]] = None,
     compiled: bool = False,
     max_rows: Optional[int] = None,
+    probe: bool = False,
 ) -> tuple[tuple, EvictionResult]:
     """Prefill all but the last prompt token (eagerly, scoring the policy's observation
     window), keep the policy's rows in every full-attention layer and reserve room for
@@ -433,10 +473,18 @@ def compact(
     cannot (``Policy.cannot_recompact`` says why) is refused by name. With ``compiled``, each
     chunk's compaction runs compiled too: its shapes are the same for every prompt (the cap
     plus a chunk), so it is traced once a process (worth it after the first long prompt: on
-    this CPU a compiled chunk's graph took 2 ms to build against 16-20 ms eager, 32 layers)."""
+    this CPU a compiled chunk's graph took 2 ms to build against 16-20 ms eager, 32 layers).
+
+    ``probe`` (with ``max_rows``, a policy scored by its observation window): each compaction
+    while prefilling is scored by the prompt's own last window (its question, where the prompt
+    ends in one) read after the rows held, at the next positions, then rolled back, instead of
+    by the chunk's last queries: the rows kept before the question is reached are those it
+    attends to, as InfiniPot scores each compression by a prompt appended to what is held
+    (arXiv:2410.01518). The whole prompt must be known when the prefill starts; the window's
+    tokens are read once a compaction more (at most the window more rows held then)."""
     steps = compact_steps(fmodel, prompt_tokens, policy, max_new_tokens=max_new_tokens,
                           prefill_step_size=prefill_step_size, dtype=dtype, compiled=compiled,
-                          settle=False, max_rows=max_rows)  # fmt: skip
+                          settle=False, max_rows=max_rows, probe=probe)  # fmt: skip
     return _drain(steps, progress)
 
 

@@ -78,6 +78,59 @@ def test_it_is_the_chunk_by_chunk_composition_of_the_public_steps(fm):
     assert mx.array_equal(first_logits(fm, ids, got), first_logits(fm, ids, want)).item()
 
 
+@pytest.mark.parametrize("name", ["snapkv", "chunkkv"])
+def test_a_probe_scores_each_compaction_by_the_prompts_last_window(fm, name):
+    """The oracle of ``probe=True``: the chunks before the last prefilled unscored; when the
+    cap is passed, the context's last window read after the rows held scores them (its own
+    rows rolled back), and the states are compacted back to the cap; the last chunk as
+    without a probe. It holds at most the cap + a chunk + the window, and keeps other rows."""
+    ids, cap = prompt(300), 48
+    policy = kvfn.parse_policy(name, budget=32, window=WINDOW)
+    got, r = kvfn.compact(fm, ids, policy, max_rows=cap, prefill_step_size=STEP,
+                          max_new_tokens=4, probe=True)  # fmt: skip
+    context = mx.array([ids[:-1]])
+    P = context.shape[1]
+    parts = bounded_chunks(P, STEP, WINDOW)
+    states, held = None, 0
+    for j, (start, stop) in enumerate(parts):
+        chunk = context[:, start:stop]
+        if j + 1 == len(parts):
+            states, scores = kvfn.scored_prefill(fm, chunk, window=WINDOW, states=states,
+                                                 prefill_step_size=STEP * 2)  # fmt: skip
+            break
+        states = kvfn.prefill(fm, chunk, states=states, prefill_step_size=STEP)
+        held += stop - start
+        if held > cap:
+            probed, scores = kvfn.scored_prefill(fm, context[:, P - WINDOW :], window=WINDOW,
+                                                 states=states)  # fmt: skip
+            assert [s.offset for s in probed] == [stop + WINDOW] * len(probed)  # read after
+            states = tuple(kvfn.cache.rollback(s, WINDOW) for s in probed)
+            room = parts[j + 1][1] - parts[j + 1][0]
+            states, _ = kvfn.compact_states(states, scores, policy.holding(cap), reserve=room)
+            held = cap
+    want, _ = kvfn.compact_states(states, scores, policy, reserve=5)
+    assert mx.array_equal(first_logits(fm, ids, got), first_logits(fm, ids, want)).item()
+    assert r.peak_rows == cap + STEP + WINDOW
+    plain, _ = kvfn.compact(fm, ids, policy, max_rows=cap, prefill_step_size=STEP)
+    kept = [s.positions[0, :, :32] for s in got]
+    assert all(int(p.max().item()) < P for p in kept)  # the probe's own rows are gone
+    assert not all(mx.array_equal(a, s.positions[0, :, :32]).item() for a, s in zip(kept, plain))
+
+
+@pytest.mark.parametrize(
+    "name, kw, message",
+    [
+        ("snapkv", {}, "probe scores the compactions while prefilling: it takes max_rows"),
+        ("streaming", {"max_rows": 40}, "'streaming' is not scored by an observation window"),
+        ("kvzip", {"max_rows": 40}, "'kvzip' is not scored by an observation window"),
+    ],
+)
+def test_a_probe_that_would_score_nothing_is_refused_by_name(fm, name, kw, message):
+    policy = policy_of(name, fm)
+    with pytest.raises(ValueError, match=message):
+        kvfn.compact(fm, prompt(100), policy, **{"probe": True, **kw})
+
+
 def llama_of(layers: int):
     """The tiny llama with ``layers`` layers."""
     from mlx_lm.models import llama
