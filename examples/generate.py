@@ -125,7 +125,8 @@ def compact(fm, tokens: list[int], args) -> tuple:
         room = args.max_tokens if args.kv_decode_interval is None else args.kv_decode_interval
         states, result = kvfn.compact(fm, tokens, args.policy, max_new_tokens=room,
                                       prefill_step_size=args.prefill_step_size,
-                                      progress=args.progress, max_rows=args.kv_max_rows)  # fmt: skip
+                                      progress=args.progress, max_rows=args.kv_max_rows,
+                                      probe=args.kv_probe)  # fmt: skip
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     mx.eval(kvfn.tree.arrays(states))

@@ -201,9 +201,11 @@ def compact_steps(
     kv.check_capacity(context.shape[1] + max_new_tokens + 1, "the prompt plus max_new_tokens")
     P = context.shape[1]
     policy.check_prompt(P)
-    check_probe(policy, max_rows, probe, P)
+    if probe and max_rows is None:
+        raise ValueError("probe scores the compactions while prefilling: it takes max_rows")
     if max_rows is not None:
         check_bounded(fmodel.sliding_windows, policy, max_rows, prefill_step_size)
+        check_probe(policy, probe)
         prefill = _bounded_steps(fmodel, context, policy, max_rows, prefill_step_size, dtype,
                                  settle, pass_step_size, layers, max_new_tokens + 1,
                                  compiled, probe)  # fmt: skip
@@ -270,13 +272,10 @@ def check_bounded(sliding_windows: Sequence, policy: BasePolicy, max_rows, step:
         raise ValueError(f"prefill_step_size must be positive, got {step}")
 
 
-def check_probe(policy: BasePolicy, max_rows: Optional[int], probe: bool, P: int) -> None:
-    """Refuses, by name, a ``probe`` that would score nothing."""
-    if not probe:
-        return
-    if max_rows is None:
-        raise ValueError("probe scores the compactions while prefilling: it takes max_rows")
-    if policy.scores_held or policy.bounds_itself or not policy.observation_window(P):
+def check_probe(policy: BasePolicy, probe: bool) -> None:
+    """Refuses, by name, a ``probe`` of a policy that can evict while prefilling but is not
+    scored by its observation window's queries."""
+    if probe and (policy.scores_held or policy.bounds_itself or not policy.needs_scores):
         raise ValueError(f"probe reads the prompt's last window to score what {policy.name!r} "
                          f"keeps, but {policy.name!r} is not scored by an observation window's "
                          f"queries")  # fmt: skip
@@ -324,7 +323,8 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
     and the chunks before the last are not scored."""
     P = context.shape[1]
     parts = bounded_chunks(P, step, policy.window)
-    probe = context[:, P - policy.observation_window(P) :] if probe else None
+    probe_rows = policy.observation_window(P) if probe else 0  # 0: a prompt it keeps whole
+    probe = context[:, P - probe_rows :] if probe_rows else None
     w = 0 if probe is None else probe.shape[1]
     holding = policy.holding(max_rows)  # the compactions before the last one
     states, scores, held, peak, once = None, None, 0, 0, None

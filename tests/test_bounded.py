@@ -131,6 +131,14 @@ def test_a_probe_that_would_score_nothing_is_refused_by_name(fm, name, kw, messa
         kvfn.compact(fm, prompt(100), policy, **{"probe": True, **kw})
 
 
+def test_a_probed_prompt_the_policy_keeps_whole_is_kept_whole(fm):
+    ids, policy = prompt(17), policy_of("snapkv", fm)
+    got, r = kvfn.compact(fm, ids, policy, max_rows=40, probe=True)
+    assert set(r.rows_after) == {16} and r.peak_rows == 16
+    want, _ = kvfn.compact(fm, ids, policy)
+    assert mx.array_equal(first_logits(fm, ids, got), first_logits(fm, ids, want)).item()
+
+
 def llama_of(layers: int):
     """The tiny llama with ``layers`` layers."""
     from mlx_lm.models import llama

@@ -232,6 +232,20 @@ def test_a_request_caps_the_rows_held_while_prefilling(serve, loaded):
             [*COMMON, "--kv-eviction", "pyramidkv", *BUDGET, "--kv-max-rows", "64"]
         )
     assert server.get("/health")[1]["kv_settings"]["max_rows"] == 64
+    status, out = server.post(chat(kv_probe=True, max_tokens=6))
+    assert status == 200 and out["usage"]["kv_eviction"]["probe"] is True, out
+    probed = own_answer(loaded, policy, DOC, 6, max_rows=64, prefill_step_size=128, probe=True)
+    assert text((status, out)) == probed
+    for bad, why in (
+        (chat(kv_probe="yes"), "kv_probe must be true or false, got 'yes'"),
+        (chat(kv_probe=True, kv_max_rows=None), "kv_probe scores the compactions while"),
+        (chat(kv_probe=True, kv_eviction="streaming"), "'streaming' is not scored by an"),
+    ):
+        status, out = server.post(bad)
+        assert status == 400 and why in out["error"], out
+    for flags in (["--kv-probe"], ["--kv-max-rows", "64", "--kv-probe", "--kv-eviction", "kvzip"]):
+        with pytest.raises(SystemExit):
+            kv_server.parse_args([*COMMON, "--kv-eviction", "snapkv", *BUDGET, *flags])
 
 
 def test_layer_steps_answer_as_kvfn_and_are_refused_below_one(serve, loaded):

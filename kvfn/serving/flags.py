@@ -5,6 +5,7 @@ import argparse
 import math
 from typing import Optional
 
+from ..compaction import check_probe
 from ..decoding import check_generating
 from ..policies.duo import HeadPattern
 from ..policies.policy import POLICIES, BasePolicy, parse_policy
@@ -65,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser, eviction_help: str) -> None:
     kv.add_argument("--kv-max-rows", type=positive_int, metavar="R",
                     help="evict while prefilling: hold at most R rows a head (plus one prefill "
                     "chunk) at any moment, however long the prompt (kvfn.compact's max_rows)")  # fmt: skip
+    kv.add_argument("--kv-probe", action="store_true",
+                    help="with --kv-max-rows: score each compaction while prefilling by the "
+                    "prompt's last window (its question), not the chunk's last queries "
+                    "(kvfn.compact's probe)")  # fmt: skip
     kv.add_argument("--kv-decode-interval", type=positive_int, metavar="N",
                     help="evict while generating: every N generated tokens compact back to "
                     "--kv-budget (at most budget + N rows a head; kvfn.bounded_decode's)")  # fmt: skip
@@ -142,6 +147,8 @@ def read(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if getattr(args, flag) is not None and not (cls and takes_pattern(cls)):
             name = "--" + flag.replace("_", "-")
             parser.error(f"argument {name}: needs --kv-eviction duo, got {args.kv_eviction}")
+    if args.kv_probe and args.kv_max_rows is None:
+        parser.error("argument --kv-probe: needs --kv-max-rows R")
     if args.kv_eviction == "none":
         for flag in ("kv_max_rows", "kv_decode_interval"):
             if getattr(args, flag) is not None:
@@ -167,6 +174,10 @@ def read(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             args.policy.check_max_rows(args.kv_max_rows)
         except ValueError as e:
             parser.error(f"argument --kv-max-rows: {e}")
+        try:
+            check_probe(args.policy, args.kv_probe)
+        except ValueError as e:
+            parser.error(f"argument --kv-probe: {e}")
     if args.kv_decode_interval is not None:
         try:
             check_generating(args.policy, args.kv_decode_interval)

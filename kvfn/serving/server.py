@@ -89,7 +89,7 @@ from mlx_lm.server import (
 )
 
 from .. import distributed
-from ..compaction import check_bounded, compact_steps
+from ..compaction import check_bounded, check_probe, compact_steps
 from ..decoding import check_generating
 from ..eviction import kept
 from ..passes import _prefill_steps, prefill
@@ -411,6 +411,7 @@ class EvictingPromptCache(LRUPromptCache):
         self.provider = provider
         self.policy = provider.cli_args.policy  # set per request by the response generator
         self.max_rows = provider.cli_args.kv_max_rows  # so is this
+        self.probe = provider.cli_args.kv_probe  # and this (not for a shared context's)
         self.decode_interval = provider.cli_args.kv_decode_interval  # and this
         self.step_layers = provider.cli_args.kv_step_layers
         self.context_tokens = 0  # and this: the shared context a query-agnostic policy reuses
@@ -480,7 +481,7 @@ class EvictingPromptCache(LRUPromptCache):
         step = self.provider.cli_args.prefill_step_size
         tokenized = policy.for_tokenizer(self.provider.tokenizer)  # KVzip's repeat instruction
         steps = compact_steps(fm, tokens, tokenized, max_new_tokens=1, prefill_step_size=step,
-                              max_rows=self.max_rows, pass_step_size=step,
+                              max_rows=self.max_rows, probe=self.probe, pass_step_size=step,
                               layers_per_step=self.step_layers)  # fmt: skip
         job = PendingCompaction(self._caches_after(steps, policy, tokens, self.decode_interval),
                                 prefill_bytes(fm, bucket(len(tokens) - 1)), self.gone)  # fmt: skip
@@ -819,6 +820,7 @@ class KVResponseGenerator(ResponseGenerator):
     def _tokenize(self, tokenizer, request, args):
         self.prompt_cache.policy = getattr(request, "kv_policy", self.cli_args.policy)
         self.prompt_cache.max_rows = getattr(request, "kv_max_rows", self.cli_args.kv_max_rows)
+        self.prompt_cache.probe = getattr(request, "kv_probe", self.cli_args.kv_probe)
         self.prompt_cache.decode_interval = getattr(request, "kv_decode_interval",
                                                     self.cli_args.kv_decode_interval)  # fmt: skip
         self.prompt_cache.context_tokens = getattr(request, "kv_context", 0)
@@ -1051,6 +1053,7 @@ class KVAPIHandler(APIHandler):
             )
         request.kv_policy = self.kv_policy_used = policy
         request.kv_max_rows = self.max_rows_of(policy)
+        request.kv_probe = self.kv_probe = self.probe_of(policy, request.kv_max_rows)
         request.kv_decode_interval = self.kv_decode_interval = self.decode_interval_of(policy)
 
     def max_rows_of(self, policy):
@@ -1059,6 +1062,19 @@ class KVAPIHandler(APIHandler):
         sliding = self.response_generator.model_provider.functional_model().sliding_windows
         check = lambda rows: check_bounded(sliding, policy, rows, step)  # noqa: E731
         return self.setting_of(policy, "kv_max_rows", check)
+
+    def probe_of(self, policy, max_rows) -> bool:
+        """The body's ``kv_probe``, else the server's ``--kv-probe`` (``setting_of``)."""
+
+        def check(probe):
+            if type(probe) is not bool:
+                raise ValueError(f"kv_probe must be true or false, got {probe!r}")
+            if probe and max_rows is None:
+                raise ValueError("kv_probe scores the compactions while prefilling: it needs "
+                                 "kv_max_rows (or --kv-max-rows)")  # fmt: skip
+            check_probe(policy, probe)
+
+        return bool(self.setting_of(policy, "kv_probe", check))
 
     def decode_interval_of(self, policy):
         """The body's ``kv_decode_interval``, else the server's ``--kv-decode-interval``."""
@@ -1094,6 +1110,8 @@ class KVAPIHandler(APIHandler):
             interval = getattr(self, "kv_decode_interval", None)
             if interval is not None:
                 usage["kv_eviction"]["decode_interval"] = interval
+            if getattr(self, "kv_probe", False) and "peak_rows" in info:
+                usage["kv_eviction"]["probe"] = True
             if not info["kept_whole"]:
                 # mlx-lm counts the compacted prompt as cached: only a reused context's rows
                 # are (its last token is prefilled again, with the rest)
@@ -1158,7 +1176,7 @@ class KVAPIHandler(APIHandler):
             body["kv_settings"] = {"budget": cli.kv_budget, "window": cli.kv_window,
                                    "sink_tokens": cli.kv_sink_tokens,
                                    "min_tokens": cli.kv_min_tokens,
-                                   "max_rows": cli.kv_max_rows,
+                                   "max_rows": cli.kv_max_rows, "probe": cli.kv_probe,
                                    "decode_interval": cli.kv_decode_interval}  # fmt: skip
             if cli.duo is not None:
                 policy = cli.policy
