@@ -55,11 +55,11 @@ for sp in "${specs[@]}"; do
   now=$(( $(date +%s) - T0 )); left=$(( END - now )); dl=$(( left - LONGEST ))
   name=$short-$L-$mode-$first-$policy-cap$cap
   [ "$ratios" = 0.125,0.25 ] || name=$name-r${ratios//,/_}  # two specs apart by ratios alone
-  [ -n "${PROBE:-}" ] && name=$name-probe
+  [ "${PROBE:-0}" = 1 ] && name=$name-probe
   echo "$name: samples $first..$((first + n - 1)) deadline $dl timeout $left"
   timeout -k 10 $left python3 examples/quality_bounded.py --model $HOME/conv/$short/model \
     --grid --lengths $L --modes $mode --ratios ${ratios//,/ } --policy $policy \
-    --cap-factor $cap ${PROBE:+--probe} \
+    --cap-factor $cap $([ "${PROBE:-0}" = 1 ] && echo --probe) \
     --prefill-step-size 2048 --samples $n --first-sample $first --deadline $dl \
     --cache-limit-gb 2 --out $R/$name.json > $R/$name.log 2>&1 &
 done

@@ -463,7 +463,8 @@ def compact(
     ``progress(done, total)``: after each of ``compact_steps``' steps.
 
     ``max_rows``: evict while prefilling, so that no more than ``max_rows`` plus one chunk of
-    ``prefill_step_size`` rows are ever held, however long the prompt: each time a chunk leaves
+    ``prefill_step_size`` rows (and the window, with ``probe`` or at the last chunk) are ever
+    held, however long the prompt: each time a chunk leaves
     more, the states are compacted back to ``max_rows`` rows (``Policy.holding``: a policy
     keeping ``max_rows`` where its budget is less) with the scores that chunk's last queries
     give, and the last chunk's window makes the final selection of the budget's rows

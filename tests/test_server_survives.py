@@ -199,7 +199,7 @@ def test_every_policy_is_served_as_the_servers_and_by_request(serve, loaded, pat
     assert held["active_bytes"] == 0 and held["compacting_sequences"] == 0
 
 
-def test_a_request_caps_the_rows_held_while_prefilling(serve, loaded):
+def test_a_request_caps_the_rows_held_while_prefilling(serve, loaded, capsys):
     """``kv_max_rows`` (or ``--kv-max-rows``): the compaction evicts while it prefills, its peak
     in the usage, answering as kvfn's own ``compact(max_rows=...)``; a cap below the budget, a
     policy that cannot and a server without eviction are 400s that say why."""
@@ -235,17 +235,27 @@ def test_a_request_caps_the_rows_held_while_prefilling(serve, loaded):
     status, out = server.post(chat(kv_probe=True, max_tokens=6))
     assert status == 200 and out["usage"]["kv_eviction"]["probe"] is True, out
     probed = own_answer(loaded, policy, DOC, 6, max_rows=64, prefill_step_size=128, probe=True)
-    assert text((status, out)) == probed
+    assert text((status, out)) == probed != text(body)  # the question chose other rows
+    usage = server.post(chat(kv_probe=True, kv_max_rows=4096))[1]["usage"]["kv_eviction"]
+    assert "probe" not in usage and "peak_rows" in usage  # no compaction while prefilling
+    assert plain.post(chat(kv_probe=False))[0] == 200  # off needs no policy
     for bad, why in (
         (chat(kv_probe="yes"), "kv_probe must be true or false, got 'yes'"),
         (chat(kv_probe=True, kv_max_rows=None), "kv_probe scores the compactions while"),
         (chat(kv_probe=True, kv_eviction="streaming"), "'streaming' is not scored by an"),
+        (chat(kv_probe=True, kv_eviction="pyramidkv"), "pyramidkv cannot evict while prefilling"),
     ):
         status, out = server.post(bad)
         assert status == 400 and why in out["error"], out
-    for flags in (["--kv-probe"], ["--kv-max-rows", "64", "--kv-probe", "--kv-eviction", "kvzip"]):
+    capsys.readouterr()
+    for flags, why in (
+        (["--kv-probe"], "argument --kv-probe: needs --kv-max-rows R"),
+        (["--kv-max-rows", "64", "--kv-probe", "--kv-eviction", "kvzip"],
+         "argument --kv-probe: probe reads the prompt's last window to score what 'kvzip'"),
+    ):  # fmt: skip
         with pytest.raises(SystemExit):
             kv_server.parse_args([*COMMON, "--kv-eviction", "snapkv", *BUDGET, *flags])
+        assert why in capsys.readouterr().err
 
 
 def test_layer_steps_answer_as_kvfn_and_are_refused_below_one(serve, loaded):

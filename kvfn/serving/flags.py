@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser, eviction_help: str) -> None:
                     help="prompts this short are never compacted")  # fmt: skip
     kv.add_argument("--kv-max-rows", type=positive_int, metavar="R",
                     help="evict while prefilling: hold at most R rows a head (plus one prefill "
-                    "chunk) at any moment, however long the prompt (kvfn.compact's max_rows)")  # fmt: skip
+                    "chunk; --kv-probe: and its window) at any moment, however long the prompt "
+                    "(kvfn.compact's max_rows)")  # fmt: skip
     kv.add_argument("--kv-probe", action="store_true",
                     help="with --kv-max-rows: score each compaction while prefilling by the "
                     "prompt's last window (its question), not the chunk's last queries "

@@ -483,7 +483,8 @@ class EvictingPromptCache(LRUPromptCache):
         steps = compact_steps(fm, tokens, tokenized, max_new_tokens=1, prefill_step_size=step,
                               max_rows=self.max_rows, probe=self.probe, pass_step_size=step,
                               layers_per_step=self.step_layers)  # fmt: skip
-        job = PendingCompaction(self._caches_after(steps, policy, tokens, self.decode_interval),
+        job = PendingCompaction(self._caches_after(steps, policy, tokens, self.decode_interval,
+                                                   self.probe),
                                 prefill_bytes(fm, bucket(len(tokens) - 1)), self.gone)  # fmt: skip
         return job if self.interleave else job.finish()
 
@@ -582,9 +583,12 @@ class EvictingPromptCache(LRUPromptCache):
         self.note(policy, tokens, {"kept_whole": True, "rows_kept": rows, "rows_total": rows,
                                    "bytes_kept": nbytes, "bytes_total": nbytes})  # fmt: skip
 
-    def _caches_after(self, steps, policy, tokens, interval):
-        """``steps``, then the caches of the states they return (their eviction recorded)."""
+    def _caches_after(self, steps, policy, tokens, interval, probe=False):
+        """``steps``, then the caches of the states they return (their eviction recorded;
+        ``probe``: whether a probed compaction ran, one while prefilling, which leaves the last
+        compaction fewer rows than the context's)."""
         states, result = yield from steps
+        probed = probe and max(result.rows_before) < len(tokens) - 1
         caches = self.as_mlx_caches(states, policy, interval)
         self.note(policy, tokens, {
             "kept_whole": False,
@@ -593,6 +597,7 @@ class EvictingPromptCache(LRUPromptCache):
             "bytes_kept": result.total_bytes_after,
             "bytes_total": result.total_bytes_before,
             **({} if result.peak_rows is None else {"peak_rows": result.peak_rows}),
+            **({"probe": True} if probed else {}),
         })  # fmt: skip
         self.compacted_requests += 1
         return caches
@@ -1053,27 +1058,37 @@ class KVAPIHandler(APIHandler):
             )
         request.kv_policy = self.kv_policy_used = policy
         request.kv_max_rows = self.max_rows_of(policy)
-        request.kv_probe = self.kv_probe = self.probe_of(policy, request.kv_max_rows)
+        request.kv_probe = self.probe_of(policy, request.kv_max_rows)
         request.kv_decode_interval = self.kv_decode_interval = self.decode_interval_of(policy)
 
     def max_rows_of(self, policy):
         """The body's ``kv_max_rows``, else the server's ``--kv-max-rows`` (``setting_of``)."""
+        check = lambda rows: self.check_max_rows(policy, rows)  # noqa: E731
+        return self.setting_of(policy, "kv_max_rows", check)
+
+    def check_max_rows(self, policy, rows) -> None:
+        """Refuses, by name and reason, a cap that ``policy`` cannot take."""
         step = self.response_generator.cli_args.prefill_step_size
         sliding = self.response_generator.model_provider.functional_model().sliding_windows
-        check = lambda rows: check_bounded(sliding, policy, rows, step)  # noqa: E731
-        return self.setting_of(policy, "kv_max_rows", check)
+        check_bounded(sliding, policy, rows, step)
 
     def probe_of(self, policy, max_rows) -> bool:
         """The body's ``kv_probe``, else the server's ``--kv-probe`` (``setting_of``)."""
+
+        cli = self.response_generator.cli_args
 
         def check(probe):
             if type(probe) is not bool:
                 raise ValueError(f"kv_probe must be true or false, got {probe!r}")
             if probe and max_rows is None:
+                if cli.kv_max_rows is not None and "kv_max_rows" not in self.body:
+                    self.check_max_rows(policy, cli.kv_max_rows)  # why the flag's cap fell
                 raise ValueError("kv_probe scores the compactions while prefilling: it needs "
                                  "kv_max_rows (or --kv-max-rows)")  # fmt: skip
             check_probe(policy, probe)
 
+        if self.body.get("kv_probe", True) is False:  # off needs no policy
+            return False
         return bool(self.setting_of(policy, "kv_probe", check))
 
     def decode_interval_of(self, policy):
@@ -1110,8 +1125,6 @@ class KVAPIHandler(APIHandler):
             interval = getattr(self, "kv_decode_interval", None)
             if interval is not None:
                 usage["kv_eviction"]["decode_interval"] = interval
-            if getattr(self, "kv_probe", False) and "peak_rows" in info:
-                usage["kv_eviction"]["probe"] = True
             if not info["kept_whole"]:
                 # mlx-lm counts the compacted prompt as cached: only a reused context's rows
                 # are (its last token is prefilled again, with the rest)
