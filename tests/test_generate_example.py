@@ -187,7 +187,7 @@ def test_generate_and_the_server_read_the_eviction_flags_alike():
     g, s = generate.parse_args(flags), server_args(flags)
     kv = {k: v for k, v in vars(g).items() if k.startswith("kv_")}  # and its decode interval
     assert kv.pop("kv_decode_interval") is None
-    assert len(kv) == 10 and kv == {k: getattr(s, k) for k in kv}
+    assert len(kv) == 11 and kv == {k: getattr(s, k) for k in kv}
     assert g.policy == s.policy == kvfn.SnapKV(budget=64, window=8, sink_tokens=2, min_tokens=100)
 
 

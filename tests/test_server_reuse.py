@@ -165,8 +165,8 @@ def test_a_turn_waits_for_the_compaction_of_its_context_in_progress(loaded):
     model, tokenizer = loaded
     fm = kvfn.FunctionalModel(model)
     policy = kvfn.StreamingLLM(budget=64)
-    cli = SimpleNamespace(policy=policy, kv_max_rows=None, kv_decode_interval=None,
-                          kv_step_layers=None, prefill_step_size=64,
+    cli = SimpleNamespace(policy=policy, kv_max_rows=None, kv_probe=False,
+                          kv_decode_interval=None, kv_step_layers=None, prefill_step_size=64,
                           prompt_cache_bytes=None)  # fmt: skip
     provider = KVModelProvider.__new__(KVModelProvider)  # what the prompt cache reads of one
     provider.__dict__.update(cli_args=cli, _functional=fm, tokenizer=tokenizer, ragged=False,
