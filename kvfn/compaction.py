@@ -323,9 +323,8 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
     and the chunks before the last are not scored."""
     P = context.shape[1]
     parts = bounded_chunks(P, step, policy.window)
-    probe_rows = policy.observation_window(P) if probe else 0  # 0: a prompt it keeps whole
-    probe = context[:, P - probe_rows :] if probe_rows else None
-    w = 0 if probe is None else probe.shape[1]
+    w = policy.observation_window(P) if probe else 0  # 0: a prompt it keeps whole
+    question = context[:, P - w :] if w else None
     holding = policy.holding(max_rows)  # the compactions before the last one
     states, scores, held, peak, once = None, None, 0, 0, None
     unscored, carried = 0, None  # a policy scoring what it holds: rows it has not scored yet
@@ -333,8 +332,8 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
     for j, (start, stop) in enumerate(parts):
         tokens, n, shown = context[:, start:stop], stop - start, start
         window = 0 if policy.scores_held else min(policy.observation_window(held + n), n)
-        window = 0 if probe is not None and j + 1 < len(parts) else window
-        if probe is not None and states is not None and held + n > max_rows:
+        window = 0 if w and j + 1 < len(parts) else window
+        if w and states is not None and held + n > max_rows:
             states = tuple(with_room(s, n + w) for s in states)  # the probe's room, in one copy
         # with ``layers`` the chunk stays lazy here and is evaluated below, layers a step; the
         # states go to the chunk's loop alone (held here too, its writes would copy them)
@@ -365,8 +364,8 @@ def _bounded_steps(fmodel, context, policy, max_rows, step, dtype, settle, pass_
                 states, once = compact_states(states, scores, policy, reserve=room,
                                               group=fmodel.group)  # fmt: skip
             else:  # the rows of states this loop made are known here; no result is kept
-                if probe is not None:
-                    states, scores = probed(fmodel, probe, states, policy.statistic, dtype)
+                if w:
+                    states, scores = probed(fmodel, question, states, policy.statistic, dtype)
                     peak = max(peak, held + w)
                 new = _compacted(states, scores, holding, reserve=room + w, group=fmodel.group,
                                  compiled=compiled and room == step, exact=True)[1]  # fmt: skip
